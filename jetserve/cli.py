@@ -1,7 +1,8 @@
 """The `jetserve` command: one entry point, each part registers its own subcommands.
 
-Parts are imported lazily so that `jetserve agent` and `jetserve doctor` run on a device
-with no torch (JetPack 5, Python 3.8) and start fast everywhere.
+Every part's `cli` module imports only the standard library at module level (and parses on
+Python 3.8), so `jetserve agent` and `jetserve doctor` run on a device without torch, and
+`jetserve --help` is instant everywhere. Heavy imports happen inside the commands.
 """
 
 import argparse
@@ -11,7 +12,7 @@ import sys
 from jetserve import __version__
 from jetserve.config import ConfigError, set_defaults_from_file
 
-# Modules that define `register(subparsers)`; each added subcommand sets `func` on its parser.
+# Modules that define `register(subparsers)`; each subcommand sets `func` on its parser.
 PARTS = (
     "jetserve.server.cli",  # serve, generate, chat
     "jetserve.engine.cli",  # mtp inspect|merge|fit
@@ -28,37 +29,12 @@ def build_parser():
     for name in PARTS:
         try:
             module = importlib.import_module(name)
-        except ImportError as exc:
-            # A part whose dependencies are not installed (torch on an agent-only device)
-            # is left out; its commands say why when asked for.
-            missing = getattr(exc, "name", None) or str(exc)
-            _register_unavailable(subparsers, name, missing)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:  # a part that exists but is broken must not hide
+                raise
             continue
         module.register(subparsers)
     return parser
-
-
-# The commands of each part, so a missing dependency can be reported by command name.
-_COMMANDS = {
-    "jetserve.server.cli": ("serve", "generate", "chat"),
-    "jetserve.engine.cli": ("mtp",),
-    "jetserve.bench.cli": ("bench",),
-    "jetserve.agent.cli": ("agent", "doctor"),
-    "jetserve.fleet.cli": ("fleet",),
-}
-
-
-def _register_unavailable(subparsers, part, missing):
-    def unavailable(args):
-        sys.exit("jetserve %s: not available here: missing Python module %r "
-                 "(install jetserve[serve] for the engine and the service)" % (args.command, missing))
-
-    for command in _COMMANDS[part]:
-        if command in subparsers.choices:
-            continue
-        sub = subparsers.add_parser(command, help="(unavailable: needs %s)" % missing)
-        sub.add_argument("rest", nargs=argparse.REMAINDER)
-        sub.set_defaults(func=unavailable)
 
 
 def main(argv=None):
@@ -74,7 +50,13 @@ def main(argv=None):
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    return args.func(args) or 0
+    try:
+        return args.func(args) or 0
+    except ModuleNotFoundError as exc:
+        # e.g. `jetserve serve` on an agent-only device with no torch installed.
+        sys.exit("jetserve %s: Python module %r is not installed here "
+                 "(the engine and the service need `pip install jetserve[serve]` and torch)"
+                 % (args.command, exc.name))
 
 
 if __name__ == "__main__":
