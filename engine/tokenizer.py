@@ -1,0 +1,228 @@
+"""Text in and out of a model directory: tokenizer.json, the chat template, EOS ids, streams.
+
+Only `tokenizers` and jinja2 are used at run time (no transformers), so this runs wherever the
+engine does. The chat template is rendered the way transformers renders it, so prompts are
+byte-identical to what the model was trained and evaluated with.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from jetserve.engine.checkpoint import CheckpointError, read_json
+
+# Special-token strings a chat template may read, as transformers passes them.
+_TEMPLATE_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
+# Tokens of prompt context a stream decodes with its first new tokens (vLLM uses the same 5):
+# enough for decoders that change a token's text by what precedes it (leading spaces).
+_CONTEXT_TOKENS = 5
+_REPLACEMENT = "\ufffd"
+
+
+class NoChatTemplateError(ValueError):
+    """The model ships no chat template, so chat messages cannot become a prompt."""
+
+
+def _token_string(value) -> str | None:
+    """tokenizer_config.json writes special tokens as a string or as an AddedToken dict."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _optional_json(path: Path) -> dict:
+    return read_json(path) if path.exists() else {}
+
+
+def _chat_template(model_dir: Path, tokenizer_config: dict) -> str | None:
+    """chat_template.jinja wins over tokenizer_config.json, as in transformers."""
+    jinja_file = model_dir / "chat_template.jinja"
+    if jinja_file.exists():
+        try:
+            return jinja_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise CheckpointError(f"{jinja_file}: unreadable: {exc}") from None
+    template = tokenizer_config.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+@lru_cache(maxsize=8)
+def _compile(template: str):
+    """The environment transformers renders chat templates in (templates are untrusted code)."""
+    from jinja2.exceptions import TemplateError
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # jinja's own tojson escapes HTML characters, which would change the prompt.
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(template)
+
+
+def _check_messages(messages) -> None:
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError("messages must be a non-empty list of {role, content} dicts")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"messages[{i}] must be a dict, got {type(message).__name__}")
+        if not isinstance(message.get("role"), str) or not message["role"]:
+            raise ValueError(f"messages[{i}].role must be a non-empty string")
+        content = message.get("content")
+        # An assistant turn that only calls tools carries no content (OpenAI's format).
+        if not isinstance(content, str) and not (content is None and message.get("tool_calls")):
+            raise ValueError(f"messages[{i}].content must be a string, got {type(content).__name__}")
+
+
+class Tokenizer:
+    """A model's tokenizer, special tokens and chat template, read from its directory."""
+
+    def __init__(self, backend, *, eos_token_ids: Iterable[int] = (), bos_token_id: int | None = None,
+                 chat_template: str | None = None, special_tokens: dict[str, str] | None = None):
+        self.backend = backend  # a tokenizers.Tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.bos_token_id = bos_token_id
+        self.chat_template = chat_template
+        self.special_tokens = dict(special_tokens or {})
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> "Tokenizer":
+        from tokenizers import Tokenizer as Backend
+
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.exists():
+            raise CheckpointError(f"{path}: file not found (jetserve reads tokenizers in tokenizer.json form)")
+        try:
+            backend = Backend.from_file(str(path))
+        except Exception as exc:  # tokenizers raises a bare Exception for bad files
+            raise CheckpointError(f"{path}: unreadable: {exc}") from None
+        config = _optional_json(model_dir / "tokenizer_config.json")
+        generation = _optional_json(model_dir / "generation_config.json")
+        special = {k: s for k in _TEMPLATE_TOKENS if (s := _token_string(config.get(k))) is not None}
+
+        eos = generation.get("eos_token_id")
+        if eos is None and "eos_token" in special:
+            eos = backend.token_to_id(special["eos_token"])
+        bos = generation.get("bos_token_id")
+        if bos is None and "bos_token" in special:
+            bos = backend.token_to_id(special["bos_token"])
+        return cls(backend, eos_token_ids=[] if eos is None else eos if isinstance(eos, list) else [eos],
+                   bos_token_id=bos, chat_template=_chat_template(model_dir, config), special_tokens=special)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, adding no special tokens (a chat template writes its own)."""
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        """The prompt text for a conversation; extra kwargs (tools, enable_thinking, ...) reach the template."""
+        from jinja2.exceptions import TemplateError
+
+        if self.chat_template is None:
+            raise NoChatTemplateError("this model has no chat template; send a plain prompt instead")
+        _check_messages(messages)
+        try:
+            return _compile(self.chat_template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                **{**self.special_tokens, **kwargs})
+        except TemplateError as exc:
+            raise ValueError(f"chat template: {exc}") from None
+
+
+class Detokenizer:
+    """Turns a growing list of token ids into text deltas that are always whole characters.
+
+    Byte-level BPE splits CJK characters and emoji across tokens; decoding a lone piece gives
+    U+FFFD. Like vLLM and TGI, each push decodes a short window (prefix_offset..end) and emits
+    only what extends the window's already-emitted text (prefix_offset..read_offset), holding
+    tokens back while the decoded text ends in an incomplete character. Bytes that are invalid
+    outright (a full decode shows U+FFFD for them too) are dropped, so a stream never carries
+    U+FFFD; otherwise the pushes add up to `tokenizer.decode(all_output_ids)`.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int] = (), skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids = list(prompt_token_ids)
+        self.read_offset = len(self.ids)
+        self.prefix_offset = max(self.read_offset - _CONTEXT_TOKENS, 0)
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """Append new token ids; return the text they complete ("" while a character is unfinished)."""
+        self.ids.extend(token_ids)
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        text = self._decode(self.ids[self.prefix_offset:])
+        if len(text) <= len(prefix) or text.endswith(_REPLACEMENT):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return text[len(prefix):].replace(_REPLACEMENT, "")
+
+
+class StopStrings:
+    """Finds stop strings in a stream of text deltas, wherever token boundaries split them.
+
+    `push` returns only text that can no longer be part of a match and holds back the longest
+    tail that could still start one. When a stop string appears, the output ends right before
+    it (vLLM semantics: the stop string itself is not emitted) and `matched` names it. When the
+    request ends for another reason, `flush` releases the held tail.
+    """
+
+    def __init__(self, stops: Iterable[str]):
+        self.stops = tuple(s for s in stops if s)
+        self.matched: str | None = None
+        self._held = ""
+
+    @property
+    def stopped(self) -> bool:
+        return self.matched is not None
+
+    def push(self, delta: str) -> str:
+        if self.stopped:
+            return ""
+        text = self._held + delta
+        hits = [(i, stop) for stop in self.stops if (i := text.find(stop)) >= 0]
+        if hits:
+            end, self.matched = min(hits)
+            self._held = ""
+            return text[:end]
+        keep = self._partial_match(text)
+        self._held = text[len(text) - keep:]
+        return text[:len(text) - keep]
+
+    def _partial_match(self, text: str) -> int:
+        """Length of the longest tail of `text` that some stop string starts with."""
+        longest = max((len(s) for s in self.stops), default=1)
+        for keep in range(min(len(text), longest - 1), 0, -1):
+            tail = text[-keep:]
+            if any(stop.startswith(tail) for stop in self.stops):
+                return keep
+        return 0
+
+    def flush(self) -> str:
+        """The held tail, once no more text will come (the request ended without a match)."""
+        held, self._held = self._held, ""
+        return "" if self.stopped else held
