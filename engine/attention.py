@@ -1,0 +1,70 @@
+"""Attention over the paged KV cache, for any mix of prefill chunks, decodes and verify steps.
+
+The runner describes a step as B sequences, each with `q_len` new tokens (flattened, in
+sequence order) at the end of a context of `ctx_len` tokens. New keys and values are written
+into the cache slots of their positions first; then each sequence's queries attend to its
+context gathered through its block table (only the batch's own blocks are read, never the
+whole cache). Shapes depend only on (B, max_q, max_ctx), so a step can be replayed from a
+CUDA graph once its metadata lives in static buffers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] flat cache slot of each new token (padding: the scratch slot)
+    query_index: torch.Tensor  # [B, max_q] index into the T new tokens (padding points at 0)
+    output_index: torch.Tensor  # [T] where each new token sits in the flattened [B * max_q]
+    context_slots: torch.Tensor  # [B, max_ctx] flat cache slot of each context position
+    mask: torch.Tensor  # [B, 1, max_q, max_ctx] bool: causal within the sequence's context
+
+    @staticmethod
+    def build(q_lens: list[int], ctx_lens: list[int], block_tables: list[list[int]], block_size: int,
+              device: torch.device) -> AttentionMetadata:
+        """Describe a step; `ctx_lens` count the context after this step's tokens are added."""
+        batch, max_q, max_ctx = len(q_lens), max(q_lens), max(ctx_lens)
+        q_lens_t = torch.tensor(q_lens)
+        ctx_lens_t = torch.tensor(ctx_lens)
+        starts = torch.cumsum(q_lens_t, 0) - q_lens_t
+        offs = torch.arange(max_q)
+        query_valid = offs[None, :] < q_lens_t[:, None]
+        query_index = torch.where(query_valid, starts[:, None] + offs[None, :], 0)
+        output_index = torch.nonzero(query_valid.flatten()).flatten()
+
+        width = max(len(t) for t in block_tables)
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.long)
+        pos = torch.arange(max_ctx)
+        blocks = torch.gather(tables, 1, (pos // block_size).clamp(max=width - 1)[None, :].expand(batch, -1))
+        context_slots = blocks * block_size + pos % block_size
+
+        # Query j of sequence b sits at position ctx_len - q_len + j and sees keys up to it.
+        q_pos = (ctx_lens_t - q_lens_t)[:, None] + offs[None, :]
+        mask = pos[None, None, :] <= q_pos[:, :, None]
+        mask[:, :, 0] = True  # padded queries see one key, so no row is all -inf (no NaN)
+        slot_mapping = torch.cat([context_slots[b, c - q:c] for b, (q, c) in enumerate(zip(q_lens, ctx_lens))])
+        return AttentionMetadata(
+            slot_mapping=slot_mapping.to(device),
+            query_index=query_index.to(device),
+            output_index=output_index.to(device),
+            context_slots=context_slots.to(device),
+            mask=mask[:, None].to(device),
+        )
+
+
+def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    """q: [T, H, D]; k, v: [T, KVH, D]; caches: [slots, KVH, D]. Returns [T, H, D]."""
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
+    keys = k_cache[meta.context_slots].transpose(1, 2)  # [B, KVH, max_ctx, D]
+    values = v_cache[meta.context_slots].transpose(1, 2)
+    queries = q[meta.query_index].transpose(1, 2)  # [B, H, max_q, D]
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.mask, scale=scale,
+                                         enable_gqa=queries.shape[1] != keys.shape[1])
+    out = out.transpose(1, 2).flatten(0, 1)  # [B * max_q, H, D]
+    return out[meta.output_index]  # [T, H, D]: back to flattened token order

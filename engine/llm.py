@@ -1,0 +1,50 @@
+"""The offline API, with vLLM's names: `LLM(model=...).generate(prompts, sampling_params)`."""
+
+from __future__ import annotations
+
+import itertools
+
+from tqdm import tqdm
+
+from jetserve.engine.config import EngineArgs
+from jetserve.engine.llm_engine import LLMEngine
+from jetserve.engine.outputs import RequestOutput
+from jetserve.engine.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str, **kwargs):
+        self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Complete every prompt (a string, {"prompt_token_ids": [...]}, or a list of them);
+        outputs come back in the order of the prompts."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"sampling_params: got {len(sampling_params)} for {len(prompts)} prompts")
+        ids = [str(next(self._ids)) for _ in prompts]
+        try:
+            for request_id, prompt, params in zip(ids, prompts, sampling_params):
+                self.engine.add_request(request_id, prompt, params)
+        except ValueError:
+            for request_id in ids:
+                self.engine.abort(request_id)
+            raise
+        results: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished_requests():
+                for delta in self.engine.step():
+                    if delta.request_id in results:
+                        results[delta.request_id].merge(delta)
+                    else:
+                        results[delta.request_id] = delta
+                    bar.update(delta.finished)
+        return [results[i] for i in ids]

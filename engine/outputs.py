@@ -1,0 +1,39 @@
+"""What the engine hands back, with vLLM's names (RequestOutput, CompletionOutput)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # None while streaming; "stop", "length" or "abort"
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float  # time.monotonic()
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
+
+    def merge(self, delta: RequestOutput) -> None:
+        """Fold a streamed delta into this (cumulative) output."""
+        mine, new = self.outputs[0], delta.outputs[0]
+        mine.text += new.text
+        mine.token_ids.extend(new.token_ids)
+        mine.finish_reason, mine.stop_reason = new.finish_reason, new.stop_reason
+        self.finished, self.metrics = delta.finished, delta.metrics

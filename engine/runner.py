@@ -1,0 +1,122 @@
+"""Runs one scheduled step on the model: inputs in, sampled tokens out.
+
+Owns the weights, the KV cache and the device. The KV cache is one tensor
+[kv_layers, 2, slots, kv_heads, head_dim] with one extra block at the end as a scratch area,
+where padded tokens of a fixed-shape (graphed) step write without touching real data.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from jetserve.engine.attention import AttentionMetadata
+from jetserve.engine.config import EngineArgs, ModelConfig
+from jetserve.engine.loader import load_model, torch_dtype
+from jetserve.engine.sampler import make_generator, sample
+from jetserve.engine.scheduler import ScheduledBatch
+from jetserve.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} asked for, but torch sees no CUDA GPU")
+    return device
+
+
+def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return torch_dtype(name)
+    # CPUs rarely do half precision fast; GPUs run the checkpoint's own dtype.
+    return torch.float32 if device.type == "cpu" else torch_dtype(model_config.dtype)
+
+
+class ModelRunner:
+    def __init__(self, args: EngineArgs, model_config: ModelConfig, max_model_len: int,
+                 progress: Callable[[str], None] | None = None):
+        self.device = resolve_device(args.device)
+        self.dtype = resolve_dtype(args.dtype, model_config, self.device)
+        self.block_size = args.block_size
+        self.config = model_config
+        torch.manual_seed(args.seed)
+        self.model = load_model(args.model, self.dtype, self.device, max_model_len, progress)
+        self.num_blocks = args.num_kv_blocks or self._fit_num_blocks(args, max_model_len)
+        slots = (self.num_blocks + 1) * self.block_size
+        self.kv_cache = torch.zeros(self.model.num_kv_layers, 2, slots, model_config.num_key_value_heads,
+                                    model_config.head_dim, dtype=self.dtype, device=self.device)
+        log.info("KV cache: %d blocks of %d tokens (%.1f MiB) on %s, %s", self.num_blocks, self.block_size,
+                 self.kv_cache.numel() * self.kv_cache.element_size() / 2**20, self.device, self.dtype)
+
+    @property
+    def block_bytes(self) -> int:
+        c = self.config
+        per_token = 2 * self.model.num_kv_layers * c.num_key_value_heads * c.head_dim
+        return per_token * self.block_size * torch.finfo(self.dtype).bits // 8
+
+    def _fit_num_blocks(self, args: EngineArgs, max_model_len: int) -> int:
+        """Enough for every sequence at full length; on a GPU no more than memory allows."""
+        wanted = args.max_num_seqs * -(-max_model_len // self.block_size)
+        if self.device.type != "cuda":
+            return wanted
+        free, total = torch.cuda.mem_get_info(self.device)
+        used = total - free
+        budget = int(total * args.gpu_memory_utilization) - used - self._activation_peak(args)
+        fits = budget // self.block_bytes - 1  # the scratch block
+        if fits < -(-max_model_len // self.block_size):
+            raise ValueError(f"gpu_memory_utilization={args.gpu_memory_utilization} leaves room for {fits} KV "
+                             f"blocks, fewer than one sequence of max_model_len={max_model_len} needs")
+        return min(wanted, fits)
+
+    def _activation_peak(self, args: EngineArgs) -> int:
+        """Bytes a step of max_num_batched_tokens needs beyond the weights (one dry run)."""
+        n = args.max_num_batched_tokens or 512
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        c = self.config
+        cache = torch.zeros(self.model.num_kv_layers, 2, n + self.block_size, c.num_key_value_heads,
+                            c.head_dim, dtype=self.dtype, device=self.device)
+        table = list(range(-(-n // self.block_size)))
+        meta = AttentionMetadata.build([n], [n], [table], self.block_size, self.device)
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            hidden = self.model(ids, torch.arange(n, device=self.device), cache, meta)
+            self.model.compute_logits(hidden[-min(n, args.max_num_seqs):])
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        del cache, hidden
+        torch.cuda.empty_cache()
+        return peak
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> list[int | None]:
+        """Compute the scheduled tokens; sample for each sequence whose tokens are now all
+        computed (its next token), None for one that is still part-way through its prompt."""
+        ids, positions, q_lens, ctx_lens, tables, sample_at, sampled_seqs = [], [], [], [], [], [], []
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            start = seq.num_computed_tokens
+            ids.extend(seq.token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            q_lens.append(n)
+            ctx_lens.append(start + n)
+            tables.append(seq.block_table)
+            if start + n == seq.num_tokens:
+                sample_at.append(len(ids) - 1)
+                sampled_seqs.append(seq)
+        meta = AttentionMetadata.build(q_lens, ctx_lens, tables, self.block_size, self.device)
+        hidden = self.model(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device),
+                            self.kv_cache, meta)
+        tokens = iter(self._sample(hidden[sample_at], sampled_seqs) if sampled_seqs else [])
+        return [next(tokens) if seq in sampled_seqs else None for seq in batch.seqs]
+
+    def _sample(self, hidden: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        logits = self.model.compute_logits(hidden).float()
+        for seq in seqs:
+            if seq.generator is None and seq.params.seed is not None:
+                seq.generator = make_generator(seq.params, self.device)
+        return sample(logits, [s.params for s in seqs], [s.generator for s in seqs]).tolist()
