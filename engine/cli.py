@@ -1,0 +1,95 @@
+"""`jetserve mtp ...`: tools for checkpoints with multi-token-prediction heads.
+
+Imports only the standard library at module level and parses on Python 3.8 (`jetserve.cli`
+imports every part's cli module, also on devices without torch); the work is imported inside
+the commands.
+"""
+
+import json
+import sys
+
+
+def register(subparsers):
+    actions = mtp_actions(subparsers)
+    add_inspect(actions)
+    add_merge(actions)
+
+
+def mtp_actions(subparsers):
+    """Add `jetserve mtp` and return its sub-subparsers, where each action adds itself."""
+    mtp = subparsers.add_parser("mtp", help="inspect or merge MTP (multi-token prediction) heads",
+                                description="Inspect or merge MTP (multi-token prediction) heads.")
+    mtp.set_defaults(func=lambda args: mtp.print_help() or 2)
+    return mtp.add_subparsers(dest="mtp_action", metavar="ACTION")
+
+
+def add_inspect(actions):
+    p = actions.add_parser("inspect", help="does a checkpoint have MTP heads, how many, how big",
+                           description="Report a checkpoint's MTP heads from metadata only (no weights are read).")
+    p.add_argument("dir", metavar="DIR", help="checkpoint directory (config.json + safetensors)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=_run(_inspect))
+
+
+def add_merge(actions):
+    p = actions.add_parser("merge", help="merge separately shipped MTP heads into a new checkpoint",
+                           description="Write BASE plus the MTP heads of MTP_SRC as a new sharded checkpoint "
+                                       "in OUT. The inputs are never modified.")
+    p.add_argument("base", metavar="BASE", help="checkpoint directory without MTP heads")
+    p.add_argument("mtp_src", metavar="MTP_SRC", help="a .safetensors file or a directory holding the heads")
+    p.add_argument("out", metavar="OUT", help="new checkpoint directory (must be empty or absent)")
+    p.add_argument("--max-shard-size", default="5GB", help="largest shard, e.g. 5GB or 500MB (default 5GB)")
+    p.add_argument("--force", action="store_true", help="replace OUT when it is not empty")
+    p.add_argument("--replace", action="store_true", help="drop MTP heads BASE already has instead of refusing")
+    p.set_defaults(func=_run(_merge))
+
+
+def _run(command):
+    """Bad input (ValueError, which CheckpointError is) or I/O errors: one line on stderr, exit 2."""
+    def run(args):
+        try:
+            return command(args)
+        except (ValueError, OSError) as exc:
+            print("jetserve mtp %s: %s" % (args.mtp_action, exc), file=sys.stderr)
+            return 2
+    return run
+
+
+def _inspect(args):
+    from jetserve.engine.mtp_checkpoint import inspect
+
+    report = inspect(args.dir)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    if report["has_mtp"]:
+        heads = "yes, %d tensors named %s (%s style)" % (report["mtp_tensors"], report["naming"], report["style"])
+    else:
+        heads = "no"
+    layers = "%d in tensors, %d in config.json" % (report["found_layers"], report["config_layers"])
+    if not report["layers_match"]:
+        layers += "  <- MISMATCH"
+    rows = [
+        ("checkpoint", report["dir"]),
+        ("MTP heads", heads),
+        ("MTP layers", layers),
+        ("MTP params", "{:,} of {:,} ({:.2%} of all weights)".format(
+            report["mtp_params"], report["total_params"], report["mtp_share"])),
+        ("dtypes", ", ".join(report["dtypes"]) + (
+            "  (MTP: %s)" % ", ".join(report["mtp_dtypes"]) if report["mtp_dtypes"] else "")),
+        ("files", ", ".join(report["files"])),
+    ]
+    for key, value in rows:
+        print("%-11s %s" % (key, value))
+    return 0
+
+
+def _merge(args):
+    from jetserve.engine.mtp_checkpoint import merge
+
+    result = merge(args.base, args.mtp_src, args.out, max_shard_size=args.max_shard_size,
+                   force=args.force, replace=args.replace)
+    print("wrote %s: %d MTP layer(s) in %s style (%d tensors), %d shard(s), %s bytes" % (
+        result["out_dir"], result["mtp_layers"], result["style"], result["mtp_tensors"],
+        result["shards"], "{:,}".format(result["total_size"])))
+    return 0
