@@ -38,7 +38,7 @@ class _Heads(Checkpoint):
     config.json are optional; the base's config is the one that counts (a config here only
     cross-checks the layer count)."""
 
-    def __init__(self, src: Path):
+    def __init__(self, src: Path):  # Checkpoint's reading, minus its required config.json
         if not src.exists():
             raise CheckpointError(f"{src}: no such file or directory")
         self.dir = src if src.is_dir() else src.parent

@@ -8,10 +8,10 @@ byte-identical to what the model was trained and evaluated with.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Sequence
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterable, Sequence
 
 from jetserve.engine.checkpoint import CheckpointError, read_json
 
@@ -115,14 +115,15 @@ class Tokenizer:
         generation = _optional_json(model_dir / "generation_config.json")
         special = {k: s for k in _TEMPLATE_TOKENS if (s := _token_string(config.get(k))) is not None}
 
-        eos = generation.get("eos_token_id")
-        if eos is None and "eos_token" in special:
-            eos = backend.token_to_id(special["eos_token"])
-        bos = generation.get("bos_token_id")
-        if bos is None and "bos_token" in special:
-            bos = backend.token_to_id(special["bos_token"])
-        return cls(backend, eos_token_ids=[] if eos is None else eos if isinstance(eos, list) else [eos],
-                   bos_token_id=bos, chat_template=_chat_template(model_dir, config), special_tokens=special)
+        def token_id(key: str) -> int | list[int] | None:
+            """generation_config.json first (int or list), else the token string's id."""
+            value = generation.get(f"{key}_id")
+            return backend.token_to_id(special[key]) if value is None and key in special else value
+
+        eos = token_id("eos_token")
+        return cls(backend, eos_token_ids=eos if isinstance(eos, list) else [] if eos is None else [eos],
+                   bos_token_id=token_id("bos_token"), chat_template=_chat_template(model_dir, config),
+                   special_tokens=special)
 
     @property
     def vocab_size(self) -> int:
