@@ -1,0 +1,214 @@
+"""The server's life: listen at once, load the engine in the background, serve, drain, stop.
+
+Listening before the model is loaded lets health answer NOT_SERVING (and systemd show STATUS=
+progress) during a load and CUDA-graph capture that take minutes on a Jetson.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from jetserve.server import notify
+from jetserve.server.auth import BearerTokenInterceptor
+from jetserve.server.errors import RpcError
+from jetserve.server.metrics import Metrics
+from jetserve.server.servicer import ControlServicer, InferenceServicer
+from jetserve.v1 import inference_pb2 as pb
+from jetserve.v1 import inference_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICES = tuple(pb.DESCRIPTOR.services_by_name[name].full_name for name in ("Inference", "Control"))
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@dataclass
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0: pick a free one (JetServer.port tells which)
+    unix_socket: str | None = None
+    metrics_port: int = 9400  # 0: no metrics endpoint
+    api_key: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None  # set: clients must present a certificate it signed (mTLS)
+    drain_grace_period: float = 30.0
+
+
+def _credentials(options: ServeOptions):
+    if not options.tls_cert:
+        return None
+    ca = Path(options.tls_client_ca).read_bytes() if options.tls_client_ca else None
+    pair = (Path(options.tls_key).read_bytes(), Path(options.tls_cert).read_bytes())
+    return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
+
+
+def _load_in_thread(make_engine, on_status) -> asyncio.Future:
+    """A daemon thread, unlike asyncio.to_thread, does not hold up a SIGTERM during a long load."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(method, value):
+        if not future.done():  # not cancelled by a shutdown meanwhile
+            method(value)
+
+    def work():
+        try:
+            outcome = (future.set_result, make_engine(on_status))
+        except BaseException as exc:  # noqa: BLE001 - handed to the event loop
+            outcome = (future.set_exception, exc)
+        try:
+            loop.call_soon_threadsafe(settle, *outcome)
+        except RuntimeError:  # the event loop is gone: the server stopped during the load
+            pass
+
+    threading.Thread(target=work, name="jetserve-load", daemon=True).start()
+    return future
+
+
+class JetServer:
+    """gRPC (Inference, Control, health, reflection) and metrics around one engine.
+
+    `make_engine(on_status)` builds and returns the loaded engine (AsyncLLM); it runs in a thread.
+    """
+
+    def __init__(self, make_engine: Callable[[Callable[[str], None]], object], options: ServeOptions):
+        self.options = options
+        self.engine = None
+        self.draining = False
+        self.stopping = False
+        self.metrics = Metrics(lambda: self.engine.stats() if self.engine is not None else None)
+        self.port: int | None = None
+        self.address: str | None = None  # host:port once listening
+        self.metrics_port: int | None = None
+        self.loading: asyncio.Task | None = None
+        self._make_engine = make_engine
+        self._health = health.aio.HealthServicer()
+        self._inference = InferenceServicer(self)
+        self._grpc: grpc.aio.Server | None = None
+        self._metrics_http = None
+        self._watchdog: asyncio.Task | None = None
+
+    # -- what the servicers ask --------------------------------------------------------------
+
+    def loaded(self):
+        if self.engine is None:
+            raise RpcError(grpc.StatusCode.UNAVAILABLE, "model is still loading; retry when health says SERVING")
+        return self.engine
+
+    def admit(self):
+        """The engine, if a new stream may start now."""
+        if self.draining:
+            raise RpcError(grpc.StatusCode.UNAVAILABLE, "server is draining: not accepting new streams")
+        return self.loaded()
+
+    async def set_draining(self, draining: bool) -> None:
+        if not draining and self.stopping:
+            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "server is shutting down; it cannot resume")
+        self.draining = draining
+        await self._update_health()
+
+    # -- life cycle ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Listen on every configured address, then start loading the engine."""
+        opts = self.options
+        token_check = [BearerTokenInterceptor(opts.api_key)] if opts.api_key else []
+        self._grpc = grpc.aio.server(interceptors=token_check)
+        pb_grpc.add_InferenceServicer_to_server(self._inference, self._grpc)
+        pb_grpc.add_ControlServicer_to_server(ControlServicer(self), self._grpc)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
+        reflection.enable_server_reflection(SERVICES + (health.SERVICE_NAME, reflection.SERVICE_NAME), self._grpc)
+        await self._update_health()
+
+        host = "[%s]" % opts.host if ":" in opts.host and not opts.host.startswith("[") else opts.host
+        address = "%s:%d" % (host, opts.port)
+        credentials = _credentials(opts)
+        if credentials is not None:
+            self.port = self._grpc.add_secure_port(address, credentials)
+        else:
+            self.port = self._grpc.add_insecure_port(address)
+        if opts.unix_socket:  # local clients; file permissions guard it, TLS would add nothing
+            self._grpc.add_insecure_port("unix:" + opts.unix_socket)
+        await self._grpc.start()
+        self.address = "%s:%d" % (host, self.port)
+        log.info("gRPC listening on %s%s%s", self.address, " (TLS)" if credentials else "",
+                 " and unix:" + opts.unix_socket if opts.unix_socket else "")
+        if opts.metrics_port:
+            self._metrics_http = self.metrics.serve_http(opts.host, opts.metrics_port)
+            self.metrics_port = self._metrics_http.server_port
+            log.info("metrics on http://%s:%d/metrics", host, self.metrics_port)
+        self.loading = asyncio.create_task(self._load())
+
+    async def _load(self) -> None:
+        def on_status(text: str) -> None:
+            log.info("%s", text)
+            notify.status(text)
+
+        on_status("loading the model")
+        engine = await _load_in_thread(self._make_engine, on_status)
+        engine.start()
+        self.engine = engine
+        await self._update_health()
+        model = engine.model_info["model"]
+        notify.notify("READY=1", "STATUS=serving %s on %s" % (model, self.address))
+        log.info("serving %s", model)
+        period = notify.watchdog_period()
+        if period:
+            self._watchdog = asyncio.create_task(notify.keep_alive(lambda: engine.last_heartbeat, period))
+
+    async def _update_health(self) -> None:
+        status = SERVING if self.engine is not None and not self.draining else NOT_SERVING
+        for service in ("",) + SERVICES:
+            await self._health.set(service, status)
+
+    async def shutdown(self) -> None:
+        """STOPPING=1, refuse new streams, give open ones the grace period, then stop everything."""
+        self.stopping = True
+        notify.notify("STOPPING=1", "STATUS=draining")
+        await self.set_draining(True)
+        grace = self.options.drain_grace_period
+        if not await self._inference.wait_idle(grace):
+            log.warning("streams still open after the %.0f s grace period: cancelling them", grace)
+        await self._health.enter_graceful_shutdown()
+        await self._grpc.stop(1.0)  # cancelled streams abort their engine requests
+        if self.loading is not None:
+            self.loading.cancel()
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.shutdown)
+        log.info("stopped")
+
+
+async def serve(make_engine, options: ServeOptions) -> int:
+    """Run until SIGTERM/SIGINT (then drain) or until the model fails to load (exit status 1)."""
+    server = JetServer(make_engine, options)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await server.start()
+    stopped = asyncio.create_task(stop.wait())
+    await asyncio.wait([stopped, server.loading], return_when=asyncio.FIRST_COMPLETED)
+    failed = server.loading.done() and not server.loading.cancelled() and server.loading.exception()
+    if failed:
+        log.error("the model failed to load: %s", failed, exc_info=failed)
+        notify.status("failed to load the model: %s" % failed)
+    else:
+        await stopped
+    await server.shutdown()
+    return 1 if failed else 0

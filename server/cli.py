@@ -1,0 +1,118 @@
+"""`jetserve serve`, `jetserve generate`, `jetserve chat`.
+
+Standard library only at module level (and Python 3.8 syntax): `jetserve --help` and the
+agent's commands import this module on devices without torch or grpc extras.
+"""
+
+import argparse
+import logging
+import os
+import sys
+
+from jetserve.config import add_config_flag
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+NO_DEMO = ("no --model given, and the demo model is not bundled with this jetserve yet "
+           "(expected at %s): pass --model DIR")
+
+
+def register(subparsers):
+    serve = subparsers.add_parser(
+        "serve", help="serve a model over gRPC (Type=notify under systemd)",
+        description="Serve a model over gRPC, with health, reflection and Prometheus metrics.")
+    add_config_flag(serve, "serve")
+    _add_engine_flags(serve)
+    net = serve.add_argument_group("service")
+    net.add_argument("--host", default="127.0.0.1", help="gRPC and metrics address (default: %(default)s)")
+    net.add_argument("--port", type=int, default=50051, help="gRPC port, 0 = any free one (default: %(default)s)")
+    net.add_argument("--unix-socket", metavar="PATH", help="also listen on this Unix socket (local clients)")
+    net.add_argument("--metrics-port", type=int, default=9400,
+                     help="Prometheus endpoint port, 0 = off (default: %(default)s)")
+    net.add_argument("--api-key", help="require 'authorization: Bearer KEY' (visible in ps: prefer --api-key-file)")
+    net.add_argument("--api-key-file", metavar="FILE", help="read the bearer token from the first line of FILE")
+    net.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate chain (needs --tls-key)")
+    net.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert")
+    net.add_argument("--tls-client-ca", metavar="PEM", help="require client certificates signed by this CA (mTLS)")
+    net.add_argument("--drain-grace-period", type=float, default=30.0, metavar="SECONDS",
+                     help="on SIGTERM, how long open streams may finish (default: %(default)s)")
+    net.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    serve.set_defaults(func=run_serve)
+
+    generate = subparsers.add_parser("generate", help="complete a prompt on a running server, streamed")
+    generate.add_argument("prompt")
+    _add_client_flags(generate)
+    generate.set_defaults(func=lambda args: _client().generate(args))
+
+    chat = subparsers.add_parser("chat", help="chat with a running server (one message, or lines from stdin)")
+    chat.add_argument("message", nargs="?", help="one user message; without it, read one per line from stdin")
+    chat.add_argument("--system", help="system prompt")
+    _add_client_flags(chat)
+    chat.set_defaults(func=lambda args: _client().chat(args))
+
+
+def _add_engine_flags(parser):
+    """vLLM's engine flags, as the engine defines them. On a device without the engine (agent
+    only), `serve` is still listed and says what is missing when run."""
+    try:
+        from jetserve.engine.args import EngineArgs
+    except ModuleNotFoundError:
+        parser.add_argument("engine_flags", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+        return
+    EngineArgs.add_cli_args(parser)
+
+
+def _add_client_flags(parser):
+    parser.add_argument("--target", default=DEFAULT_TARGET,
+                        help="server address, host:port or unix:/path (default: %(default)s)")
+    parser.add_argument("--api-key", default=os.environ.get("JETSERVE_API_KEY"),
+                        help="bearer token (default: $JETSERVE_API_KEY)")
+    parser.add_argument("--tls-ca", metavar="PEM", help="connect over TLS, trusting this CA")
+    parser.add_argument("--tls-cert", metavar="PEM", help="client certificate for mTLS")
+    parser.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert")
+    parser.add_argument("--max-tokens", type=int, default=256, help="(default: %(default)s)")
+    parser.add_argument("--temperature", type=float, help="0 = greedy (default: the server's)")
+    parser.add_argument("--top-p", type=float)
+    parser.add_argument("--top-k", type=int)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--stop", action="append", metavar="TEXT", help="stop string (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true")
+
+
+def _client():
+    from jetserve.server import client
+    return client
+
+
+def demo_model_dir():
+    import jetserve
+    return os.path.join(os.path.dirname(jetserve.__file__), "models", "demo")
+
+
+def run_serve(args):
+    import asyncio
+
+    from jetserve.engine import AsyncLLM, EngineArgs
+    from jetserve.server.app import ServeOptions, serve
+    from jetserve.server.auth import read_token
+
+    logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
+    if not args.model:
+        demo = demo_model_dir()
+        if not os.path.exists(os.path.join(demo, "config.json")):
+            sys.exit("jetserve serve: " + NO_DEMO % demo)
+        args.model = demo
+    if bool(args.tls_cert) != bool(args.tls_key):
+        sys.exit("jetserve serve: --tls-cert and --tls-key go together")
+    if args.tls_client_ca and not args.tls_cert:
+        sys.exit("jetserve serve: --tls-client-ca needs --tls-cert and --tls-key")
+    engine_args = apply_compat_gate(EngineArgs.from_cli_args(args))
+    options = ServeOptions(
+        host=args.host, port=args.port, unix_socket=args.unix_socket, metrics_port=args.metrics_port,
+        api_key=read_token(args.api_key, args.api_key_file), tls_cert=args.tls_cert, tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca, drain_grace_period=args.drain_grace_period)
+    return asyncio.run(serve(lambda on_status: AsyncLLM(engine_args, on_status=on_status), options))
+
+
+def apply_compat_gate(engine_args):
+    """Ask the agent whether this JetPack allows CUDA graphs; without the agent, trust the flags."""
+    return engine_args

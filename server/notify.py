@@ -1,0 +1,67 @@
+"""sd_notify, written out: systemd learns that we are ready, what we are doing, that we are alive.
+
+The protocol is one datagram of `KEY=value` lines to the Unix socket named in $NOTIFY_SOCKET
+(a leading `@` means Linux's abstract namespace). It is small enough that a dependency on
+python-systemd would cost more than it saves. Outside systemd every call is a no-op.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from typing import Callable
+
+log = logging.getLogger(__name__)
+
+# The engine's step loop turns at least every 0.5 s even when idle; a heartbeat older than this
+# (or than the ping period, if that is longer) means the engine is wedged.
+STALE_AFTER_S = 2.0
+
+
+def notify(*lines: str) -> bool:
+    """Send `KEY=value` lines in one datagram; False when not under systemd or the send failed."""
+    address = os.environ.get("NOTIFY_SOCKET")
+    if not address:
+        return False
+    if address.startswith("@"):
+        address = "\0" + address[1:]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+            sock.sendto("\n".join(lines).encode(), address)
+    except OSError as exc:
+        log.warning("sd_notify to %s failed: %s", os.environ["NOTIFY_SOCKET"], exc)
+        return False
+    return True
+
+
+def status(text: str) -> bool:
+    """STATUS= is one line shown by `systemctl status`."""
+    return notify("STATUS=" + " ".join(text.split()))
+
+
+def watchdog_period() -> float | None:
+    """Seconds between WATCHDOG=1 pings (half of WatchdogSec), or None when no watchdog is armed."""
+    usec = os.environ.get("WATCHDOG_USEC")
+    pid = os.environ.get("WATCHDOG_PID")
+    if not usec or (pid and int(pid) != os.getpid()):
+        return None
+    return int(usec) / 2e6
+
+
+async def keep_alive(heartbeat: Callable[[], float], period: float) -> None:
+    """Ping the watchdog while `heartbeat()` (a time.monotonic() value) is fresh.
+
+    The pings come from the serving loop but are conditioned on the engine's own step loop, so
+    a wedged engine stops them and systemd restarts the service even though gRPC still answers.
+    """
+    stale_after = max(STALE_AFTER_S, period)
+    while True:
+        age = time.monotonic() - heartbeat()
+        if age <= stale_after:
+            notify("WATCHDOG=1")
+        else:
+            log.error("engine heartbeat is %.1f s old: not pinging the systemd watchdog", age)
+        await asyncio.sleep(period)

@@ -1,0 +1,199 @@
+"""The Inference and Control services: requests in, engine calls, one message per token delta out."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import math
+import uuid
+from contextlib import aclosing
+
+import grpc
+
+from jetserve import __version__
+from jetserve.engine import SamplingParams
+from jetserve.server.errors import RpcError, status_for
+from jetserve.server.metrics import percentiles
+from jetserve.v1 import inference_pb2 as pb
+from jetserve.v1 import inference_pb2_grpc as pb_grpc
+
+FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
+                  "abort": pb.FINISH_REASON_ABORT}
+FLOAT_OPTIONS = ("temperature", "top_p", "min_p")
+INT_OPTIONS = ("top_k", "max_tokens", "seed")
+
+
+def answers_with_status(method):
+    """Turn what a unary method raises into a status with a message (never a traceback)."""
+    @functools.wraps(method)
+    async def wrapper(self, request, context):
+        try:
+            return await method(self, request, context)
+        except Exception as exc:  # noqa: BLE001 - status_for logs the unexpected ones
+            code, message = status_for(exc)
+        await context.abort(code, message)
+    return wrapper
+
+
+def sampling_params(options: pb.SamplingOptions) -> SamplingParams:
+    """Unset fields keep SamplingParams' defaults; it names the field of any bad value."""
+    kwargs = {name: getattr(options, name) for name in FLOAT_OPTIONS + INT_OPTIONS
+              if options.HasField(name)}
+    for name in FLOAT_OPTIONS:
+        if name in kwargs and not math.isfinite(kwargs[name]):
+            raise ValueError("sampling.%s must be a finite number, got %s" % (name, kwargs[name]))
+    if options.stop:
+        kwargs["stop"] = list(options.stop)
+    return SamplingParams(ignore_eos=options.ignore_eos, **kwargs)
+
+
+def generate_prompt(request: pb.GenerateRequest, engine):
+    """The engine checks the rest (empty, unknown token ids, too long) and names what is wrong."""
+    kind = request.WhichOneof("prompt")
+    if kind is None:
+        raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "prompt is not set: set text or token_ids")
+    return request.text if kind == "text" else {"prompt_token_ids": list(request.token_ids.ids)}
+
+
+def chat_prompt(request: pb.ChatRequest, engine) -> str:
+    if engine.tokenizer is None:
+        raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
+                       "messages: model %s has no tokenizer, so no chat template; use Generate with token_ids"
+                       % engine.model_info["model"])
+    return engine.tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in request.messages])
+
+
+class InferenceServicer(pb_grpc.InferenceServicer):
+    """`server` is the JetServer: its `engine` (None while loading), `draining` and `metrics`."""
+
+    def __init__(self, server):
+        self._server = server
+        self._open = 0  # streams between admission and their last message
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until no stream is open; False if some still are after `timeout` seconds."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    async def Generate(self, request, context):
+        async for reply in self._stream(context, request.request_id, request.sampling,
+                                        functools.partial(generate_prompt, request)):
+            yield reply
+
+    async def Chat(self, request, context):
+        async for reply in self._stream(context, request.request_id, request.sampling,
+                                        functools.partial(chat_prompt, request)):
+            yield reply
+
+    async def _stream(self, context, request_id, sampling, make_prompt):
+        try:
+            engine = self._server.admit()
+            request_id = request_id or uuid.uuid4().hex
+            prompt = make_prompt(engine)
+            params = sampling_params(sampling)
+            timer = self._server.metrics.request()
+            self._open += 1
+            self._idle.clear()
+            try:
+                async with aclosing(engine.generate(prompt, params, request_id)) as outputs:
+                    async for out in outputs:
+                        yield self._reply(request_id, out, timer)
+            finally:
+                self._open -= 1
+                if not self._open:
+                    self._idle.set()
+            return
+        except Exception as exc:  # noqa: BLE001 - status_for logs the unexpected ones
+            code, message = status_for(exc)
+        await context.abort(code, message)
+
+    @staticmethod
+    def _reply(request_id, out, timer) -> pb.GenerateResponse:
+        delta = out.outputs[0]
+        timer.tokens(len(delta.token_ids))
+        reply = pb.GenerateResponse(request_id=request_id, text=delta.text, token_ids=delta.token_ids)
+        if out.finished:
+            ttft, total = timer.finished(len(out.prompt_token_ids), delta.finish_reason)
+            reply.finish_reason = FINISH_REASONS[delta.finish_reason]
+            reply.usage.prompt_tokens = len(out.prompt_token_ids)
+            reply.usage.completion_tokens = timer.completion_tokens
+            reply.timing.time_to_first_token_s = ttft
+            reply.timing.total_s = total
+        return reply
+
+    @answers_with_status
+    async def GetModelInfo(self, request, context):
+        engine = self._server.loaded()
+        info = engine.model_info
+        tokenizer = engine.tokenizer
+        return pb.ModelInfo(
+            model=str(info["model"]), architecture=info["architecture"], dtype=str(info["dtype"]),
+            device=str(info["device"]), max_model_len=info["max_model_len"], vocab_size=info["vocab_size"],
+            has_chat_template=tokenizer is not None and tokenizer.chat_template is not None,
+            num_mtp_layers=info["num_mtp_layers"], num_speculative_tokens=engine.stats().num_speculative_tokens,
+            cuda_graphs=info["cuda_graphs"], backend=info["backend"], version=__version__)
+
+    @answers_with_status
+    async def GetStats(self, request, context):
+        s = self._server.loaded().stats()
+        metrics = self._server.metrics
+
+        def latency(samples):
+            p50, p90, p99 = percentiles(samples)
+            return pb.LatencyPercentiles(p50_s=p50, p90_s=p90, p99_s=p99, count=len(samples))
+
+        return pb.Stats(
+            num_waiting=s.num_waiting, num_running=s.num_running, max_num_seqs=s.max_num_seqs,
+            kv_blocks_total=s.kv_blocks_total, kv_blocks_used=s.kv_blocks_used, kv_usage=s.kv_usage,
+            time_to_first_token=latency(metrics.recent_ttft), inter_token_latency=latency(metrics.recent_itl),
+            speculative=pb.SpeculativeStats(
+                num_drafts=s.num_drafts, num_draft_tokens=s.num_draft_tokens,
+                num_accepted_tokens=s.num_accepted_tokens, accepted_per_position=s.accepted_per_position,
+                acceptance_rate=s.acceptance_rate, mean_accepted_length=s.mean_accepted_length,
+                num_speculative_tokens=s.num_speculative_tokens),
+            draining=self._server.draining, num_requests_finished=s.num_requests_finished,
+            num_preemptions=s.num_preemptions)
+
+
+class ControlServicer(pb_grpc.ControlServicer):
+    """Load shedding for the agent: the same drain as SIGTERM's, without the stop."""
+
+    def __init__(self, server):
+        self._server = server
+
+    @answers_with_status
+    async def Drain(self, request, context):
+        await self._server.set_draining(True)
+        return self._reply("draining: new streams get UNAVAILABLE, open ones finish")
+
+    @answers_with_status
+    async def Resume(self, request, context):
+        await self._server.set_draining(False)
+        return self._reply("accepting new streams")
+
+    @answers_with_status
+    async def SetLimits(self, request, context):
+        engine = self._server.loaded()
+        # Applied between engine steps: wait for that off the event loop.
+        changed = {}
+        if request.HasField("max_num_seqs"):
+            await asyncio.to_thread(engine.set_max_num_seqs, request.max_num_seqs)
+            changed["max_num_seqs"] = request.max_num_seqs
+        if request.HasField("num_speculative_tokens"):
+            await asyncio.to_thread(engine.set_num_speculative_tokens, request.num_speculative_tokens)
+            changed["num_speculative_tokens"] = request.num_speculative_tokens
+        return self._reply("limits set", **changed)
+
+    def _reply(self, message, **changed) -> pb.ControlReply:
+        """The current limits; the engine's stats snapshot trails a change by one step, hence `changed`."""
+        reply = pb.ControlReply(draining=self._server.draining, message=message)
+        if self._server.engine is not None:
+            stats = self._server.engine.stats()
+            reply.max_num_seqs = changed.get("max_num_seqs", stats.max_num_seqs)
+            reply.num_speculative_tokens = changed.get("num_speculative_tokens", stats.num_speculative_tokens)
+        return reply
