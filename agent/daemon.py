@@ -1,0 +1,122 @@
+"""The agent's main loop: probe, apply the thermal policy, publish health, answer commands.
+
+Everything runs on this one thread except paho's network thread and the outbox flusher; commands
+arrive through a queue so gRPC calls never run inside an MQTT callback.
+"""
+
+import logging
+import os
+import queue
+import threading
+import time
+
+from jetserve import __version__
+from jetserve.agent import commands, compat, health, thermal
+from jetserve.agent.outbox import Outbox
+from jetserve.agent.probe import JtopReader, probe
+from jetserve.agent.publisher import Publisher
+from jetserve.agent.service import ServiceClient
+
+log = logging.getLogger(__name__)
+
+
+class Agent:
+    def __init__(self, args):
+        self.args = args
+        self.stop_event = threading.Event()
+        self.inbox = queue.Queue()
+        self.jtop = self._open_jtop()
+        first = probe(args.sysroot, self.jtop)
+        self.verdict = compat.check(first)
+        self.service = ServiceClient(args.service, timeout=args.service_timeout)
+        self.policy = thermal.ThermalPolicy(args.passive_margin, args.critical_margin, args.hysteresis)
+        self.shedder = thermal.Shedder(self.service)
+        self.manual_drain = False
+        self._last_shed_error = None
+        self.outbox = Outbox(os.path.join(args.state_dir, "outbox-%s-%s.db" % (args.fleet, args.device_id)),
+                             limit=args.outbox_limit)
+        self.publisher = Publisher(args, self.outbox, self._birth(first), self.inbox.put)
+        self.actions = {
+            "drain": lambda _: self._manual(self.service.drain, True),
+            "resume": lambda _: self._manual(self.service.resume, False),
+            "set-limits": lambda a: self.service.set_limits(**a),
+            "report-now": lambda _: {"n": self.report()},
+        }
+
+    def _open_jtop(self):
+        if self.args.sysroot != "/" or self.args.no_jtop:
+            return None
+        reader = JtopReader()
+        if reader.reason:
+            log.info("using the agent's own sensor readers: %s", reader.reason)
+            return None
+        return reader
+
+    def _birth(self, first):
+        return {"fleet": self.args.fleet, "device": self.args.device_id, "model": first["model"],
+                "soc": first["soc"], "serial": first["serial"], "interval": self.args.interval,
+                "keepalive": self.args.keepalive, "service": self.args.service,
+                "versions": {"jetserve": __version__, "python": first["python"], "l4t": first["l4t"],
+                             "jetpack": first["jetpack"], "cuda": first["cuda"]},
+                "compat": self.verdict.to_dict()}
+
+    def _manual(self, call, drained):
+        reply = call()
+        self.manual_drain = drained
+        return reply
+
+    def report(self):
+        """Probe, act on the thermal policy, publish the alerts then the health document."""
+        result = probe(self.args.sysroot, self.jtop)
+        transition = self.policy.decide(result["zones"])
+        if transition:
+            self._shed(transition)
+        service = self.service.snapshot()
+        doc = health.build(result, self.verdict, service, self.policy.level, self.outbox.stats())
+        return self.publisher.publish("health", doc)
+
+    def _shed(self, transition):
+        alert = dict(transition._asdict(), type="thermal", ts=time.time())
+        try:
+            if self.manual_drain and transition.old == "drain":
+                calls = ["Resume skipped: drained by an operator"]
+            else:
+                calls = self.shedder.apply(transition.old, transition.new)
+            self.policy.commit(transition)
+            alert.update(ok=True, calls=calls)
+        except Exception as exc:  # service down: stay at the old level and try again next round
+            alert.update(ok=False, error=str(exc))
+        if alert["ok"] or alert.get("error") != self._last_shed_error:  # one alert per failure
+            self.publisher.publish("alert", alert)
+        self._last_shed_error = alert.get("error")
+        log.warning("thermal %s → %s (%s %.1f °C): %s", transition.old, transition.new,
+                    transition.zone, transition.temp_c or 0, alert.get("calls") or alert["error"])
+
+    def run(self, once=False):
+        """Run until `stop_event`; with `once`, one report then exit. Returns an exit status."""
+        self.publisher.start()
+        try:
+            if once:
+                self.report()
+                if self.publisher.wait_flushed(self.args.once_timeout):
+                    return 0
+                log.error("broker %s:%s not reachable within %ss; the report waits in the outbox",
+                          self.args.mqtt_host, self.args.mqtt_port, self.args.once_timeout)
+                return 3
+            next_report = time.monotonic()
+            while not self.stop_event.is_set():
+                if time.monotonic() >= next_report:
+                    self.report()
+                    next_report = time.monotonic() + self.args.interval
+                try:
+                    payload = self.inbox.get(timeout=max(0.0, min(0.2, next_report - time.monotonic())))
+                except queue.Empty:
+                    continue
+                self.publisher.reply(commands.execute(payload, self.actions))
+            return 0
+        finally:
+            self.publisher.stop()
+            self.service.close()
+            self.outbox.close()
+            if self.jtop:
+                self.jtop.close()

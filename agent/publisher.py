@@ -1,0 +1,149 @@
+"""The agent's MQTT session: birth and death with bdSeq, the outbox flushed in order, commands in.
+
+Sparkplug-style session awareness: every connect takes the next bdSeq, puts it in the Will
+(`{online: false, bdSeq}`, retained, the death certificate) and in the retained birth, so a late
+death from an old session cannot be mistaken for the current one. Data only leaves through the
+outbox and is forgotten on PUBACK. paho re-sends what it had in flight when a connection dropped;
+new rows wait until those are acknowledged, so the broker sees every message in order.
+"""
+
+import collections
+import json
+import logging
+import threading
+import time
+
+import paho.mqtt.client as mqtt
+
+from jetserve.agent import topics
+from jetserve.agent.mqtt import new_client
+
+log = logging.getLogger(__name__)
+WINDOW = 50  # messages handed to paho and not yet acknowledged
+
+
+class Publisher:
+    def __init__(self, args, outbox, birth, on_command):
+        self.fleet, self.device = args.fleet, args.device_id
+        self.host, self.port, self.keepalive = args.mqtt_host, args.mqtt_port, args.keepalive
+        self.outbox, self.birth, self.on_command = outbox, birth, on_command
+        self.bdseq = None
+        self.connected = threading.Event()
+        self._wake = threading.Event()
+        self._acks = collections.deque()  # mids acknowledged by the broker, for the flusher
+        self._inflight = {}  # mid → (n, connection generation); only the flusher touches it
+        self._generation = 0
+        self._last_handed = 0
+        self._stopping = False
+        self._refused = None
+        self.client = new_client("jetserve-%s-%s" % (self.fleet, self.device), args)
+        self.client.reconnect_delay_set(1, args.reconnect_max)
+        self.client.on_pre_connect = self._on_pre_connect
+        self.client.on_connect = self._on_connect
+        self.client.on_disconnect = self._on_disconnect
+        self.client.on_publish = self._on_publish
+        self.client.on_message = self._on_message
+        self._flusher = threading.Thread(target=self._flush_loop, name="outbox-flush", daemon=True)
+
+    def topic(self, kind):
+        return topics.topic(self.fleet, self.device, kind)
+
+    def start(self):
+        self.client.connect_async(self.host, self.port, keepalive=self.keepalive)
+        self.client.loop_start()
+        self._flusher.start()
+
+    def publish(self, kind, doc):
+        """Queue a health or alert document; it leaves when the broker is reachable."""
+        n = self.outbox.add(kind, self.topic(kind), doc)
+        self._wake.set()
+        return n
+
+    def reply(self, doc):
+        self.client.publish(self.topic(topics.REPLY), json.dumps(doc), qos=1)
+
+    def wait_flushed(self, timeout):
+        """True once the outbox is empty (everything acknowledged by the broker)."""
+        deadline = time.monotonic() + timeout
+        while self.outbox.stats()["pending"]:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
+    def stop(self, timeout=5.0):
+        """Publish the offline state first (a clean disconnect sends no Will), then disconnect."""
+        self._stopping = True
+        self._wake.set()
+        if self.connected.is_set():
+            info = self.client.publish(self.topic(topics.STATE), self._state(False), qos=1, retain=True)
+            try:
+                info.wait_for_publish(timeout)
+            except (RuntimeError, ValueError):
+                log.warning("could not publish the offline state before stopping")
+        self.client.disconnect()
+        self.client.loop_stop()
+        self._flusher.join(timeout)
+
+    def _state(self, online):
+        doc = dict(self.birth, online=True, bdSeq=self.bdseq, ts=time.time()) if online else \
+            {"online": False, "bdSeq": self.bdseq, "ts": time.time()}
+        return json.dumps(doc, sort_keys=True)
+
+    # paho callbacks (network thread)
+
+    def _on_pre_connect(self, client, userdata):
+        self.bdseq = self.outbox.next_bdseq()
+        client.will_set(self.topic(topics.STATE), self._state(False), qos=1, retain=True)
+
+    def _on_connect(self, client, userdata, flags, reason_code, properties):
+        if reason_code.is_failure:
+            if self._refused != str(reason_code):
+                log.error("broker %s:%s refused the connection: %s", self.host, self.port, reason_code)
+            self._refused = str(reason_code)
+            return
+        self._refused = None
+        log.info("connected to %s:%s, bdSeq %d", self.host, self.port, self.bdseq)
+        client.publish(self.topic(topics.STATE), self._state(True), qos=1, retain=True)
+        client.subscribe(self.topic(topics.CMD), qos=1)
+        self._generation += 1
+        self.connected.set()
+        self._wake.set()
+
+    def _on_disconnect(self, client, userdata, flags, reason_code, properties):
+        self.connected.clear()
+        if not self._stopping:
+            log.warning("disconnected from the broker (%s); queuing to the outbox", reason_code)
+
+    def _on_publish(self, client, userdata, mid, reason_code, properties):
+        # paho may hold its own locks here: hand the ack to the flusher, never block.
+        if reason_code.is_failure:
+            log.error("broker refused message mid=%d: %s", mid, reason_code)
+        self._acks.append(mid)
+        self._wake.set()
+
+    def _on_message(self, client, userdata, message):
+        self.on_command(message.payload)
+
+    # flusher thread
+
+    def _flush_loop(self):
+        while not self._stopping:
+            self._wake.wait(0.5)
+            self._wake.clear()
+            while self._acks:
+                entry = self._inflight.pop(self._acks.popleft(), None)
+                if entry is not None:
+                    self.outbox.ack(entry[0])
+            if not self.connected.is_set():
+                continue
+            generation = self._generation
+            if any(gen < generation for _, gen in self._inflight.values()):
+                continue  # paho is re-sending the previous connection's messages first
+            for n, topic, payload in self.outbox.pending(self._last_handed, WINDOW - len(self._inflight)):
+                info = self.client.publish(topic, payload, qos=1)
+                if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):  # NO_CONN: queued
+                    log.error("publish failed: %s", mqtt.error_string(info.rc))
+                    break
+                self._inflight[info.mid] = (n, generation)
+                self._last_handed = n

@@ -1,0 +1,131 @@
+"""`jetserve fleet run|status|send`: the fleet controller and its operator commands.
+
+Standard library only at module level, like every part's CLI.
+"""
+
+import json
+import logging
+import signal
+import sys
+import threading
+
+from jetserve.config import add_config_flag
+
+
+def register(subparsers):
+    from jetserve.agent.cli import add_mqtt_flags  # one definition of the broker flags
+
+    fleet = subparsers.add_parser("fleet", help="fleet controller: registry, status, commands")
+    commands = fleet.add_subparsers(dest="fleet_command", metavar="COMMAND")
+    fleet.set_defaults(func=lambda args: fleet.print_help() or 2)
+
+    run = commands.add_parser("run", help="subscribe to the fleet, keep the registry, serve HTTP")
+    run.add_argument("--db", default="/var/lib/jetserve/fleet.db", help="SQLite registry")
+    run.add_argument("--http", default="127.0.0.1:8080", metavar="HOST:PORT",
+                     help="read-only HTTP endpoint ('' to disable)")
+    run.add_argument("--share", metavar="GROUP", help="join $share/GROUP to split the fleet between replicas")
+    run.add_argument("--client-id", help="MQTT client id (default: jetserve-fleet-<host>)")
+    run.add_argument("--silence-factor", type=float, default=3.0,
+                     help="offline after this many report intervals without a message")
+    run.add_argument("--log-level", default="INFO")
+    add_mqtt_flags(run)
+    add_config_flag(run, "fleet")
+    run.set_defaults(func=run_controller, fleet=None)  # every fleet unless --fleet
+
+    status = commands.add_parser("status", help="print the fleet as a table")
+    status.add_argument("--db", default="/var/lib/jetserve/fleet.db")
+    status.add_argument("--fleet", help="only this fleet")
+    status.add_argument("--json", action="store_true")
+    add_config_flag(status, "fleet")
+    status.set_defaults(func=run_status)
+
+    send = commands.add_parser("send", help="send a command to a device and print its reply")
+    send.add_argument("device", help="DEVICE or FLEET/DEVICE")
+    send.add_argument("command", help="drain, resume, set-limits or report-now")
+    send.add_argument("--set", action="append", default=[], metavar="KEY=INT",
+                      help="set-limits argument, e.g. --set max_num_seqs=2")
+    send.add_argument("--timeout", type=float, default=10.0)
+    add_mqtt_flags(send)
+    add_config_flag(send, "fleet")
+    send.set_defaults(func=run_send)
+
+
+def _host_port(text):
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError("--http must be HOST:PORT, got %r" % text)
+    return host, int(port)
+
+
+def run_controller(args):
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from jetserve.agent.mqtt import MqttConfigError
+    from jetserve.fleet import web
+    from jetserve.fleet.controller import Controller
+    from jetserve.fleet.registry import Registry, RegistryError
+
+    try:
+        http = _host_port(args.http) if args.http else None
+        registry = Registry(args.db)
+        controller = Controller(args, registry)
+        server = web.serve(registry, *http) if http else None
+    except (ValueError, OSError, RegistryError, MqttConfigError) as exc:
+        sys.exit("jetserve fleet run: %s" % exc)
+    if server:
+        logging.info("fleet page on http://%s:%d/", *server.server_address[:2])
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        controller.run(stop)
+    finally:
+        if server:
+            server.shutdown()
+        registry.close()
+    return 0
+
+
+def run_status(args):
+    import os
+
+    from jetserve.fleet.registry import Registry, RegistryError
+    from jetserve.fleet.web import device_row
+
+    if not os.path.exists(args.db):
+        sys.exit("jetserve fleet status: no registry at %s (is `jetserve fleet run` using it?)" % args.db)
+    try:
+        registry = Registry(args.db)
+    except RegistryError as exc:
+        sys.exit("jetserve fleet status: %s" % exc)
+    devices = registry.devices(args.fleet)
+    registry.close()
+    if args.json:
+        print(json.dumps(devices, indent=2))
+        return 0
+    columns = ("fleet", "device", "state", "status", "jetpack", "last_seen", "gaps", "reasons")
+    rows = [columns] + [tuple(str(device_row(d)[c]) for c in columns) for d in devices]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(columns) - 1)]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1])
+    return 0
+
+
+def run_send(args):
+    from jetserve.agent.mqtt import MqttConfigError
+    from jetserve.agent.topics import check_name
+    from jetserve.fleet.send import send
+
+    fleet, _, device = args.device.rpartition("/")
+    try:
+        fleet, device = check_name("fleet", fleet or args.fleet), check_name("device", device)
+        command_args = {}
+        for item in args.set:
+            key, _, value = item.partition("=")
+            command_args[key] = int(value)
+        reply = send(args, fleet, device, args.command, command_args, args.timeout)
+    except ValueError as exc:
+        sys.exit("jetserve fleet send: bad argument: %s" % exc)
+    except (TimeoutError, MqttConfigError) as exc:
+        sys.exit("jetserve fleet send: %s" % exc)
+    print(json.dumps(reply, indent=2, sort_keys=True))
+    return 0 if reply.get("ok") else 1

@@ -1,0 +1,47 @@
+"""`jetserve fleet send`: publish one command to a device and wait for its reply on `/cmd/reply`."""
+
+import json
+import threading
+import uuid
+
+from jetserve.agent import topics
+from jetserve.agent.mqtt import new_client
+
+
+def send(args, fleet, device, command, command_args, timeout):
+    """The device's reply dict; raises TimeoutError when the broker or the device does not answer."""
+    request_id = uuid.uuid4().hex
+    subscribed, answered = threading.Event(), threading.Event()
+    reply = {}
+
+    def on_connect(client, userdata, flags, reason_code, properties):
+        if not reason_code.is_failure:
+            client.subscribe(topics.topic(fleet, device, topics.REPLY), qos=1)
+
+    def on_message(client, userdata, message):
+        try:
+            doc = json.loads(message.payload.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            return
+        if isinstance(doc, dict) and doc.get("id") == request_id:
+            reply.update(doc)
+            answered.set()
+
+    client = new_client("jetserve-send-" + request_id[:12], args)
+    client.on_connect = on_connect
+    client.on_subscribe = lambda *a: subscribed.set()
+    client.on_message = on_message
+    client.connect_async(args.mqtt_host, args.mqtt_port, keepalive=args.keepalive)
+    client.loop_start()
+    try:
+        if not subscribed.wait(timeout):
+            raise TimeoutError("broker %s:%s not reachable (or refused us) within %ss"
+                               % (args.mqtt_host, args.mqtt_port, timeout))
+        request = {"id": request_id, "command": command, "args": command_args}
+        client.publish(topics.topic(fleet, device, topics.CMD), json.dumps(request), qos=1)
+        if not answered.wait(timeout):
+            raise TimeoutError("no reply from %s/%s within %ss" % (fleet, device, timeout))
+        return reply
+    finally:
+        client.disconnect()
+        client.loop_stop()
