@@ -1,0 +1,89 @@
+"""sd_notify over real Unix datagram sockets, path and abstract, and the heartbeat-gated watchdog."""
+
+import asyncio
+import os
+import socket
+import time
+
+import pytest
+
+from jetserve.server import notify
+
+
+@pytest.fixture(params=["path", "abstract"])
+def notify_socket(request, tmp_path, monkeypatch):
+    """A socket like systemd's; NOTIFY_SOCKET points at it. Yields a function that reads one datagram."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    if request.param == "path":
+        address = str(tmp_path / "notify.sock")
+        sock.bind(address)
+    else:
+        address = "@jetserve-test-%d-%d" % (os.getpid(), time.monotonic_ns())
+        sock.bind("\0" + address[1:])
+    monkeypatch.setenv("NOTIFY_SOCKET", address)
+    monkeypatch.delenv("WATCHDOG_USEC", raising=False)
+    monkeypatch.delenv("WATCHDOG_PID", raising=False)
+
+    def receive(timeout=2.0):
+        sock.settimeout(timeout)
+        return sock.recv(4096).decode()
+
+    yield receive
+    sock.close()
+
+
+def test_lines_arrive_as_one_datagram(notify_socket):
+    assert notify.notify("READY=1", "STATUS=serving")
+    assert notify_socket() == "READY=1\nSTATUS=serving"
+
+
+def test_status_is_one_line(notify_socket):
+    notify.status("loading\nweights  3/10")
+    assert notify_socket() == "STATUS=loading weights 3/10"
+
+
+def test_without_systemd_nothing_is_sent(monkeypatch):
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    assert notify.notify("READY=1") is False
+
+
+def test_a_missing_socket_is_reported_not_raised(tmp_path, monkeypatch):
+    monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "gone.sock"))
+    assert notify.notify("READY=1") is False
+
+
+def test_watchdog_period_is_half_of_watchdog_sec_and_only_for_us(monkeypatch):
+    monkeypatch.delenv("WATCHDOG_PID", raising=False)
+    monkeypatch.delenv("WATCHDOG_USEC", raising=False)
+    assert notify.watchdog_period() is None
+    monkeypatch.setenv("WATCHDOG_USEC", "30000000")
+    assert notify.watchdog_period() == 15.0
+    monkeypatch.setenv("WATCHDOG_PID", str(os.getpid()))
+    assert notify.watchdog_period() == 15.0
+    monkeypatch.setenv("WATCHDOG_PID", str(os.getpid() + 1))  # meant for another process
+    assert notify.watchdog_period() is None
+
+
+def _pings_within(receive, heartbeat, seconds):
+    async def run():
+        task = asyncio.create_task(notify.keep_alive(heartbeat, 0.05))
+        await asyncio.sleep(seconds)
+        task.cancel()
+
+    asyncio.run(run())
+    pings = []
+    try:
+        while True:
+            pings.append(receive(timeout=0.05))  # all were sent already
+    except socket.timeout:
+        return pings
+
+
+def test_watchdog_pings_while_the_engine_turns(notify_socket):
+    pings = _pings_within(notify_socket, time.monotonic, 0.3)
+    assert len(pings) >= 3 and set(pings) == {"WATCHDOG=1"}
+
+
+def test_a_wedged_engine_is_not_pinged(notify_socket):
+    wedged_since = time.monotonic() - notify.STALE_AFTER_S - 1
+    assert _pings_within(notify_socket, lambda: wedged_since, 0.3) == []

@@ -1,0 +1,21 @@
+"""The committed stubs in jetserve/v1 are what grpcio-tools makes of the .proto, byte for byte."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PROTO = "proto/jetserve/v1/inference.proto"
+STUBS = ("inference_pb2.py", "inference_pb2.pyi", "inference_pb2_grpc.py")
+
+
+def test_committed_stubs_are_fresh(tmp_path):
+    subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-I", "proto", "--python_out=%s" % tmp_path,
+                    "--pyi_out=%s" % tmp_path, "--grpc_python_out=%s" % tmp_path, PROTO],
+                   cwd=ROOT, check=True)
+    for name in STUBS:
+        fresh = (tmp_path / "jetserve" / "v1" / name).read_bytes()
+        committed = (ROOT / "jetserve" / "v1" / name).read_bytes()
+        assert fresh == committed, (
+            "jetserve/v1/%s is stale: run python3 -m grpc_tools.protoc -I proto --python_out=. "
+            "--pyi_out=. --grpc_python_out=. %s" % (name, PROTO))
