@@ -74,7 +74,8 @@ class AsyncLLM:
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already streaming")
-            if self._pending + self._stats.num_waiting >= self.max_waiting:
+            stats = self._stats  # requests that will find a free running slot do not wait
+            if self._pending + stats.num_waiting >= self.max_waiting + max(0, stats.max_num_seqs - stats.num_running):
                 raise QueueFullError(f"waiting queue is full ({self.max_waiting} requests); retry later")
             self._pending += 1
             stream: asyncio.Queue = asyncio.Queue()

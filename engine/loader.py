@@ -75,7 +75,7 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_pos
     with torch.device("meta"):
         model = Qwen3ForCausalLM(cfg, max_positions).to(dtype)
     sources = parameter_sources(ckpt, cfg)
-    _check(ckpt, dict(model.named_parameters()), sources)
+    _check(ckpt, cfg, dict(model.named_parameters()), sources)
 
     model = model.to_empty(device=device)
     model.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, max_positions).to(device)  # fp32 tables
@@ -92,21 +92,24 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_pos
     return model.eval()
 
 
-def _check(ckpt: Checkpoint, params: dict, sources: dict[str, list[str]]) -> None:
+def _check(ckpt: Checkpoint, cfg: ModelConfig, params: dict, sources: dict[str, list[str]]) -> None:
     """Every parameter is covered, by tensors of the right shapes; say which one is not."""
+    q_rows, kv_rows = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     for name, names in sources.items():
-        shapes = []
-        for source in names:
+        shape = tuple(params[name].shape)
+        if name.endswith("qkv_proj.weight"):
+            expected = [(q_rows, shape[1]), (kv_rows, shape[1]), (kv_rows, shape[1])]
+        elif name.endswith("gate_up_proj.weight"):
+            expected = [(shape[0] // 2, shape[1])] * 2
+        else:
+            expected = [shape]
+        for source, want in zip(names, expected):
             if source not in ckpt:
-                raise CheckpointError(f"{ckpt.dir}: tensor {source!r} is missing (needed for {name})")
-            shapes.append(ckpt.shape(source))
-        rows = sum(s[0] for s in shapes) if all(len(s) == 2 for s in shapes) else None
-        found = (rows, shapes[0][1]) if rows is not None and len(shapes) > 1 else shapes[0]
-        expected = tuple(params[name].shape)
-        if tuple(found) != expected:
-            detail = " + ".join(f"{n}{list(s)}" for n, s in zip(names, shapes))
-            raise CheckpointError(f"{ckpt.dir}: {detail} has shape {list(found)}, expected {list(expected)} "
-                                  f"for {name}")
+                raise CheckpointError(f"{ckpt.dir}: tensor {source!r} is missing")
+            found = ckpt.shape(source)
+            if found != want:
+                raise CheckpointError(f"{ckpt.dir}: tensor {source!r} has shape {list(found)}, "
+                                      f"expected {list(want)}")
     missing = set(params) - set(sources)
     if missing:
         raise CheckpointError(f"no checkpoint tensor maps to {sorted(missing)}")
