@@ -43,6 +43,7 @@ class Publisher:
         self.client.on_disconnect = self._on_disconnect
         self.client.on_publish = self._on_publish
         self.client.on_message = self._on_message
+        self.client.on_subscribe = lambda *_: log.info("listening for commands on %s", self.topic(topics.CMD))
         self._flusher = threading.Thread(target=self._flush_loop, name="outbox-flush", daemon=True)
 
     def topic(self, kind):

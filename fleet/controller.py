@@ -27,6 +27,7 @@ class Controller:
         self.client.on_connect = self._on_connect
         self.client.on_disconnect = self._on_disconnect
         self.client.on_message = self._on_message
+        self.client.on_subscribe = lambda *_: log.info("subscribed; receiving the fleet's messages")
 
     def start(self):
         self.client.connect_async(self.args.mqtt_host, self.args.mqtt_port, keepalive=self.args.keepalive,

@@ -3,6 +3,7 @@ implementing jetserve.v1 Control/GetStats (+ grpc.health.v1), and the agent and 
 as `python -m jetserve.cli` processes. Everything started here is stopped here.
 """
 
+import getpass
 import os
 import shutil
 import signal
@@ -69,9 +70,11 @@ class Broker:
         self.dir, self.port = str(workdir), free_port()
         self.conf = os.path.join(self.dir, "mosquitto.conf")
         with open(self.conf, "w") as f:
-            f.write("listener %d 127.0.0.1\npersistence true\npersistence_location %s/\n"
+            # `user`: stay the test's user (as root mosquitto would drop to `mosquitto`, who cannot
+            # read pytest's private tmp dirs).
+            f.write("user %s\nlistener %d 127.0.0.1\npersistence true\npersistence_location %s/\n"
                     "log_dest file %s/mosquitto.log\n%s\n"
-                    % (self.port, self.dir, self.dir, extra or "allow_anonymous true"))
+                    % (getpass.getuser(), self.port, self.dir, self.dir, extra or "allow_anonymous true"))
         self.proc = None
 
     def start(self):
