@@ -176,8 +176,8 @@ class JetServer:
     async def shutdown(self) -> None:
         """STOPPING=1, refuse new streams, give open ones the grace period, then stop everything."""
         self.stopping = True
-        notify.notify("STOPPING=1", "STATUS=draining")
         await self.set_draining(True)
+        notify.notify("STOPPING=1", "STATUS=draining")
         grace = self.options.drain_grace_period
         if not await self._inference.wait_idle(grace):
             log.warning("streams still open after the %.0f s grace period: cancelling them", grace)

@@ -4,7 +4,6 @@ Standard library only at module level (and Python 3.8 syntax): `jetserve --help`
 agent's commands import this module on devices without torch or grpc extras.
 """
 
-import argparse
 import logging
 import os
 import sys
@@ -21,7 +20,7 @@ def register(subparsers):
         "serve", help="serve a model over gRPC (Type=notify under systemd)",
         description="Serve a model over gRPC, with health, reflection and Prometheus metrics.")
     add_config_flag(serve, "serve")
-    _add_engine_flags(serve)
+    has_engine = _add_engine_flags(serve)
     net = serve.add_argument_group("service")
     net.add_argument("--host", default="127.0.0.1", help="gRPC and metrics address (default: %(default)s)")
     net.add_argument("--port", type=int, default=50051, help="gRPC port, 0 = any free one (default: %(default)s)")
@@ -36,7 +35,8 @@ def register(subparsers):
     net.add_argument("--drain-grace-period", type=float, default=30.0, metavar="SECONDS",
                      help="on SIGTERM, how long open streams may finish (default: %(default)s)")
     net.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
-    serve.set_defaults(func=run_serve)
+    if has_engine:
+        serve.set_defaults(func=run_serve)
 
     generate = subparsers.add_parser("generate", help="complete a prompt on a running server, streamed")
     generate.add_argument("prompt")
@@ -52,13 +52,20 @@ def register(subparsers):
 
 def _add_engine_flags(parser):
     """vLLM's engine flags, as the engine defines them. On a device without the engine (agent
-    only), `serve` is still listed and says what is missing when run."""
+    only) `serve` is still listed, and running it says which module is missing."""
     try:
-        from jetserve.engine.args import EngineArgs
-    except ModuleNotFoundError:
-        parser.add_argument("engine_flags", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-        return
+        from jetserve.engine.config import EngineArgs
+    except ModuleNotFoundError as exc:
+        missing = exc
+
+        def engine_missing(args):
+            raise missing
+
+        parser.description += " (Not available here: Python module %r is not installed.)" % exc.name
+        parser.set_defaults(func=engine_missing)
+        return False
     EngineArgs.add_cli_args(parser)
+    return True
 
 
 def _add_client_flags(parser):
@@ -89,13 +96,6 @@ def demo_model_dir():
 
 
 def run_serve(args):
-    import asyncio
-
-    from jetserve.engine import AsyncLLM, EngineArgs
-    from jetserve.server.app import ServeOptions, serve
-    from jetserve.server.auth import read_token
-
-    logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
     if not args.model:
         demo = demo_model_dir()
         if not os.path.exists(os.path.join(demo, "config.json")):
@@ -105,6 +105,13 @@ def run_serve(args):
         sys.exit("jetserve serve: --tls-cert and --tls-key go together")
     if args.tls_client_ca and not args.tls_cert:
         sys.exit("jetserve serve: --tls-client-ca needs --tls-cert and --tls-key")
+    import asyncio
+
+    from jetserve.engine import AsyncLLM, EngineArgs
+    from jetserve.server.app import ServeOptions, serve
+    from jetserve.server.auth import read_token
+
+    logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
     engine_args = apply_compat_gate(EngineArgs.from_cli_args(args))
     options = ServeOptions(
         host=args.host, port=args.port, unix_socket=args.unix_socket, metrics_port=args.metrics_port,
@@ -113,6 +120,23 @@ def run_serve(args):
     return asyncio.run(serve(lambda on_status: AsyncLLM(engine_args, on_status=on_status), options))
 
 
-def apply_compat_gate(engine_args):
-    """Ask the agent whether this JetPack allows CUDA graphs; without the agent, trust the flags."""
-    return engine_args
+def apply_compat_gate(engine_args, sysroot="/"):
+    """Run eager where the agent's compatibility gate forbids CUDA graphs (JetPack < 5.1)."""
+    import dataclasses
+
+    log = logging.getLogger("jetserve.server")
+    if engine_args.enforce_eager:
+        return engine_args
+    try:
+        from jetserve.agent.compat import check
+        from jetserve.agent.probe import probe
+
+        verdict = check(probe(sysroot))
+    except (ImportError, OSError, ValueError) as exc:
+        log.warning("compatibility gate unavailable (%s): CUDA graphs as the flags say", exc)
+        return engine_args
+    if verdict.cuda_graphs_allowed:
+        return engine_args
+    reasons = "; ".join(c.detail for c in verdict.checks if c.status != "ok")
+    log.warning("CUDA graphs are not allowed on this device (%s): running with --enforce-eager", reasons)
+    return dataclasses.replace(engine_args, enforce_eager=True)

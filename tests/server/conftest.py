@@ -7,6 +7,7 @@ tokenizer trained here and a ChatML template, so text prompts and Chat work end 
 import asyncio
 import json
 import shutil
+import socket
 import threading
 
 import grpc
@@ -67,6 +68,12 @@ def tiny_model_without_template(tiny_model, tmp_path_factory):
     return path
 
 
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def engine_factory(model, **overrides):
     """`make_engine` for JetServer: the real AsyncLLM on the CPU with a small, fixed KV pool."""
     from jetserve.engine import AsyncLLM, EngineArgs
@@ -85,8 +92,10 @@ class LiveServer:
         self._thread = threading.Thread(target=self.loop.run_forever, name="test-server", daemon=True)
         self._thread.start()
 
+        options = {"port": 0, "metrics_port": 0, **options}
+
         async def create():
-            return JetServer(make_engine, ServeOptions(port=0, metrics_port=0, **options))
+            return JetServer(make_engine, ServeOptions(**options))
 
         self.server = self.call(create())
         self.call(self.server.start())
@@ -116,7 +125,7 @@ class LiveServer:
 @pytest.fixture(scope="session")
 def live(tiny_model):
     """The shared server most tests talk to; tests leave it as they found it (not draining)."""
-    server = LiveServer(engine_factory(tiny_model, max_num_seqs=16))
+    server = LiveServer(engine_factory(tiny_model, max_num_seqs=16), metrics_port=free_port())
     server.wait_loaded()
     yield server
     server.stop()
