@@ -8,7 +8,7 @@ import importlib
 _EXPORTS = {
     "AsyncLLM": "async_llm", "CompletionOutput": "outputs", "EngineArgs": "config",
     "EngineStats": "llm_engine", "LLM": "llm", "LLMEngine": "llm_engine",
-    "RequestOutput": "outputs", "SamplingParams": "sampling_params",
+    "RequestOutput": "outputs", "SamplingParams": "sampling_params", "open_engine": "async_llm",
 }
 __all__ = sorted(_EXPORTS)
 

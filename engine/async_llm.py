@@ -188,3 +188,11 @@ class AsyncLLM:
         if target is not None:
             loop, stream = target
             loop.call_soon_threadsafe(stream.put_nowait, exc)
+
+
+def open_engine(args: EngineArgs, on_status=None):
+    """The streaming engine for `args.backend` (blocking: loads the model)."""
+    if args.backend == "tensorrt-llm":
+        from jetserve.engine.trtllm import TensorRTLLMEngine
+        return TensorRTLLMEngine(args, on_status)
+    return AsyncLLM(args, on_status)

@@ -85,6 +85,7 @@ class EngineArgs:
     """Everything that shapes an engine; the CLI flags are these fields with dashes (vLLM's names)."""
 
     model: str | None = None
+    backend: str = "torch"  # or "tensorrt-llm", where TensorRT-LLM is installed
     dtype: str = "auto"  # auto: the checkpoint's dtype on a GPU, float32 on the CPU
     device: str = "auto"  # auto: cuda when available, else cpu
     max_model_len: int | None = None  # default: the model's max_position_embeddings, capped at 4096
@@ -100,12 +101,15 @@ class EngineArgs:
     seed: int = 0
     cudagraph_capture_sizes: list[int] | None = None
     max_cudagraph_capture_size: int | None = None
+    cuda_graph_num_warmup_steps: int = 2  # eager runs of each step shape before it is captured
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         d = EngineArgs()
         g = parser.add_argument_group("engine (vLLM's flags)")
         g.add_argument("--model", default=d.model, help="checkpoint directory (Hugging Face layout)")
+        g.add_argument("--backend", default=d.backend, choices=["torch", "tensorrt-llm"],
+                       help="torch runs everywhere; tensorrt-llm where NVIDIA ships it")
         g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "float16", "bfloat16"])
         g.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
         g.add_argument("--max-model-len", type=int, default=d.max_model_len)
@@ -126,6 +130,8 @@ class EngineArgs:
                        default=d.cudagraph_capture_sizes, dest="cudagraph_capture_sizes")
         g.add_argument("--max-cudagraph-capture-size", "--cuda-graph-max-batch-size", type=int,
                        default=d.max_cudagraph_capture_size, dest="max_cudagraph_capture_size")
+        g.add_argument("--cuda-graph-num-warmup-steps", type=int, default=d.cuda_graph_num_warmup_steps,
+                       help="eager runs of each step shape before its CUDA graph is captured")
         return parser
 
     @classmethod

@@ -14,8 +14,8 @@ from pathlib import Path
 from jetserve.engine.block_manager import BlockManager
 from jetserve.engine.checkpoint import read_json
 from jetserve.engine.config import EngineArgs, ModelConfig
-from jetserve.engine.errors import PromptTooLongError
 from jetserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jetserve.engine.prompts import check_prompt
 from jetserve.engine.runner import ModelRunner
 from jetserve.engine.sampling_params import SamplingParams
 from jetserve.engine.scheduler import Scheduler
@@ -92,6 +92,8 @@ class LLMEngine:
             _positive(name, getattr(args, name))
         for name in ("max_model_len", "max_num_batched_tokens", "num_kv_blocks"):
             _positive(name, getattr(args, name), allow_none=True)
+        if args.backend != "torch":
+            raise ValueError(f"backend {args.backend!r}: this engine is the torch backend (see open_engine)")
         if not 0 < args.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {args.gpu_memory_utilization}")
         limit = self.model_config.max_position_embeddings
@@ -103,25 +105,7 @@ class LLMEngine:
     # -- requests -------------------------------------------------------------------------
 
     def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
-        """A prompt is a string or {"prompt_token_ids": [...]}; both become checked token ids."""
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            text, ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
-        elif isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("prompt: this model has no tokenizer.json; pass {'prompt_token_ids': [...]}")
-            text, ids = prompt, self.tokenizer.encode(prompt)
-        else:
-            raise ValueError(f"prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
-        if not ids:
-            raise ValueError("prompt is empty")
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt_token_ids: {bad!r} is not a token id of this model (0..{vocab - 1})")
-        if len(ids) >= self.max_model_len:
-            raise PromptTooLongError(f"prompt is {len(ids)} tokens; max_model_len={self.max_model_len} "
-                                     f"leaves room for at most {self.max_model_len - 1}")
-        return text, ids
+        return check_prompt(prompt, self.tokenizer, self.model_config.vocab_size, self.max_model_len)
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:
