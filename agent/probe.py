@@ -5,7 +5,6 @@
 """
 
 import json
-import logging
 import os
 import platform
 
@@ -14,8 +13,6 @@ import psutil
 from jetserve.agent import sensors
 from jetserve.agent.release import jetpack_for, read_l4t
 from jetserve.agent.sysfs import Root, read_text
-
-log = logging.getLogger(__name__)
 
 
 class ProbeError(ValueError):

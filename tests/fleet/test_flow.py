@@ -153,8 +153,6 @@ def test_broker_down_then_up_nothing_lost_in_order_nothing_duplicated(broker, sp
     assert [(a["body"]["old"], a["body"]["new"]) for a in thermal] == [("normal", "shed"), ("shed", "normal")]
     assert all(down < a["ts"] < up for a in thermal)  # produced while the broker was down
     assert thermal[0]["body"]["n"] < thermal[1]["body"]["n"]
-    produced_offline = [a for a in thermal]
-    assert len(produced_offline) == 2
     assert record["health"]["outbox"]["dropped"] == {"health": 0, "alert": 0}
     assert "disconnected from the broker" in agent.output()
 
