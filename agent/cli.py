@@ -10,6 +10,8 @@ import sys
 
 from jetserve.config import add_config_flag
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
 
 def add_mqtt_flags(parser):
     """Broker connection flags shared by `jetserve agent` and `jetserve fleet`."""
@@ -51,7 +53,7 @@ def register(subparsers):
     agent.add_argument("--hysteresis", type=float, default=5.0,
                        help="degrees below a threshold before restoring a level")
     agent.add_argument("--no-jtop", action="store_true", help="never use jetson-stats")
-    agent.add_argument("--log-level", default="INFO")
+    agent.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
     add_mqtt_flags(agent)
     add_config_flag(agent, "agent")
     agent.set_defaults(func=run_agent)
@@ -78,7 +80,7 @@ def run_doctor(args):
 def run_agent(args):
     import socket
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from jetserve.agent.daemon import Agent
     from jetserve.agent.mqtt import MqttConfigError
     from jetserve.agent.outbox import OutboxError

@@ -13,7 +13,7 @@ from jetserve.config import add_config_flag
 
 
 def register(subparsers):
-    from jetserve.agent.cli import add_mqtt_flags  # one definition of the broker flags
+    from jetserve.agent.cli import LOG_LEVELS, add_mqtt_flags  # one definition of the shared flags
 
     fleet = subparsers.add_parser("fleet", help="fleet controller: registry, status, commands")
     commands = fleet.add_subparsers(dest="fleet_command", metavar="COMMAND")
@@ -27,7 +27,7 @@ def register(subparsers):
     run.add_argument("--client-id", help="MQTT client id (default: jetserve-fleet-<host>)")
     run.add_argument("--silence-factor", type=float, default=3.0,
                      help="offline after this many report intervals without a message")
-    run.add_argument("--log-level", default="INFO")
+    run.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
     add_mqtt_flags(run)
     add_config_flag(run, "fleet")
     run.set_defaults(func=run_controller, fleet=None)  # every fleet unless --fleet
@@ -58,7 +58,7 @@ def _host_port(text):
 
 
 def run_controller(args):
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from jetserve.agent.mqtt import MqttConfigError
     from jetserve.fleet import web
     from jetserve.fleet.controller import Controller
