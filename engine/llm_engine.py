@@ -20,6 +20,7 @@ from jetserve.engine.runner import ModelRunner
 from jetserve.engine.sampling_params import SamplingParams
 from jetserve.engine.scheduler import Scheduler
 from jetserve.engine.sequence import Sequence
+from jetserve.engine.spec_decode import DraftLength, SpecCounters, SpeculativeConfig
 from jetserve.engine.tokenizer import Detokenizer, StopStrings, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -75,12 +76,18 @@ class LLMEngine:
         if not args.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} is below max_model_len="
                              f"{self.max_model_len}: without chunked prefill a whole prompt must fit in one step")
+        spec = args.speculative_config
+        self.spec_config = SpeculativeConfig.from_dict(spec, self.model_config.num_mtp_layers) if spec else None
+        self.draft_length = DraftLength(self.spec_config) if spec else None
+        self.spec_counters = SpecCounters()
         has_tokenizer = (Path(args.model) / "tokenizer.json").exists()
         self.tokenizer = Tokenizer.from_pretrained(args.model) if has_tokenizer else None
         self.runner = ModelRunner(args, self.model_config, self.max_model_len, progress=on_status)
-        if self.runner.num_blocks * args.block_size < self.max_model_len:
+        lookahead = self.spec_config.num_speculative_tokens if spec else 0
+        if self.runner.num_blocks * args.block_size < self.max_model_len + lookahead:
             raise ValueError(f"num_kv_blocks={self.runner.num_blocks} of {args.block_size} tokens cannot hold one "
-                             f"sequence of max_model_len={self.max_model_len}")
+                             f"sequence of max_model_len={self.max_model_len}"
+                             + (f" plus {lookahead} draft slots" if lookahead else ""))
         self.blocks = BlockManager(self.runner.num_blocks, args.block_size)
         self.scheduler = Scheduler(self.blocks, args.max_num_seqs, self.max_num_batched_tokens,
                                    args.enable_chunked_prefill)
@@ -133,16 +140,27 @@ class LLMEngine:
     # -- the step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        num_drafts = self.draft_length.next() if self.draft_length else 0
+        self.scheduler.num_lookahead_slots = num_drafts
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        tokens = self.runner.execute(batch)
+        tokens, drafts = self.runner.execute(batch, num_drafts)
         now = time.monotonic()
         outputs = []
-        for seq, n, token in zip(batch.seqs, batch.num_tokens, tokens):
-            seq.num_computed_tokens += n
-            if token is not None:
-                outputs.append(self._append(self.requests[seq.request_id], [token], now))
+        for seq, n, new, new_drafts in zip(batch.seqs, batch.num_tokens, tokens, drafts):
+            if new is None:
+                seq.num_computed_tokens += n
+                continue
+            drafted, accepted = len(seq.spec_token_ids), len(new) - 1
+            seq.num_computed_tokens += n - (drafted - accepted)  # rejected drafts' KV is rolled back
+            if drafted:
+                self.spec_counters.record(drafted, accepted)
+                self.draft_length.record(drafted, accepted)
+            seq.spec_token_ids = new_drafts
+            outputs.append(self._append(self.requests[seq.request_id], new, now))
+        if self.draft_length:
+            self.draft_length.update()
         return outputs
 
     def _append(self, request: _Request, tokens: list[int], now: float) -> RequestOutput:
@@ -194,18 +212,28 @@ class LLMEngine:
         self.scheduler.set_max_num_seqs(n)
 
     def set_num_speculative_tokens(self, k: int) -> None:
+        """Live control of the draft length cap; 0 turns drafting off, adaptive k moves below the cap."""
         if not isinstance(k, int) or k < 0:
             raise ValueError(f"num_speculative_tokens must be an integer >= 0, got {k!r}")
-        if k:
-            raise ValueError("num_speculative_tokens: this engine was started without speculative_config")
+        if self.draft_length is None:
+            if k:
+                raise ValueError("num_speculative_tokens: this engine was started without speculative_config")
+            return
+        self.draft_length.set_max(k)
 
     def stats(self) -> EngineStats:
         used, total = self.blocks.num_used, self.blocks.num_blocks
+        spec = self.spec_counters
         return EngineStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             max_num_seqs=self.scheduler.max_num_seqs, kv_blocks_total=total, kv_blocks_used=used,
             kv_usage=used / total, num_preemptions=self.scheduler.num_preemptions,
-            num_requests_finished=self.num_requests_finished)
+            num_requests_finished=self.num_requests_finished,
+            num_drafts=spec.num_drafts, num_draft_tokens=spec.num_draft_tokens,
+            num_accepted_tokens=spec.num_accepted_tokens,
+            accepted_per_position=list(spec.accepted_per_position),
+            acceptance_rate=spec.acceptance_rate, mean_accepted_length=spec.mean_accepted_length,
+            num_speculative_tokens=self.draft_length.k if self.draft_length else 0)
 
     @property
     def model_info(self) -> dict:
@@ -214,6 +242,7 @@ class LLMEngine:
             "model": str(self.args.model), "architecture": cfg.architecture,
             "dtype": str(self.runner.dtype).replace("torch.", ""), "device": str(self.runner.device),
             "max_model_len": self.max_model_len, "vocab_size": cfg.vocab_size,
-            "num_mtp_layers": cfg.num_mtp_layers, "num_speculative_tokens": 0,
+            "num_mtp_layers": cfg.num_mtp_layers,
+            "num_speculative_tokens": self.draft_length.k if self.draft_length else 0,
             "cuda_graphs": False, "backend": "torch",
         }

@@ -18,6 +18,7 @@ from jetserve.engine.loader import load_model, torch_dtype
 from jetserve.engine.sampler import make_generator, sample
 from jetserve.engine.scheduler import ScheduledBatch
 from jetserve.engine.sequence import Sequence
+from jetserve.engine.spec_decode import MTPProposer
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ class ModelRunner:
         slots = (self.num_blocks + 1) * self.block_size
         self.kv_cache = torch.zeros(self.model.num_kv_layers, 2, slots, model_config.num_key_value_heads,
                                     model_config.head_dim, dtype=self.dtype, device=self.device)
+        self.proposer = MTPProposer(max_model_len, self.block_size, self.device) if args.speculative_config else None
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB) on %s, %s", self.num_blocks, self.block_size,
                  self.kv_cache.numel() * self.kv_cache.element_size() / 2**20, self.device, self.dtype)
 
@@ -94,29 +96,52 @@ class ModelRunner:
         return peak
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> list[int | None]:
-        """Compute the scheduled tokens; sample for each sequence whose tokens are now all
-        computed (its next token), None for one that is still part-way through its prompt."""
-        ids, positions, q_lens, ctx_lens, tables, sample_at, sampled_seqs = [], [], [], [], [], [], []
+    def execute(self, batch: ScheduledBatch, num_drafts: int = 0
+                ) -> tuple[list[list[int] | None], list[list[int]]]:
+        """Compute the scheduled tokens (a sequence's pending drafts included); for each sequence
+        whose tokens are now all computed, the tokens it gains (accepted drafts + one), None for
+        one still part-way through its prompt; and the drafts (up to `num_drafts`) each one
+        proposes for the next step."""
+        ids, positions, q_lens, ctx_lens, tables, sample_at, sampled, done = [], [], [], [], [], [], [], []
         for seq, n in zip(batch.seqs, batch.num_tokens):
             start = seq.num_computed_tokens
-            ids.extend(seq.token_ids[start:start + n])
+            new = seq.token_ids[start:start + n]
+            ids.extend(new + seq.spec_token_ids[:n - len(new)])
             positions.extend(range(start, start + n))
             q_lens.append(n)
             ctx_lens.append(start + n)
             tables.append(seq.block_table)
-            if start + n == seq.num_tokens:
-                sample_at.append(len(ids) - 1)
-                sampled_seqs.append(seq)
+            done.append(start + n == seq.num_tokens + len(seq.spec_token_ids))
+            if done[-1]:
+                sample_at.extend(range(len(ids) - 1 - len(seq.spec_token_ids), len(ids)))
+                sampled.append(seq)
         meta = AttentionMetadata.build(q_lens, ctx_lens, tables, self.block_size, self.device)
-        hidden = self.model(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device),
-                            self.kv_cache, meta)
-        tokens = iter(self._sample(hidden[sample_at], sampled_seqs) if sampled_seqs else [])
-        return [next(tokens) if seq in sampled_seqs else None for seq in batch.seqs]
+        positions_t = torch.tensor(positions, device=self.device)
+        hidden = self._forward(torch.tensor(ids, device=self.device), positions_t, meta)
+        tokens = iter(self._sample(hidden[sample_at], sampled) if sampled else [])
+        emitted = [next(tokens) if d else None for d in done]
+        if self.proposer is None:
+            return emitted, [[] for _ in batch.seqs]
+        drafts = self.proposer.propose(self._draft_forward, self.model.compute_logits, batch.seqs,
+                                       batch.num_tokens, hidden, positions_t, meta, emitted, num_drafts)
+        return emitted, drafts
 
-    def _sample(self, hidden: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The main model over a step's tokens (the seam CUDA graphs wrap)."""
+        return self.model(ids, positions, self.kv_cache, meta)
+
+    def _draft_forward(self, step: int, ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
+                       meta: AttentionMetadata) -> torch.Tensor:
+        """MTP draft step `step` (layer step % n, its own KV cache); the seam CUDA graphs wrap."""
+        return self.model.mtp_forward(step, ids, positions, hidden, self.kv_cache, meta)
+
+    def _sample(self, hidden: torch.Tensor, seqs: list[Sequence]) -> list[list[int]]:
+        """Tokens each sequence gains: one sampled token, or accepted drafts + one with MTP."""
         logits = self.model.compute_logits(hidden).float()
         for seq in seqs:
             if seq.generator is None and seq.params.seed is not None:
                 seq.generator = make_generator(seq.params, self.device)
-        return sample(logits, [s.params for s in seqs], [s.generator for s in seqs]).tolist()
+        params, generators = [s.params for s in seqs], [s.generator for s in seqs]
+        if self.proposer is not None:
+            return self.proposer.verify(logits, [s.spec_token_ids for s in seqs], params, generators)
+        return [[t] for t in sample(logits, params, generators).tolist()]

@@ -46,6 +46,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is preempted first
         self.num_preemptions = 0
+        # KV slots reserved past a sequence that samples this step: its MTP drafts are chained
+        # (and their draft-layer KV written) before the next step allocates for them.
+        self.num_lookahead_slots = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -72,10 +75,10 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             n = self._chunk(seq, budget)
-            if n == 0 or not self.blocks.can_allocate(seq, n):
+            if n == 0 or not self.blocks.can_allocate(seq, self._slots(seq, n)):
                 break
             self.waiting.popleft()
-            self.blocks.allocate(seq, n)
+            self.blocks.allocate(seq, self._slots(seq, n))
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.add(seq, n)
@@ -92,15 +95,21 @@ class Scheduler:
             return need
         return budget if self.chunked and self._is_prefilling(seq) else 0
 
+    def _slots(self, seq: Sequence, n: int) -> int:
+        """KV slots `seq` needs for `n` tokens: plus the lookahead when this step samples it."""
+        samples = n == seq.num_uncomputed_tokens + len(seq.spec_token_ids)
+        return n + self.num_lookahead_slots if samples else n
+
     def _make_room(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
         """Allocate blocks for `seq`, preempting later-admitted sequences; False if `seq` itself
         had to be preempted."""
-        while not self.blocks.can_allocate(seq, n):
+        slots = self._slots(seq, n)
+        while not self.blocks.can_allocate(seq, slots):
             victim = next((s for s in reversed(self.running) if s not in batch.seqs), None)
             self._preempt(victim)
             if victim is seq:
                 return False
-        self.blocks.allocate(seq, n)
+        self.blocks.allocate(seq, slots)
         return True
 
     def _preempt(self, seq: Sequence) -> None:
@@ -118,6 +127,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.blocks.free(seq)
+        seq.spec_token_ids.clear()
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
