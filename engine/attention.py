@@ -4,30 +4,44 @@ The runner describes a step as B sequences, each with `q_len` new tokens (flatte
 sequence order) at the end of a context of `ctx_len` tokens. New keys and values are written
 into the cache slots of their positions first; then each sequence's queries attend to its
 context gathered through its block table (only the batch's own blocks are read, never the
-whole cache). Shapes depend only on (B, max_q, max_ctx), so a step can be replayed from a
-CUDA graph once its metadata lives in static buffers.
+whole cache). On CUDA, a step where every sequence has the same few new tokens (decodes,
+MTP verifies and drafts) takes the uniform form instead: block tables and lengths, read by a
+paged Triton kernel that walks only each sequence's own blocks; its shapes depend only on
+(B, q_len), so the step can be replayed from a CUDA graph (engine/cuda_graphs.py).
 """
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+HAS_TRITON = importlib.util.find_spec("triton") is not None  # the fused CUDA path needs it
+MAX_UNIFORM_Q = 16  # longer uniform steps are prefill chunks: the SDPA path tiles those better
+
 
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] flat cache slot of each new token (padding: the scratch slot)
-    query_index: torch.Tensor  # [B, max_q] index into the T new tokens (padding points at 0)
-    output_index: torch.Tensor  # [T] where each new token sits in the flattened [B * max_q]
-    context_slots: torch.Tensor  # [B, max_ctx] flat cache slot of each context position
-    mask: torch.Tensor  # [B, 1, max_q, max_ctx] bool: causal within the sequence's context
+    # General form (any mix of prefill chunks and decodes): SDPA over the gathered context.
+    query_index: torch.Tensor | None = None  # [B, max_q] index into the T new tokens (padding points at 0)
+    output_index: torch.Tensor | None = None  # [T] where each new token sits in the flattened [B * max_q]
+    context_slots: torch.Tensor | None = None  # [B, max_ctx] flat cache slot of each context position
+    mask: torch.Tensor | None = None  # [B, 1, max_q, max_ctx] bool: causal within the sequence's context
+    # Uniform form (CUDA, every sequence `q_len` new tokens): the paged kernel's inputs.
+    block_tables: torch.Tensor | None = None  # [B, max_blocks] int32
+    context_lens: torch.Tensor | None = None  # [B] int32, after this step's tokens
+    q_len: int = 0
+    block_size: int = 0
 
     @staticmethod
     def build(q_lens: list[int], ctx_lens: list[int], block_tables: list[list[int]], block_size: int,
               device: torch.device) -> AttentionMetadata:
         """Describe a step; `ctx_lens` count the context after this step's tokens are added."""
+        if device.type == "cuda" and HAS_TRITON and len(set(q_lens)) == 1 and q_lens[0] <= MAX_UNIFORM_Q:
+            return AttentionMetadata._uniform(q_lens[0], ctx_lens, block_tables, block_size, device)
         batch, max_q, max_ctx = len(q_lens), max(q_lens), max(ctx_lens)
         q_lens_t = torch.tensor(q_lens)
         ctx_lens_t = torch.tensor(ctx_lens)
@@ -55,6 +69,21 @@ class AttentionMetadata:
             context_slots=context_slots.to(device),
             mask=mask[:, None].to(device),
         )
+
+
+    @staticmethod
+    def _uniform(q_len: int, ctx_lens: list[int], block_tables: list[list[int]], block_size: int,
+                 device: torch.device) -> AttentionMetadata:
+        width = max(len(t) for t in block_tables)
+        slots = [t[p // block_size] * block_size + p % block_size
+                 for t, c in zip(block_tables, ctx_lens) for p in range(c - q_len, c)]
+        tables = [t + [0] * (width - len(t)) for t in block_tables]
+        # One host-to-device copy for all three.
+        packed = torch.tensor(slots + ctx_lens + [x for t in tables for x in t], dtype=torch.int32).to(device)
+        n, b = len(slots), len(ctx_lens)
+        return AttentionMetadata(slot_mapping=packed[:n], context_lens=packed[n:n + b],
+                                 block_tables=packed[n + b:].view(b, width), q_len=q_len,
+                                 block_size=block_size)
 
 
 def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):

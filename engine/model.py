@@ -3,17 +3,23 @@
 Numerics follow transformers' Qwen3 exactly where it decides logits: RMSNorm in fp32 then
 cast, q/k RMSNorm per head before RoPE, NeoX RoPE with cos/sin computed in fp32, head_dim from
 the config. Projections are fused (q|k|v, gate|up) so a step launches fewer kernels; the loader
-concatenates the checkpoint's separate tensors into them.
+concatenates the checkpoint's separate tensors into them. On CUDA the elementwise chains run as
+Triton kernels (engine/kernels.py: residual add + RMSNorm, q/k norm + RoPE + KV store, SiLU·up,
+paged decode attention); the CPU path is plain torch and exact.
 """
 
 from __future__ import annotations
+
+import importlib
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from jetserve.engine.attention import AttentionMetadata, paged_attention
+from jetserve.engine.attention import HAS_TRITON, AttentionMetadata, paged_attention
 from jetserve.engine.config import ModelConfig
+
+kernels = importlib.import_module("jetserve.engine.kernels") if HAS_TRITON else None
 
 
 class RMSNorm(nn.Module):
@@ -22,11 +28,17 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); with `residual`, (norm(x + residual), x + residual): the add fused in."""
+        if x.is_cuda and kernels:
+            return kernels.rms_norm(x, self.weight, self.eps, residual)
+        if residual is not None:
+            x = x + residual
         dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        y = self.weight * y.to(dtype)
+        return y if residual is None else (y, x)
 
 
 class RotaryEmbedding(nn.Module):
@@ -67,6 +79,13 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
 
     def forward(self, x, rope, kv_cache, meta: AttentionMetadata):
+        if meta.block_tables is not None:  # uniform step on CUDA: two fused kernels
+            q = kernels.qk_norm_rope_store(self.qkv_proj(x), self.q_norm.weight, self.k_norm.weight, *rope,
+                                           meta.slot_mapping, kv_cache[0], kv_cache[1], self.q_norm.eps,
+                                           self.num_heads, self.num_kv_heads, self.head_dim)
+            out = kernels.paged_attention(q, kv_cache[0], kv_cache[1], meta.block_tables, meta.context_lens,
+                                          meta.q_len, meta.block_size, self.scale)
+            return self.o_proj(out.flatten(1))
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
         k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
@@ -84,6 +103,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
+        if x.is_cuda and kernels:
+            return self.down_proj(kernels.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -96,9 +117,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, rope, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, rope, kv_cache, meta):
+        """Returns (this layer's MLP output, the residual stream before it): the next norm adds
+        them, so each residual add rides along with a norm (one kernel on CUDA)."""
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, rope, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class MTPLayer(nn.Module):
@@ -115,7 +143,7 @@ class MTPLayer(nn.Module):
 
     def forward(self, embeds, hidden, rope, kv_cache, meta):
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
-        return self.norm(self.block(x, rope, kv_cache, meta))
+        return self.norm(*self.block(x, None, rope, kv_cache, meta))[0]
 
 
 class Qwen3ForCausalLM(nn.Module):
@@ -142,9 +170,10 @@ class Qwen3ForCausalLM(nn.Module):
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata):
         x = self.embed_tokens(input_ids)
         rope = self.rotary(positions, x.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, rope, kv_cache, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, kv_cache, meta)
+        return self.norm(x, residual)[0]
 
     def mtp_forward(self, step: int, input_ids, positions, hidden, kv_caches, meta: AttentionMetadata):
         """Draft step `step`: MTP layer step % n, fed token t+1 and the hidden state at t."""
