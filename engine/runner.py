@@ -12,8 +12,9 @@ from collections.abc import Callable
 
 import torch
 
-from jetserve.engine.attention import AttentionMetadata
+from jetserve.engine.attention import HAS_TRITON, AttentionMetadata
 from jetserve.engine.config import EngineArgs, ModelConfig
+from jetserve.engine.cuda_graphs import CUDAGraphs, capture_sizes, step_shapes
 from jetserve.engine.loader import load_model, torch_dtype
 from jetserve.engine.sampler import make_generator, sample
 from jetserve.engine.scheduler import ScheduledBatch
@@ -48,13 +49,31 @@ class ModelRunner:
         self.config = model_config
         torch.manual_seed(args.seed)
         self.model = load_model(args.model, self.dtype, self.device, max_model_len, progress)
-        self.num_blocks = args.num_kv_blocks or self._fit_num_blocks(args, max_model_len)
+        plan = self._graph_plan(args)
+        self.num_blocks = args.num_kv_blocks or self._fit_num_blocks(args, max_model_len, plan)
         slots = (self.num_blocks + 1) * self.block_size
         self.kv_cache = torch.zeros(self.model.num_kv_layers, 2, slots, model_config.num_key_value_heads,
                                     model_config.head_dim, dtype=self.dtype, device=self.device)
         self.proposer = MTPProposer(max_model_len, self.block_size, self.device) if args.speculative_config else None
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB) on %s, %s", self.num_blocks, self.block_size,
                  self.kv_cache.numel() * self.kv_cache.element_size() / 2**20, self.device, self.dtype)
+        self.graphs = None
+        if plan:
+            self.graphs = CUDAGraphs(self.model, self.kv_cache, *plan, max_model_len, self.block_size,
+                                     scratch_block=self.num_blocks, num_warmup=args.cuda_graph_num_warmup_steps)
+            self.graphs.capture(progress)
+
+    def _graph_plan(self, args: EngineArgs) -> tuple[list[int], list[tuple[int | None, int]]] | None:
+        """Batch buckets and step shapes to capture; None runs every step eagerly (CPU, enforce_eager)."""
+        if self.device.type != "cuda" or args.enforce_eager:
+            return None
+        if not HAS_TRITON:
+            log.warning("CUDA graphs need Triton (the fused decode path), which is not installed: running eagerly")
+            return None
+        spec = args.speculative_config
+        k = spec.get("num_speculative_tokens", 1) if spec else 0
+        return (capture_sizes(args.cudagraph_capture_sizes, args.max_cudagraph_capture_size, args.max_num_seqs),
+                step_shapes(k, self.config.num_mtp_layers))
 
     @property
     def block_bytes(self) -> int:
@@ -62,23 +81,28 @@ class ModelRunner:
         per_token = 2 * self.model.num_kv_layers * c.num_key_value_heads * c.head_dim
         return per_token * self.block_size * torch.finfo(self.dtype).bits // 8
 
-    def _fit_num_blocks(self, args: EngineArgs, max_model_len: int) -> int:
-        """Enough for every sequence at full length; on a GPU no more than memory allows."""
+    def _fit_num_blocks(self, args: EngineArgs, max_model_len: int, graph_plan) -> int:
+        """Enough for every sequence at full length; on a GPU no more than memory allows, after
+        the activations of the largest step and the CUDA graphs' pool (measured by dry runs)."""
         wanted = args.max_num_seqs * -(-max_model_len // self.block_size)
         if self.device.type != "cuda":
             return wanted
         free, total = torch.cuda.mem_get_info(self.device)
         used = total - free
-        budget = int(total * args.gpu_memory_utilization) - used - self._activation_peak(args)
+        n = args.max_num_batched_tokens or 512
+        reserve = self._activation_peak(n, min(n, args.max_num_seqs))
+        if graph_plan:
+            sizes, shapes = graph_plan
+            reserve += self._activation_peak(max(sizes) * max(q for _, q in shapes), 0)
+        budget = int(total * args.gpu_memory_utilization) - used - reserve
         fits = budget // self.block_bytes - 1  # the scratch block
         if fits < -(-max_model_len // self.block_size):
             raise ValueError(f"gpu_memory_utilization={args.gpu_memory_utilization} leaves room for {fits} KV "
                              f"blocks, fewer than one sequence of max_model_len={max_model_len} needs")
         return min(wanted, fits)
 
-    def _activation_peak(self, args: EngineArgs) -> int:
-        """Bytes a step of max_num_batched_tokens needs beyond the weights (one dry run)."""
-        n = args.max_num_batched_tokens or 512
+    def _activation_peak(self, n: int, n_logits: int) -> int:
+        """Bytes a step of n tokens, sampling n_logits of them, needs beyond the weights (one dry run)."""
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
         c = self.config
@@ -89,7 +113,8 @@ class ModelRunner:
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         with torch.inference_mode():
             hidden = self.model(ids, torch.arange(n, device=self.device), cache, meta)
-            self.model.compute_logits(hidden[-min(n, args.max_num_seqs):])
+            if n_logits:
+                self.model.compute_logits(hidden[-n_logits:])
         peak = torch.cuda.max_memory_allocated(self.device) - before
         del cache, hidden
         torch.cuda.empty_cache()
@@ -127,13 +152,16 @@ class ModelRunner:
         return emitted, drafts
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """The main model over a step's tokens (the seam CUDA graphs wrap)."""
-        return self.model(ids, positions, self.kv_cache, meta)
+        """The main model over a step's tokens: a graph replay when one fits the step."""
+        out = self.graphs.run(None, ids, positions, meta) if self.graphs else None
+        return self.model(ids, positions, self.kv_cache, meta) if out is None else out
 
     def _draft_forward(self, step: int, ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
                        meta: AttentionMetadata) -> torch.Tensor:
-        """MTP draft step `step` (layer step % n, its own KV cache); the seam CUDA graphs wrap."""
-        return self.model.mtp_forward(step, ids, positions, hidden, self.kv_cache, meta)
+        """MTP draft step `step` (layer step % n, its own KV cache): a graph replay when one fits."""
+        layer = step % len(self.model.mtp)
+        out = self.graphs.run(layer, ids, positions, meta, hidden) if self.graphs else None
+        return self.model.mtp_forward(layer, ids, positions, hidden, self.kv_cache, meta) if out is None else out
 
     def _sample(self, hidden: torch.Tensor, seqs: list[Sequence]) -> list[list[int]]:
         """Tokens each sequence gains: one sampled token, or accepted drafts + one with MTP."""
