@@ -244,5 +244,5 @@ class LLMEngine:
             "max_model_len": self.max_model_len, "vocab_size": cfg.vocab_size,
             "num_mtp_layers": cfg.num_mtp_layers,
             "num_speculative_tokens": self.draft_length.k if self.draft_length else 0,
-            "cuda_graphs": False, "backend": "torch",
+            "cuda_graphs": bool(self.runner.graphs and self.runner.graphs.graphs), "backend": "torch",
         }
