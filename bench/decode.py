@@ -1,0 +1,249 @@
+"""Decode latency: time per output token (TPOT) by batch size.
+
+Ours with CUDA graphs, ours eager (fused Triton kernels, and plain torch with them off), and
+transformers (eager `generate`, and static cache + torch.compile) on the same weights in the
+same run, against the memory-bandwidth roofline (every weight and the batch's KV read once a
+step). Random weights in real Qwen3 shapes (timing only), or a checkpoint (--model). Our TPOT is
+the wall time of one engine step (scheduling, sampling and the host sync included); "graph
+replay" is the GPU time of the captured forward alone.
+"""
+
+DEFAULT_SHAPES = ["qwen3-0.6b", "qwen3-4b"]
+
+
+def add_arguments(p):
+    p.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, help="random-weight Qwen3 shapes to time")
+    p.add_argument("--model", help="time this checkpoint instead (e.g. jetserve/models/demo)")
+    p.add_argument("--device", default="auto", help="auto, cuda or cpu")
+    p.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=32, help="decode steps timed per batch size (ours)")
+    p.add_argument("--hf-steps", type=int, default=8, help="tokens timed per batch size (transformers)")
+    p.add_argument("--hf-batch-sizes", help="default: --batch-sizes")
+    p.add_argument("--hf-compile-batch-sizes", default="1",
+                   help="static cache + compile recompiles per batch size (~35 s for 0.6B): keep it short")
+    p.add_argument("--hf-compile-shapes", nargs="*", default=["qwen3-0.6b"], help="'' to skip")
+    p.add_argument("--no-hf", action="store_true", help="skip transformers")
+
+
+def _ints(text):
+    return [int(x) for x in text.split(",") if x]
+
+
+def run(args) -> dict:
+    import tempfile
+    from pathlib import Path
+
+    import torch
+    from tqdm import tqdm
+
+    from jetserve.bench.common import environment, load_hf, random_checkpoint, read_bandwidth, write_results
+
+    device = torch.device(args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    batches = _ints(args.batch_sizes)
+    result = {"env": environment(device), "dtype": str(dtype).replace("torch.", ""), "prompt_len": args.prompt_len,
+              "batch_sizes": batches, "models": {}}
+    if device.type == "cuda":
+        result["read_bandwidth_GBps"] = round(read_bandwidth(device) / 1e9, 1)
+    targets = [("model", args.model)] if args.model else [(s, None) for s in args.shapes]
+    for name, model_dir in targets:
+        with tempfile.TemporaryDirectory() as tmp:
+            if model_dir:
+                hf = None if args.no_hf else load_hf(model_dir, dtype, device)
+                name = Path(model_dir).name
+            else:
+                tqdm.write(f"[decode] building a random {name} checkpoint")
+                hf = random_checkpoint(name, Path(tmp), dtype, device)
+                model_dir = tmp
+            result["models"][name] = _time_model(args, name, model_dir, hf, device, dtype, batches,
+                                                 result.get("read_bandwidth_GBps"))
+            del hf
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    write_results(args.out, result, {"decode": _plot(result)})
+    return result
+
+
+def _time_model(args, name, model_dir, hf, device, dtype, batches, bandwidth_gbps) -> dict:
+    import torch
+
+    from jetserve.bench.common import peak_memory, reset_peak
+
+    out = {"configs": {}, "peak_memory_MiB": {}}
+    configs = [("ours_graphs", dict(enforce_eager=False)), ("ours_eager", dict(enforce_eager=True)),
+               ("ours_eager_plain_torch", dict(enforce_eager=True, plain=True))]
+    if device.type != "cuda":
+        configs = [("ours_eager", dict(enforce_eager=True))]
+    for config, kwargs in configs:
+        reset_peak(device)
+        out["configs"][config] = _time_engine(args, model_dir, device, batches, **kwargs)
+        out["peak_memory_MiB"][config] = _mib(peak_memory(device))
+    if hf is not None and not args.no_hf:
+        hf_batches = _ints(args.hf_batch_sizes) if args.hf_batch_sizes else batches
+        reset_peak(device)
+        out["configs"]["hf_eager"] = {b: _time_hf(hf, b, args.prompt_len, args.hf_steps, False) for b in hf_batches}
+        out["peak_memory_MiB"]["hf_eager"] = _mib(peak_memory(device))
+        if device.type == "cuda" and name in args.hf_compile_shapes:
+            reset_peak(device)
+            out["configs"]["hf_static_compile"] = {
+                b: _time_hf(hf, b, args.prompt_len, args.hf_steps, True) for b in _ints(args.hf_compile_batch_sizes)}
+            out["peak_memory_MiB"]["hf_static_compile"] = _mib(peak_memory(device))
+    if hf is not None:
+        weights = sum(p.numel() * p.element_size() for p in {id(p): p for p in hf.parameters()}.values())
+        cfg = hf.config
+        kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
+        out["weights_bytes"] = weights
+        if bandwidth_gbps:
+            context = args.prompt_len + args.steps // 2
+            out["configs"]["roofline"] = {b: round((weights + b * context * kv_per_token) / (bandwidth_gbps * 1e9) * 1e3,
+                                                   4) for b in batches}
+    ours = out["configs"]
+    if "ours_graphs" in ours:
+        one = min(batches)
+        out["speedup_graphs_vs_eager_batch1"] = round(ours["ours_eager"][one] / ours["ours_graphs"][one], 2)
+        out["speedup_graphs_vs_plain_eager_batch1"] = round(
+            ours["ours_eager_plain_torch"][one] / ours["ours_graphs"][one], 2)
+    return out
+
+
+def _mib(n):
+    return None if n is None else round(n / 2**20)
+
+
+def _time_engine(args, model_dir, device, batches, enforce_eager, plain=False) -> dict:
+    """TPOT (median engine step, ms) for each batch size; with graphs also the graph replay alone."""
+    import time
+
+    import torch
+    from tqdm import tqdm
+
+    import jetserve.engine.attention as attention
+    import jetserve.engine.model as model_module
+    from jetserve.bench.common import median
+    from jetserve.engine.config import EngineArgs
+    from jetserve.engine.llm_engine import LLMEngine
+    from jetserve.engine.sampling_params import SamplingParams
+
+    saved = attention.HAS_TRITON, model_module.kernels
+    if plain:  # the plain torch path on the GPU: what the step costs without the fused kernels
+        attention.HAS_TRITON, model_module.kernels = False, None
+    try:
+        max_batch, length = max(batches), args.prompt_len + args.steps + 16
+        engine = LLMEngine(EngineArgs(
+            model=model_dir, device=str(device), max_num_seqs=max_batch, max_model_len=length,
+            num_kv_blocks=max_batch * -(-length // 16) + 1, enforce_eager=enforce_eager,
+            max_num_batched_tokens=max(2048, max_batch)))
+        rng = torch.Generator().manual_seed(0)
+        vocab = engine.model_config.vocab_size
+        tpot, replay = {}, {}
+        label = "plain torch" if plain else "eager" if enforce_eager else "graphs"
+        for batch in tqdm(batches, desc=f"[decode] ours, {label}", unit="batch size"):
+            params = SamplingParams(temperature=0, max_tokens=args.steps + 2, ignore_eos=True)
+            for i in range(batch):
+                ids = torch.randint(0, vocab, (args.prompt_len,), generator=rng).tolist()
+                engine.add_request(f"{batch}-{i}", {"prompt_token_ids": ids}, params)
+            started = set()
+            while len(started) < batch:  # prefill (chunked) until every sequence decodes
+                started.update(o.request_id for o in engine.step())
+            times = []
+            for _ in range(args.steps):
+                start = time.perf_counter()
+                engine.step()
+                times.append(time.perf_counter() - start)
+            while engine.has_unfinished_requests():
+                engine.step()
+            tpot[batch] = round(median(times) * 1e3, 4)
+            graphs = engine.runner.graphs
+            if graphs:
+                replay[batch] = _replay_ms(graphs, batch)
+        del engine
+        return tpot if not replay else {**tpot, "graph_replay_ms": replay}
+    finally:
+        attention.HAS_TRITON, model_module.kernels = saved
+
+
+def _replay_ms(graphs, batch) -> float | None:
+    import torch
+
+    bucket = next((s for s in graphs.sizes if s >= batch), None)
+    graph = graphs.graphs.get((None, 1, bucket))
+    if graph is None:
+        return None
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    start.record()
+    for _ in range(50):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return round(start.elapsed_time(end) / 50, 4)
+
+
+class _TokenClock:
+    """A transformers streamer that only notes when each new token arrives."""
+
+    def __init__(self):
+        import time
+
+        self.clock, self.times = time.perf_counter, []
+
+    def put(self, value):
+        self.times.append(self.clock())
+
+    def end(self):
+        pass
+
+
+def _time_hf(model, batch, prompt_len, steps, static) -> float:
+    """Median gap between tokens of one transformers `generate` (after a warm-up call)."""
+    import torch
+
+    from jetserve.bench.common import median
+
+    ids = torch.randint(0, model.config.vocab_size, (batch, prompt_len), device=model.device,
+                        generator=torch.Generator(device=model.device).manual_seed(batch))
+    kwargs = dict(max_new_tokens=steps + 1, min_new_tokens=steps + 1, do_sample=False, pad_token_id=0,
+                  attention_mask=torch.ones_like(ids))
+    if static:
+        kwargs["cache_implementation"] = "static"  # transformers compiles the decode step itself
+    with torch.inference_mode():
+        model.generate(ids, **kwargs)  # warm-up (and, static, the compile)
+        clock = _TokenClock()
+        model.generate(ids, streamer=clock, **kwargs)
+    gaps = [b - a for a, b in zip(clock.times[2:], clock.times[3:])]  # [0]: the prompt, [1]: first token
+    return round(median(gaps) * 1e3, 4)
+
+
+LABELS = {
+    "ours_graphs": ("ours, CUDA graphs", "o-"), "ours_graphs_replay": ("ours, graph replay (GPU only)", "o:"),
+    "ours_eager": ("ours, eager (fused kernels)", "s-"), "ours_eager_plain_torch": ("ours, eager (plain torch)", "s--"),
+    "hf_eager": ("transformers eager", "^-"), "hf_static_compile": ("transformers static cache + compile", "D"),
+    "roofline": ("bandwidth roofline", "k--"),
+}
+
+
+def _plot(result):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = result["models"]
+    fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 4.8), squeeze=False)
+    for ax, (name, data) in zip(axes[0], models.items()):
+        configs = dict(data["configs"])
+        if "ours_graphs" in configs:
+            configs["ours_graphs_replay"] = configs["ours_graphs"].get("graph_replay_ms", {})
+        for key, (label, style) in LABELS.items():
+            series = {int(b): v for b, v in configs.get(key, {}).items() if str(b).isdigit() and v}
+            if series:
+                ax.plot(list(series), list(series.values()), style, label=label, markersize=5)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("batch size (sequences decoding)")
+        ax.set_ylabel("time per output token, ms")
+        ax.set_title(f"{name}, {result['dtype']}, {result['env'].get('gpu', result['env']['device'])}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    return fig

@@ -1,0 +1,153 @@
+"""Chunked prefill: what a long prompt does to the streams already decoding.
+
+N requests stream tokens; once they are in steady state a long prompt (8k tokens) arrives.
+Without chunking its whole prefill is one step, and every stream stalls for it; with a token
+budget per step it is split into chunks that ride along with the decodes. Reported per
+configuration: the streams' inter-token latency (ITL) p50/p99/max in steady state and while the
+long prompt is processed (its arrival to its first token), the long prompt's TTFT, peak memory.
+"""
+
+
+def add_arguments(p):
+    p.add_argument("--shape", default="qwen3-0.6b", help="random-weight Qwen3 shape")
+    p.add_argument("--model", help="use this checkpoint instead")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--streams", type=int, default=8, help="requests decoding when the long prompt arrives")
+    p.add_argument("--stream-prompt-len", type=int, default=256)
+    p.add_argument("--long-prompt-len", type=int, default=8192)
+    p.add_argument("--budgets", default="512,1024,2048,4096", help="max_num_batched_tokens with chunking")
+    p.add_argument("--steady-steps", type=int, default=24, help="stream steps before and after the long prompt")
+    p.add_argument("--jitter", type=float, default=1.5, help="the bar: ITL p99 <= jitter * p50 during the prefill")
+
+
+def run(args) -> dict:
+    import tempfile
+    from pathlib import Path
+
+    import torch
+    from tqdm import tqdm
+
+    from jetserve.bench.common import environment, peak_memory, random_checkpoint, reset_peak, write_results
+
+    device = torch.device(args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    budgets = [int(b) for b in args.budgets.split(",") if b]
+    result = {"env": environment(device), "shape": args.model or args.shape, "streams": args.streams,
+              "stream_prompt_len": args.stream_prompt_len, "long_prompt_len": args.long_prompt_len, "configs": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = args.model
+        if not model_dir:
+            hf = random_checkpoint(args.shape, Path(tmp), dtype, device)
+            del hf
+            model_dir = tmp
+        for budget in tqdm([None] + budgets, desc="[prefill] configurations", unit="config"):
+            name = f"chunked-{budget}" if budget else "no-chunking"
+            reset_peak(device)
+            result["configs"][name] = _measure(args, model_dir, device, budget)
+            result["configs"][name]["peak_memory_MiB"] = (peak_memory(device) or 0) // 2**20 or None
+    ok = [b for b in budgets if result["configs"][f"chunked-{b}"]["meets_jitter_bar"]]
+    result["recommended_budget"] = max(ok, key=lambda b: -result["configs"][f"chunked-{b}"]["long_ttft_ms"]) if ok else None
+    write_results(args.out, result, {"prefill": _plot(result, budgets)})
+    return result
+
+
+def _measure(args, model_dir, device, budget) -> dict:
+    import time
+
+    import torch
+
+    from jetserve.bench.common import median, percentile
+    from jetserve.engine.config import EngineArgs
+    from jetserve.engine.llm_engine import LLMEngine
+    from jetserve.engine.sampling_params import SamplingParams
+
+    length = args.long_prompt_len + 512
+    engine = LLMEngine(EngineArgs(
+        model=model_dir, device=str(device), max_model_len=length, max_num_seqs=args.streams + 1,
+        enable_chunked_prefill=budget is not None, max_num_batched_tokens=budget or length,
+        num_kv_blocks=(args.streams + 1) * -(-length // 16) + 1))
+    rng = torch.Generator().manual_seed(0)
+    vocab = engine.model_config.vocab_size
+    stream = SamplingParams(temperature=0, max_tokens=10**6, ignore_eos=True)
+    for i in range(args.streams):
+        engine.add_request(f"s{i}", {"prompt_token_ids": torch.randint(0, vocab, (args.stream_prompt_len,),
+                                                                       generator=rng).tolist()}, stream)
+    times: dict[str, list[float]] = {}
+    arrival = first = None
+    steps_after = 0
+    warm = 0
+    while steps_after < args.steady_steps:
+        outputs = engine.step()
+        now = time.perf_counter()
+        for o in outputs:
+            times.setdefault(o.request_id, []).append(now)
+            if o.request_id == "long":
+                first = now
+        if arrival is None and len(times) == args.streams:
+            warm += 1
+            if warm == args.steady_steps:  # steady state reached: the long prompt arrives
+                long_ids = torch.randint(0, vocab, (args.long_prompt_len,), generator=rng).tolist()
+                engine.add_request("long", {"prompt_token_ids": long_ids},
+                                   SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+                arrival = time.perf_counter()
+        steps_after += first is not None
+    for rid in list(engine.requests):
+        engine.abort(rid)
+    del engine
+    steady, during = [], []
+    for rid, stamps in times.items():
+        if rid == "long":
+            continue
+        for a, b in zip(stamps, stamps[1:]):
+            if b <= arrival:
+                steady.append(b - a)
+            elif b <= first:
+                during.append(b - a)
+
+    def ms(values, q):
+        return round(percentile(values, q) * 1e3, 3)
+    out = {"budget": budget, "long_ttft_ms": round((first - arrival) * 1e3, 2),
+           "steady_itl_p50_ms": round(median(steady) * 1e3, 3), "steady_itl_p99_ms": ms(steady, 99),
+           "during_itl_p50_ms": ms(during, 50), "during_itl_p99_ms": ms(during, 99),
+           "during_itl_max_ms": round(max(during) * 1e3, 3), "during_itl_samples": len(during)}
+    out["during_p99_over_p50"] = round(out["during_itl_p99_ms"] / out["during_itl_p50_ms"], 3)
+    out["max_over_steady_p50"] = round(out["during_itl_max_ms"] / out["steady_itl_p50_ms"], 1)
+    out["meets_jitter_bar"] = out["during_p99_over_p50"] <= args.jitter
+    out["itl_trace_ms"] = [round(b * 1e3, 3) for b in _one_stream_gaps(times["s0"])]
+    out["arrival_index"] = sum(1 for t in times["s0"] if t <= arrival) - 1
+    return out
+
+
+def _one_stream_gaps(stamps):
+    return [b - a for a, b in zip(stamps, stamps[1:])]
+
+
+def _plot(result, budgets):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (trace, bars) = plt.subplots(1, 2, figsize=(13, 4.8))
+    for name, data in result["configs"].items():
+        gaps = data["itl_trace_ms"]
+        start = data["arrival_index"]
+        trace.plot(range(-start, len(gaps) - start), gaps, label=f"{name} (TTFT {data['long_ttft_ms']:.0f} ms)")
+    trace.set_yscale("log")
+    trace.set_xlabel("stream token index (0: the long prompt arrives)")
+    trace.set_ylabel("inter-token latency of one stream, ms")
+    trace.set_title(f"{result['streams']} streams + one {result['long_prompt_len']}-token prompt, "
+                    f"{result['shape']}, {result['env'].get('gpu', result['env']['device'])}")
+    trace.grid(True, which="both", alpha=0.3)
+    trace.legend(fontsize=8)
+    names = list(result["configs"])
+    x = range(len(names))
+    for offset, key, label in ((-0.2, "during_itl_p50_ms", "ITL p50"), (0.0, "during_itl_p99_ms", "ITL p99"),
+                               (0.2, "during_itl_max_ms", "ITL max")):
+        bars.bar([i + offset for i in x], [result["configs"][n][key] for n in names], width=0.2, label=label)
+    bars.set_xticks(list(x), names, rotation=20)
+    bars.set_yscale("log")
+    bars.set_ylabel("ms, while the long prompt is processed")
+    bars.grid(True, axis="y", which="both", alpha=0.3)
+    bars.legend(fontsize=8)
+    return fig

@@ -1,0 +1,143 @@
+"""CUDA graphs and the fused CUDA path, against eager and transformers (GPU only; run through
+the device tool, skipped on CPU). The CPU-side pieces (bucket sizes, step shapes) run anywhere."""
+
+import logging
+
+import pytest
+import torch
+
+from jetserve.engine import LLM, SamplingParams
+from jetserve.engine.cuda_graphs import capture_sizes, step_shapes
+
+from tests.engine.builders import build_qwen3, hf_greedy
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+PROMPTS = [[5, 17, 2, 99, 31, 8, 64], [200, 3], list(range(40, 63)), [7] * 11, [1, 2, 3], [9] * 30, [4, 4], [77]]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+SHAPE = dict(head_dim=32)  # the tiny default's head_dim 24 is covered too (masked kernels): see below
+
+
+def test_capture_sizes():
+    assert capture_sizes(None, None, 16) == [1, 2, 4, 8, 16]
+    assert capture_sizes(None, None, 20) == [1, 2, 4, 8, 16, 20]
+    assert capture_sizes(None, 12, 64) == [1, 2, 4, 8, 12]
+    assert capture_sizes([1, 3, 99], None, 64) == [1, 3]
+
+
+def test_step_shapes():
+    assert step_shapes(0, 0) == [(None, 1)]
+    assert step_shapes(2, 1) == [(None, 1), (None, 2), (None, 3), (0, 1), (0, 2), (0, 3)]
+    assert (1, 1) in step_shapes(3, 2) and (0, 1) in step_shapes(3, 2)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("graphs")
+    return path, build_qwen3(path, **SHAPE)
+
+
+def generate(path, prompts, **kwargs):
+    llm = LLM(str(path), device="cuda", max_num_seqs=8, **kwargs)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    return llm, [o.outputs[0].token_ids for o in outputs]
+
+
+def count_replays(llm):
+    graphs, calls = llm.engine.runner.graphs, []
+    run = graphs.run
+
+    def counted(*args, **kwargs):
+        out = run(*args, **kwargs)
+        calls.append(out is not None)
+        return out
+    graphs.run = counted
+    return calls
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_replay_equals_eager_logits(checkpoint, dtype):
+    """The same step through the graph and eagerly (same kernels): bit-identical hidden states."""
+    from jetserve.engine.attention import AttentionMetadata
+
+    llm, _ = generate(checkpoint[0], PROMPTS[:3], dtype=dtype)
+    runner = llm.engine.runner
+    for batch in (1, 3, 8):  # 3 pads to bucket 4
+        ctx = [10 + 3 * b for b in range(batch)]
+        tables = [[2 * b, 2 * b + 1] for b in range(batch)]  # block_size 16: two blocks each
+        meta = AttentionMetadata.build([1] * batch, ctx, tables, runner.block_size, runner.device)
+        ids = torch.randint(0, 300, (batch,), device="cuda")
+        pos = torch.tensor([c - 1 for c in ctx], device="cuda")
+        graphed = runner.graphs.run(None, ids, pos, meta)
+        eager = runner.model(ids, pos, runner.kv_cache, meta)
+        assert graphed is not None and torch.equal(graphed, eager), batch
+
+
+@gpu
+@pytest.mark.gpu
+def test_greedy_graphs_equal_eager_and_transformers(checkpoint):
+    """Every batch size 1..8 (buckets 1, 2, 4, 8: padded ones included) plus one above the largest."""
+    path, hf_model = checkpoint
+    reference = [hf_greedy(hf_model, p, GREEDY.max_tokens) for p in PROMPTS]
+    _, eager = generate(path, PROMPTS, enforce_eager=True, dtype="float32")
+    assert eager == reference
+    for n in range(1, 9):
+        llm = LLM(str(path), device="cuda", max_num_seqs=8, dtype="float32", cudagraph_capture_sizes=[1, 2, 4])
+        calls = count_replays(llm)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:n]], GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == reference[:n], n
+        assert any(calls) == (n <= 4), n  # above the largest bucket every step runs eagerly
+    assert llm.engine.model_info["cuda_graphs"] is True
+
+
+@gpu
+@pytest.mark.gpu
+def test_odd_head_dim_graphed(tmp_path):
+    hf_model = build_qwen3(tmp_path)  # head_dim 24: the kernels' masked (non power of 2) path
+    reference = [hf_greedy(hf_model, p, GREEDY.max_tokens) for p in PROMPTS[:4]]
+    assert generate(tmp_path, PROMPTS[:4], dtype="float32")[1] == reference
+
+
+@gpu
+@pytest.mark.gpu
+def test_failing_bucket_falls_back_to_eager(checkpoint, caplog, monkeypatch):
+    from jetserve.engine.cuda_graphs import CUDAGraphs
+
+    step = CUDAGraphs._step
+
+    def broken(self, layer, q_len, bucket):
+        if bucket == 4:
+            raise RuntimeError("simulated capture failure")
+        return step(self, layer, q_len, bucket)
+    monkeypatch.setattr(CUDAGraphs, "_step", broken)
+    with caplog.at_level(logging.WARNING, logger="jetserve.engine.cuda_graphs"):
+        llm, tokens = generate(checkpoint[0], PROMPTS[:3], dtype="float32")
+    lines = [r.getMessage() for r in caplog.records if "capture failed" in r.getMessage()]
+    assert len(lines) == 1 and "batch size 4" in lines[0] and "eagerly" in lines[0], lines
+    assert sorted(b for _, _, b in llm.engine.runner.graphs.graphs) == [1, 2, 8]
+    assert tokens == generate(checkpoint[0], PROMPTS[:3], dtype="float32", enforce_eager=True)[1]
+
+
+@gpu
+@pytest.mark.gpu
+def test_enforce_eager_captures_nothing(checkpoint):
+    llm, _ = generate(checkpoint[0], PROMPTS[:1], enforce_eager=True)
+    assert llm.engine.runner.graphs is None and llm.engine.model_info["cuda_graphs"] is False
+
+
+@gpu
+@pytest.mark.gpu
+def test_speculative_verify_and_drafts_graphed(tmp_path):
+    from tests.engine.test_spec_decode import make_model
+
+    path = make_model(tmp_path, mtp_layers=1)
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "adaptive": False}
+    _, plain = generate(path, PROMPTS[:4], dtype="float32", enforce_eager=True)
+    llm = LLM(path, device="cuda", max_num_seqs=8, dtype="float32", speculative_config=spec)
+    calls = count_replays(llm)
+    keys = llm.engine.runner.graphs.graphs
+    assert (None, 3, 4) in keys and (0, 3, 4) in keys and (0, 1, 4) in keys  # verify, MTP pass, chained draft
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:4]], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == plain  # lossless, graphed
+    assert sum(calls) >= 3 and llm.engine.stats().num_accepted_tokens > 0
