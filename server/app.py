@@ -10,6 +10,7 @@ import asyncio
 import logging
 import signal
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -29,6 +30,9 @@ from jetserve.v1 import inference_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 SERVICES = tuple(pb.DESCRIPTOR.services_by_name[name].full_name for name in ("Inference", "Control"))
+# The engine's step loop turns at least every 0.5 s even when idle; a heartbeat older than this
+# (or than the watchdog period, if that is longer) means it is wedged or dead.
+STALE_AFTER_S = 2.0
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -86,6 +90,7 @@ class JetServer:
     def __init__(self, make_engine: Callable[[Callable[[str], None]], object], options: ServeOptions):
         self.options = options
         self.engine = None
+        self.engine_alive = False  # its heartbeat is fresh
         self.draining = False
         self.stopping = False
         self.metrics = Metrics(lambda: self.engine.stats() if self.engine is not None else None)
@@ -98,7 +103,7 @@ class JetServer:
         self._inference = InferenceServicer(self)
         self._grpc: grpc.aio.Server | None = None
         self._metrics_http = None
-        self._watchdog: asyncio.Task | None = None
+        self._heartbeat: asyncio.Task | None = None
 
     # -- what the servicers ask --------------------------------------------------------------
 
@@ -160,16 +165,35 @@ class JetServer:
         engine = await _load_in_thread(self._make_engine, on_status)
         engine.start()
         self.engine = engine
+        self.engine_alive = True
         await self._update_health()
         model = engine.model_info["model"]
         notify.notify("READY=1", "STATUS=serving %s on %s" % (model, self.address))
         log.info("serving %s", model)
+        self._heartbeat = asyncio.create_task(self._follow_heartbeat(engine))
+
+    async def _follow_heartbeat(self, engine) -> None:
+        """Health and the systemd watchdog follow the engine's own step loop, not this event loop:
+        a wedged or dead engine turns health NOT_SERVING and stops the WATCHDOG=1 pings, so
+        systemd restarts the service even though gRPC still answers."""
         period = notify.watchdog_period()
-        if period:
-            self._watchdog = asyncio.create_task(notify.keep_alive(lambda: engine.last_heartbeat, period))
+        stale_after = max(STALE_AFTER_S, period or 0.0)
+        while True:
+            age = time.monotonic() - engine.last_heartbeat
+            alive = age <= stale_after
+            if alive != self.engine_alive:
+                if alive:
+                    log.warning("engine heartbeat is back")
+                else:
+                    log.error("engine heartbeat is %.1f s old: health NOT_SERVING, watchdog not pinged", age)
+                self.engine_alive = alive
+                await self._update_health()
+            if alive and period:
+                notify.notify("WATCHDOG=1")
+            await asyncio.sleep(min(period or 1.0, 1.0))
 
     async def _update_health(self) -> None:
-        status = SERVING if self.engine is not None and not self.draining else NOT_SERVING
+        status = SERVING if self.engine_alive and not self.draining else NOT_SERVING
         for service in ("",) + SERVICES:
             await self._health.set(service, status)
 
@@ -179,14 +203,17 @@ class JetServer:
         await self.set_draining(True)
         notify.notify("STOPPING=1", "STATUS=draining")
         grace = self.options.drain_grace_period
-        if not await self._inference.wait_idle(grace):
-            log.warning("streams still open after the %.0f s grace period: cancelling them", grace)
+        idle = await self._inference.wait_idle(grace)
+        if not idle:
+            log.warning("streams still open after the %g s grace period: cancelling them", grace)
         await self._health.enter_graceful_shutdown()
-        await self._grpc.stop(1.0)  # cancelled streams abort their engine requests
+        # Idle: a second for the last trailers to leave. Otherwise cancel now, which aborts the
+        # streams' engine requests.
+        await self._grpc.stop(1.0 if idle else 0)
         if self.loading is not None:
             self.loading.cancel()
-        if self._watchdog is not None:
-            self._watchdog.cancel()
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
         if self.engine is not None:

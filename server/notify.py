@@ -7,18 +7,11 @@ python-systemd would cost more than it saves. Outside systemd every call is a no
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import socket
-import time
-from typing import Callable
 
 log = logging.getLogger(__name__)
-
-# The engine's step loop turns at least every 0.5 s even when idle; a heartbeat older than this
-# (or than the ping period, if that is longer) means the engine is wedged.
-STALE_AFTER_S = 2.0
 
 
 def notify(*lines: str) -> bool:
@@ -49,19 +42,3 @@ def watchdog_period() -> float | None:
     if not usec or (pid and int(pid) != os.getpid()):
         return None
     return int(usec) / 2e6
-
-
-async def keep_alive(heartbeat: Callable[[], float], period: float) -> None:
-    """Ping the watchdog while `heartbeat()` (a time.monotonic() value) is fresh.
-
-    The pings come from the serving loop but are conditioned on the engine's own step loop, so
-    a wedged engine stops them and systemd restarts the service even though gRPC still answers.
-    """
-    stale_after = max(STALE_AFTER_S, period)
-    while True:
-        age = time.monotonic() - heartbeat()
-        if age <= stale_after:
-            notify("WATCHDOG=1")
-        else:
-            log.error("engine heartbeat is %.1f s old: not pinging the systemd watchdog", age)
-        await asyncio.sleep(period)

@@ -9,6 +9,7 @@ import json
 import shutil
 import socket
 import threading
+import time
 
 import grpc
 import pytest
@@ -135,6 +136,14 @@ def live(tiny_model):
 def stubs(live):
     with live.channel() as channel:
         yield pb_grpc.InferenceStub(channel), pb_grpc.ControlStub(channel)
+
+
+def wait_for_free_blocks(engine, timeout=5.0):
+    """The engine's stats once its blocks are all free (its snapshot trails the last step)."""
+    deadline = time.monotonic() + timeout
+    while engine.stats().kv_blocks_used and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return engine.stats()
 
 
 def greedy(max_tokens=8, **fields):

@@ -1,6 +1,8 @@
 """Health across load and drain, reflection, Prometheus metrics and GetStats."""
 
+import socket
 import threading
+import time
 import urllib.request
 
 import grpc
@@ -8,7 +10,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import LiveServer, engine_factory, greedy
+from tests.server.conftest import LiveServer, engine_factory, greedy, wait_for_free_blocks
 from jetserve.v1 import inference_pb2 as pb
 from jetserve.v1 import inference_pb2_grpc as pb_grpc
 
@@ -62,17 +64,51 @@ def test_health_goes_not_serving_serving_not_serving_across_load_and_drain(tiny_
         channel.close()
 
 
-def test_resume_is_refused_once_shutting_down(tiny_model):
+def test_a_wedged_engine_turns_health_off_and_gets_no_watchdog_pings(tiny_model, tmp_path, monkeypatch):
+    systemd = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    systemd.bind(str(tmp_path / "notify"))
+    monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "notify"))
+    monkeypatch.setenv("WATCHDOG_USEC", "1000000")  # ping every 0.5 s
+    monkeypatch.delenv("WATCHDOG_PID", raising=False)
+
+    def pings(seconds):
+        """WATCHDOG=1 datagrams arriving within the next `seconds`."""
+        deadline, count = time.monotonic() + seconds, 0
+        while (left := deadline - time.monotonic()) > 0:
+            systemd.settimeout(left)
+            try:
+                count += systemd.recv(4096) == b"WATCHDOG=1"
+            except socket.timeout:
+                break
+        return count
+
+    def health_is(status, within):
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            if health.Check(health_pb2.HealthCheckRequest()).status == status:
+                return True
+            time.sleep(0.05)
+        return False
+
     server = LiveServer(engine_factory(tiny_model))
     server.wait_loaded()
-    server.server.stopping = True  # what shutdown() sets first
-    with server.channel() as channel:
-        try:
-            pb_grpc.ControlStub(channel).Resume(pb.ResumeRequest())
-            raise AssertionError("resumed during shutdown")
-        except grpc.RpcError as exc:
-            assert exc.code() == grpc.StatusCode.FAILED_PRECONDITION and "shutting down" in exc.details()
-    server.stop()
+    channel = server.channel()
+    health = health_pb2_grpc.HealthStub(channel)
+    try:
+        assert pings(1.2) >= 2
+        # Wedge the real step thread: it runs a 5 s sleep between two steps, the way it runs SetLimits.
+        wedge = threading.Thread(target=server.engine._call, args=(time.sleep, 5))
+        wedge.start()
+        assert health_is(NOT_SERVING, within=4)
+        pings(0.05)  # sent before it went stale
+        assert pings(1.0) == 0
+        wedge.join()
+        assert health_is(SERVING, within=3)
+        assert pings(1.2) >= 1
+    finally:
+        channel.close()
+        server.stop()
+        systemd.close()
 
 
 def test_reflection_lists_the_services(live):
@@ -102,6 +138,7 @@ def test_a_metrics_scrape_shows_the_counters_moving(stubs, live):
         assert (name, ()) in before, name
 
     messages = list(inference.Generate(pb.GenerateRequest(text="The kiosk", sampling=greedy(5, ignore_eos=True))))
+    wait_for_free_blocks(live.engine)
     after = scrape(live)
 
     def moved(name, labels=()):

@@ -12,7 +12,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from conftest import greedy
+from tests.server.conftest import greedy
 from jetserve.v1 import inference_pb2 as pb
 from jetserve.v1 import inference_pb2_grpc as pb_grpc
 

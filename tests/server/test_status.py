@@ -9,7 +9,7 @@ import pytest
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from conftest import LiveServer, engine_factory, greedy
+from tests.server.conftest import LiveServer, engine_factory, greedy
 from jetserve.server.errors import status_for
 from jetserve.v1 import inference_pb2 as pb
 from jetserve.v1 import inference_pb2_grpc as pb_grpc
@@ -141,7 +141,7 @@ def test_a_full_queue_answers_resource_exhausted(restricted):
                 except grpc.aio.AioRpcError as exc:
                     return exc
 
-            return await asyncio.gather(*(one(i) for i in range(4)))
+            return await asyncio.gather(*(one(i) for i in range(8)))
 
     results = asyncio.run(run())
     refused = [r for r in results if isinstance(r, grpc.RpcError)]

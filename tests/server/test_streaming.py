@@ -6,7 +6,7 @@ import time
 import grpc
 import pytest
 
-from conftest import greedy
+from tests.server.conftest import greedy, wait_for_free_blocks
 from jetserve.v1 import inference_pb2 as pb
 from jetserve.v1 import inference_pb2_grpc as pb_grpc
 
@@ -32,13 +32,6 @@ def collect(replies):
     """(token ids, text, messages) of one stream."""
     messages = list(replies)
     return [t for m in messages for t in m.token_ids], "".join(m.text for m in messages), messages
-
-
-def wait_for_free_blocks(engine, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while engine.stats().kv_blocks_used and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return engine.stats()
 
 
 def test_streamed_generate_equals_offline_greedy(stubs, offline):

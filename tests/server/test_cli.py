@@ -1,0 +1,100 @@
+"""`jetserve generate` / `chat` against a live server, `serve`'s flags, and the CLI's import rules."""
+
+import logging
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.server.conftest import greedy
+from jetserve.cli import build_parser
+from jetserve.engine import EngineArgs
+from jetserve.server.cli import apply_compat_gate
+from jetserve.v1 import inference_pb2 as pb
+
+ROOT = Path(__file__).resolve().parents[2]
+SUMMARY = re.compile(r"^(\d+) tokens, TTFT \d+ ms, [\d.]+ tok/s$")
+
+
+def jetserve(*args, stdin=None):
+    return subprocess.run([sys.executable, "-m", "jetserve.cli", *args], input=stdin, capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_generate_streams_the_text_then_ttft_and_speed(live, stubs):
+    inference, _ = stubs
+    expected = "".join(m.text for m in inference.Generate(
+        pb.GenerateRequest(text="The kiosk", sampling=greedy(12, ignore_eos=True))))
+    done = jetserve("generate", "The kiosk", "--target", live.target, "--temperature", "0",
+                    "--max-tokens", "12", "--ignore-eos")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == expected + "\n"
+    assert SUMMARY.match(done.stderr.strip()).group(1) == "12"
+
+
+def test_chat_reads_one_message_per_line_and_keeps_the_conversation(live):
+    done = jetserve("chat", "--target", live.target, "--system", "Be brief.", "--temperature", "0",
+                    "--max-tokens", "5", "--ignore-eos", stdin="Opening hours?\n\nAnd on Sunday?\n")
+    assert done.returncode == 0, done.stderr
+    summaries = done.stderr.strip().splitlines()
+    assert len(summaries) == 2 and all(SUMMARY.match(line).group(1) == "5" for line in summaries)
+
+
+def test_client_errors_show_the_status_not_a_traceback(live):
+    done = jetserve("generate", "hi", "--target", live.target, "--temperature", "-1")
+    assert done.returncode == 1
+    assert done.stderr.startswith("error: INVALID_ARGUMENT: SamplingParams.temperature")
+
+
+def test_serve_takes_vllms_flags_and_the_service_flags():
+    args = build_parser().parse_args([
+        "serve", "--model", "m", "--dtype", "bfloat16", "--max-model-len", "2048", "--max-num-seqs", "4",
+        "--max-num-batched-tokens", "256", "--no-enable-chunked-prefill", "--gpu-memory-utilization", "0.5",
+        "--enforce-eager", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}',
+        "--host", "0.0.0.0", "--port", "6000", "--unix-socket", "/run/jetserve/jetserve.sock",
+        "--metrics-port", "0", "--api-key-file", "/etc/jetserve/token", "--drain-grace-period", "5"])
+    engine = EngineArgs.from_cli_args(args)
+    assert (engine.model, engine.dtype, engine.max_model_len, engine.max_num_seqs, engine.max_num_batched_tokens,
+            engine.enable_chunked_prefill, engine.gpu_memory_utilization, engine.enforce_eager,
+            engine.speculative_config) == ("m", "bfloat16", 2048, 4, 256, False, 0.5, True,
+                                           {"method": "mtp", "num_speculative_tokens": 2})
+    assert (args.host, args.port, args.metrics_port, args.drain_grace_period) == ("0.0.0.0", 6000, 0, 5.0)
+    defaults = build_parser().parse_args(["serve"])
+    assert (defaults.port, defaults.metrics_port, defaults.host) == (50051, 9400, "127.0.0.1")
+
+
+def test_the_cli_module_stays_importable_on_python_38():
+    vermin = shutil.which("vermin")
+    if vermin is None:
+        pytest.skip("vermin is not installed")
+    out = subprocess.run([vermin, "--no-tips", "--violations", "-t=3.8-", "server/cli.py"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stdout
+    imports = subprocess.run([sys.executable, "-c", "import sys, jetserve.server.cli; "
+                              "print(sorted(m for m in ('torch', 'grpc', 'prometheus_client') if m in sys.modules))"],
+                             capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert imports.stdout.strip() == "[]", imports.stderr
+
+
+def _sysroot(path, nv_tegra_release=None):
+    if nv_tegra_release:
+        (path / "etc").mkdir(parents=True)
+        (path / "etc/nv_tegra_release").write_text(nv_tegra_release)
+        tree = path / "sys/firmware/devicetree/base"
+        tree.mkdir(parents=True)
+        (tree / "compatible").write_text("nvidia,p3768-0000+p3767-0005\0nvidia,tegra234\0")
+    return str(path)
+
+
+def test_the_compat_gate_forces_eager_below_jetpack_51(tmp_path, caplog):
+    old = _sysroot(tmp_path, "# R35 (release), REVISION: 1.0, GCID: 1, BOARD: t186ref, EABI: aarch64, DATE: -\n")
+    with caplog.at_level(logging.WARNING):
+        assert apply_compat_gate(EngineArgs(model="m"), old).enforce_eager
+    assert "CUDA graphs are not allowed" in caplog.text and "5.1" in caplog.text
+
+
+def test_the_compat_gate_leaves_graphs_on_elsewhere(tmp_path):
+    assert not apply_compat_gate(EngineArgs(model="m"), _sysroot(tmp_path)).enforce_eager

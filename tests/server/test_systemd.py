@@ -1,0 +1,53 @@
+"""systemd/jetserve.service passes `systemd-analyze verify` and says what the service relies on."""
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+UNIT = Path(__file__).resolve().parents[2] / "systemd" / "jetserve.service"
+analyze = shutil.which("systemd-analyze")
+needs_analyze = pytest.mark.skipif(analyze is None, reason="systemd-analyze is not installed")
+
+
+def verify(text, tmp_path):
+    """verify insists that ExecStart's binary exists: a copy points at this machine's jetserve."""
+    binary = shutil.which("jetserve") or sys.executable + " -m jetserve.cli"
+    unit = tmp_path / "jetserve.service"
+    unit.write_text(text.replace("/usr/local/bin/jetserve", binary))
+    out = subprocess.run([analyze, "verify", str(unit)], capture_output=True, text=True, timeout=60)
+    return out.returncode, out.stdout + out.stderr
+
+
+@needs_analyze
+def test_the_unit_verifies_cleanly(tmp_path):
+    text = UNIT.read_text()
+    assert re.search(r"^ExecStart=/usr/local/bin/jetserve serve ", text, re.M)
+    returncode, output = verify(text, tmp_path)
+    assert returncode == 0 and "jetserve.service" not in output, output  # no warning names our unit
+
+
+@needs_analyze
+def test_verify_reports_a_broken_setting(tmp_path):
+    returncode, output = verify(UNIT.read_text().replace("Type=notify", "Type=notifyy"), tmp_path)
+    assert returncode != 0 or "jetserve.service" in output
+
+
+def test_the_unit_is_a_sandboxed_notify_service_that_still_reaches_the_gpu():
+    settings = {}
+    for line in UNIT.read_text().splitlines():
+        if "=" in line and not line.startswith("#"):
+            key, value = line.split("=", 1)
+            settings.setdefault(key, []).append(value)
+    expected = {"Type": "notify", "Restart": "on-failure", "WatchdogSec": "30", "User": "jetserve",
+                "ProtectSystem": "strict", "NoNewPrivileges": "yes", "PrivateTmp": "yes", "ProtectHome": "yes",
+                "RuntimeDirectory": "jetserve", "StateDirectory": "jetserve", "DevicePolicy": "closed"}
+    assert {key: settings.get(key, [None])[0] for key in expected} == expected
+    assert set(settings["SupplementaryGroups"][0].split()) == {"video", "render"}
+    allowed = {value.split()[0] for value in settings["DeviceAllow"]}
+    assert {"/dev/nvmap", "char-nvhost*", "char-nvidia*"} <= allowed
+    assert "PrivateDevices" not in settings  # it would hide the GPU nodes
+    assert "--unix-socket /run/jetserve/" in settings["ExecStart"][0]
