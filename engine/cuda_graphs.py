@@ -65,8 +65,9 @@ class CUDAGraphs:
         self.hidden = torch.zeros(n, model.config.hidden_size, dtype=kv_cache.dtype, device=device)
         self.slots = torch.full((n,), self.scratch_slot, dtype=torch.int32, device=device)
         self.context_lens = torch.ones(b, dtype=torch.int32, device=device)
-        self.block_tables = torch.full((b, -(-max_model_len // block_size)), scratch_block, dtype=torch.int32,
-                                       device=device)
+        # Wide enough for max_model_len plus the KV slots reserved for drafts.
+        width = -(-(max_model_len + max(q for _, q in shapes)) // block_size)
+        self.block_tables = torch.full((b, width), scratch_block, dtype=torch.int32, device=device)
         self.graphs: dict[tuple[int | None, int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int | None, int, int], torch.Tensor] = {}
 
@@ -115,7 +116,7 @@ class CUDAGraphs:
         bucket = next((s for s in self.sizes if s >= batch), None)
         key = (layer, meta.q_len, bucket)
         graph = self.graphs.get(key)
-        if graph is None:
+        if graph is None or meta.block_tables.shape[1] > self.block_tables.shape[1]:
             return None
         n = ids.shape[0]
         self.ids[:n].copy_(ids)

@@ -129,7 +129,7 @@ def qk_norm_rope_store(qkv, q_weight, k_weight, cos, sin, slot_mapping, k_cache,
 def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, ctx_ptr, out_ptr, scale, table_stride, q_len,
                             GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                             HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                            BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+                            BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
     t = tl.program_id(0)
     kvh = tl.program_id(1)
     b = t // q_len
@@ -151,13 +151,19 @@ def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, ctx_ptr
         at = (block * BLOCK_SIZE + pos % BLOCK_SIZE) * NUM_KV_HEADS * HEAD_DIM + kvh * HEAD_DIM
         kv_mask = valid[:, None] & (d < HEAD_DIM)[None, :]
         k = tl.load(k_cache_ptr + at[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        if IEEE:  # fp32 models: no tf32 rounding
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        else:
+            s = tl.dot(q, tl.trans(k)) * scale
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m - m_new)
         v = tl.load(v_cache_ptr + at[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         l = l * alpha + tl.sum(p, axis=1)
         m = m_new
     out = (acc / l[:, None]).to(q.dtype)
@@ -179,5 +185,5 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, q_len: int,
         q, k_cache, v_cache, block_tables, context_lens, out, scale, block_tables.stride(0), q_len,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim, HEAD_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size, BLOCK_N=64,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+        IEEE=q.dtype == torch.float32)
     return out
