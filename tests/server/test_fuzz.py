@@ -5,12 +5,14 @@ no KV block leaked."""
 import time
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.server.conftest import wait_for_free_blocks
+from tests.server.conftest import LiveServer, engine_factory, wait_for_free_blocks
 from jetserve.v1 import inference_pb2 as pb
+from jetserve.v1 import inference_pb2_grpc as pb_grpc
 
 EXAMPLES = 1000
 # What a bad request may be answered with; INTERNAL or UNKNOWN would be a server bug.
@@ -23,7 +25,8 @@ floats = st.floats(0, 1, width=32) | st.floats(width=32)  # half in range, half 
 
 @st.composite
 def sampling(draw):
-    options = pb.SamplingOptions(stop=draw(st.lists(st.text(max_size=3, alphabet="ab \n"), max_size=2)),
+    stop = st.text(min_size=1, max_size=3, alphabet="ab \n") | st.just("")
+    options = pb.SamplingOptions(stop=draw(st.lists(stop, max_size=2)),
                                  ignore_eos=draw(st.booleans()))
     for name, values in (("temperature", floats), ("top_p", floats), ("min_p", floats),
                          ("top_k", st.integers(-3, 500)), ("max_tokens", st.integers(-2, 6)),
@@ -36,7 +39,8 @@ def sampling(draw):
     return options
 
 
-token_ids = st.lists(st.integers(-5, 420), max_size=24) | st.lists(st.just(3), min_size=505, max_size=520)
+token_ids = (st.lists(st.integers(0, 399), max_size=24)  # the tiny model's vocabulary is 400
+             | st.lists(st.integers(-5, 420), max_size=24) | st.lists(st.just(3), min_size=505, max_size=520))
 generate = st.builds(
     lambda request_id, prompt, options: pb.GenerateRequest(request_id=request_id, sampling=options, **prompt),
     st.just("") | text,
@@ -49,8 +53,18 @@ chat = st.builds(
     sampling())
 
 
-def test_random_requests_all_get_a_proper_answer(live, stubs):
-    inference, _ = stubs
+@pytest.fixture(scope="module")
+def target(tiny_model):
+    """A server of its own: whatever the fuzz breaks, the other tests' server is not it."""
+    server = LiveServer(engine_factory(tiny_model))
+    server.wait_loaded()
+    yield server
+    server.stop()
+
+
+def test_random_requests_all_get_a_proper_answer(target):
+    channel = target.channel()
+    inference = pb_grpc.InferenceStub(channel)
     answers = {"finished": 0, "refused": 0}
 
     @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
@@ -77,8 +91,8 @@ def test_random_requests_all_get_a_proper_answer(live, stubs):
           % (total, answers["finished"], answers["refused"], elapsed, total / elapsed))
     assert total >= EXAMPLES and answers["finished"] > 100 and answers["refused"] > 100
 
-    with live.channel() as channel:
-        health = health_pb2_grpc.HealthStub(channel)
-        assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
-    stats = wait_for_free_blocks(live.engine)
+    health = health_pb2_grpc.HealthStub(channel)
+    assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
+    channel.close()
+    stats = wait_for_free_blocks(target.engine)
     assert stats.kv_blocks_used == 0 and stats.num_running == 0 and stats.num_waiting == 0
