@@ -86,6 +86,13 @@ class AttentionMetadata:
                                  block_size=block_size)
 
 
+def causal_attention(q, k, v, scale: float):
+    """Training path (`meta=None`): whole rows, no cache. q: [B, L, H, D]; k, v: [B, L, KVH, D]."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                         scale=scale, enable_gqa=q.shape[2] != k.shape[2])
+    return out.transpose(1, 2)
+
+
 def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
     """q: [T, H, D]; k, v: [T, KVH, D]; caches: [slots, KVH, D]. Returns [T, H, D]."""
     k_cache.index_copy_(0, meta.slot_mapping, k)

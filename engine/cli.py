@@ -13,12 +13,13 @@ def register(subparsers):
     actions = mtp_actions(subparsers)
     add_inspect(actions)
     add_merge(actions)
+    add_fit(actions)
 
 
 def mtp_actions(subparsers):
     """Add `jetserve mtp` and return its sub-subparsers, where each action adds itself."""
-    mtp = subparsers.add_parser("mtp", help="inspect or merge MTP (multi-token prediction) heads",
-                                description="Inspect or merge MTP (multi-token prediction) heads.")
+    mtp = subparsers.add_parser("mtp", help="inspect, merge or train MTP (multi-token prediction) heads",
+                                description="Inspect, merge or train MTP (multi-token prediction) heads.")
     mtp.set_defaults(func=lambda args: mtp.print_help() or 2)
     return mtp.add_subparsers(dest="mtp_action", metavar="ACTION")
 
@@ -42,6 +43,27 @@ def add_merge(actions):
     p.add_argument("--force", action="store_true", help="replace OUT when it is not empty")
     p.add_argument("--replace", action="store_true", help="drop MTP heads BASE already has instead of refusing")
     p.set_defaults(func=_run(_merge))
+
+
+def add_fit(actions):
+    p = actions.add_parser("fit", help="train MTP heads for a checkpoint that has none",
+                           description="Train MTP head(s) for a checkpoint without them: the base stays frozen and "
+                                       "the heads learn to match its own next-next-token distribution (KL "
+                                       "distillation). Writes base + heads as a new checkpoint in OUT.")
+    p.add_argument("--model", required=True, metavar="DIR", help="checkpoint directory without MTP heads")
+    p.add_argument("--data", required=True, nargs="+", metavar="FILE", help="text files to train on")
+    p.add_argument("--out", required=True, metavar="DIR", help="new checkpoint directory (must be empty or absent)")
+    p.add_argument("--num-layers", type=int, default=1, help="MTP layers to train (default 1)")
+    p.add_argument("--depth", type=int, default=2,
+                   help="chained draft steps trained (default 2; the engine reuses the layer past that)")
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--force", action="store_true", help="replace OUT when it is not empty")
+    p.set_defaults(func=_run(_fit))
 
 
 def _run(command):
@@ -92,4 +114,16 @@ def _merge(args):
     print("wrote %s: %d MTP layer(s) in %s style (%d tensors), %d shard(s), %s bytes" % (
         result["out_dir"], result["mtp_layers"], result["style"], result["mtp_tensors"],
         result["shards"], "{:,}".format(result["total_size"])))
+    return 0
+
+
+def _fit(args):
+    from jetserve.engine.mtp_fit import fit
+
+    result = fit(args.model, args.data, args.out, num_layers=args.num_layers, steps=args.steps,
+                 batch_size=args.batch_size, seq_len=args.seq_len, depth=args.depth, lr=args.lr,
+                 device=args.device, seed=args.seed, force=args.force)
+    print("wrote %s: %d MTP layer(s) trained %d steps on %s tokens; final KL %.4f, top-1 agreement by depth %s" % (
+        result["out_dir"], result["num_layers"], result["steps"], "{:,}".format(result["tokens"]),
+        result["final_kl"], " / ".join("%.2f" % a for a in result["final_agreement"])))
     return 0

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from jetserve.engine.attention import HAS_TRITON, AttentionMetadata, paged_attention
+from jetserve.engine.attention import HAS_TRITON, AttentionMetadata, causal_attention, paged_attention
 from jetserve.engine.config import ModelConfig
 
 kernels = importlib.import_module("jetserve.engine.kernels") if HAS_TRITON else None
@@ -30,7 +30,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x); with `residual`, (norm(x + residual), x + residual): the add fused in."""
-        if x.is_cuda and kernels:
+        if x.is_cuda and kernels and not torch.is_grad_enabled():  # the kernels have no backward
             return kernels.rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
@@ -79,7 +79,7 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
 
     def forward(self, x, rope, kv_cache, meta: AttentionMetadata):
-        if meta.block_tables is not None:  # uniform step on CUDA: two fused kernels
+        if meta is not None and meta.block_tables is not None:  # uniform step on CUDA: two fused kernels
             q = kernels.qk_norm_rope_store(self.qkv_proj(x), self.q_norm.weight, self.k_norm.weight, *rope,
                                            meta.slot_mapping, kv_cache[0], kv_cache[1], self.q_norm.eps,
                                            self.num_heads, self.num_kv_heads, self.head_dim)
@@ -92,8 +92,12 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         cos, sin = rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return self.o_proj(out.flatten(1))
+        if meta is None:  # training: x is [B, L, hidden], whole rows, no cache
+            rows = x.shape[:-1]
+            out = causal_attention(q.unflatten(0, rows), k.unflatten(0, rows), v.unflatten(0, rows), self.scale)
+        else:
+            out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(out.flatten(-2))
 
 
 class MLP(nn.Module):
@@ -103,7 +107,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        if x.is_cuda and kernels:
+        if x.is_cuda and kernels and not torch.is_grad_enabled():  # the kernels have no backward
             return self.down_proj(kernels.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
