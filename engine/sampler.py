@@ -25,7 +25,8 @@ def processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     logits = logits / temperature[:, None]
     top_k = [p.top_k for p in params]
     if any(top_k):
-        k = torch.tensor([k or logits.shape[-1] for k in top_k], device=device)
+        vocab = logits.shape[-1]
+        k = torch.tensor([min(k, vocab) if k else vocab for k in top_k], device=device)
         kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = logits.softmax(dim=-1)
