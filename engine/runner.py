@@ -112,7 +112,8 @@ class ModelRunner:
         meta = AttentionMetadata.build([n], [n], [table], self.block_size, self.device)
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         with torch.inference_mode():
-            hidden = self.model(ids, torch.arange(n, device=self.device), cache, meta)
+            positions = torch.arange(n, device=self.device) % self.model.rotary.cos.shape[0]  # n may pass max_model_len
+            hidden = self.model(ids, positions, cache, meta)
             if n_logits:
                 self.model.compute_logits(hidden[-n_logits:])
         peak = torch.cuda.max_memory_allocated(self.device) - before
