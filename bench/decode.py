@@ -61,7 +61,7 @@ def run(args) -> dict:
             del hf
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    write_results(args.out, result, {"decode": _plot(result)})
+            write_results(args.out, result, {"decode": _plot(result)})  # after each model: partial results survive
     return result
 
 

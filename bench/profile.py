@@ -10,7 +10,7 @@ FAMILIES = (  # kernel-name substrings → family; the first match wins
     ("q/k norm + RoPE + KV store", ("_qk_norm_rope",)),
     ("RMSNorm (+ residual add)", ("_rms_norm",)),
     ("SiLU * up", ("_silu_mul",)),
-    ("GEMM / GEMV", ("gemm", "gemv", "nvjet", "cutlass", "sm90_", "splitk", "cublas")),
+    ("GEMM / GEMV", ("gemm", "gemv", "nvjet", "cutlass", "sm90_", "splitk", "cublas")),  # _gemv_kernel too
 )
 
 
