@@ -72,20 +72,22 @@ def test_systemd_sees_ready_watchdog_stopping_and_sigterm_drains(tiny_model, tmp
         channel = grpc.insecure_channel(target)
         inference, control = pb_grpc.InferenceStub(channel), pb_grpc.ControlStub(channel)
         health = health_pb2_grpc.HealthStub(channel)
-        stats = inference.GetStats(pb.GetStatsRequest())
+        stats = inference.GetStats(pb.GetStatsRequest(), timeout=10)
         assert (stats.max_num_seqs, stats.kv_blocks_total) == (3, 256)  # flag over file, file over default
 
-        open_stream = inference.Generate(pb.GenerateRequest(text="robot", sampling=greedy(400, ignore_eos=True)))
+        open_stream = inference.Generate(pb.GenerateRequest(text="robot", sampling=greedy(400, ignore_eos=True)),
+                                         timeout=30)
         first = next(open_stream)
         server.send_signal(signal.SIGTERM)
         notify_socket.wait_for("STOPPING=1", server, timeout=10)
 
-        assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == \
+            health_pb2.HealthCheckResponse.NOT_SERVING
         with pytest.raises(grpc.RpcError) as refused:
-            list(inference.Generate(pb.GenerateRequest(text="hi", sampling=greedy(2))))
+            list(inference.Generate(pb.GenerateRequest(text="hi", sampling=greedy(2)), timeout=10))
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in refused.value.details()
         with pytest.raises(grpc.RpcError) as resumed:
-            control.Resume(pb.ResumeRequest())
+            control.Resume(pb.ResumeRequest(), timeout=10)
         assert resumed.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
         rest = list(open_stream)  # the open stream still runs to its end
@@ -107,7 +109,7 @@ def test_streams_past_the_grace_period_are_cancelled(tiny_model, notify_socket):
         target = re.search(r"on (\S+)", notify_socket.wait_for("READY=1", server)).group(1)
         with grpc.insecure_channel(target) as channel:
             stream = pb_grpc.InferenceStub(channel).Generate(
-                pb.GenerateRequest(text="robot", sampling=greedy(500, ignore_eos=True)))
+                pb.GenerateRequest(text="robot", sampling=greedy(500, ignore_eos=True)), timeout=30)
             next(stream)
             server.send_signal(signal.SIGTERM)
             with pytest.raises(grpc.RpcError) as cut:
