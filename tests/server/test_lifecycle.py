@@ -10,7 +10,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server.conftest import LiveServer, engine_factory, greedy, wait_for_free_blocks
+from tests.server.conftest import LiveServer, engine_factory, free_port, greedy, wait_for_free_blocks
 from jetserve.v1 import inference_pb2 as pb
 from jetserve.v1 import inference_pb2_grpc as pb_grpc
 
@@ -164,3 +164,36 @@ def test_get_stats_reports_the_engine_and_latency_percentiles(stubs, live):
     info = inference.GetModelInfo(pb.GetModelInfoRequest())
     assert (info.architecture, info.vocab_size, info.max_model_len, info.has_chat_template) == \
         ("Qwen3ForCausalLM", 400, 512, True)
+
+
+def test_speculative_counters_move_per_position():
+    """The bundled demo model has an MTP head: drafting shows in metrics, GetStats and SetLimits."""
+    from jetserve.server.cli import demo_model_dir
+
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    server = LiveServer(engine_factory(demo_model_dir(), max_model_len=512, speculative_config=spec),
+                        metrics_port=free_port())
+    server.wait_loaded()
+    try:
+        with server.channel() as channel:
+            inference, control = pb_grpc.InferenceStub(channel), pb_grpc.ControlStub(channel)
+            messages = list(inference.Generate(pb.GenerateRequest(
+                text="def add(a, b):\n", sampling=greedy(48, ignore_eos=True)), timeout=60))
+            assert sum(len(m.token_ids) for m in messages) == 48
+            wait_for_free_blocks(server.engine)
+            metrics = scrape(server)
+            drafted = metrics[("jetserve:spec_decode_num_draft_tokens_total", ())]
+            accepted = metrics[("jetserve:spec_decode_num_accepted_tokens_total", ())]
+            per_position = {dict(labels)["position"]: value for (name, labels), value in metrics.items()
+                            if name == "jetserve:spec_decode_num_accepted_tokens_per_pos_total"}
+            assert drafted > 0 and 0 < accepted <= drafted
+            assert set(per_position) == {"0", "1"} and sum(per_position.values()) == accepted
+            assert any(len(m.token_ids) > 1 for m in messages)  # accepted drafts arrive together
+
+            stats = inference.GetStats(pb.GetStatsRequest(), timeout=10).speculative
+            assert (stats.num_draft_tokens, stats.num_accepted_tokens) == (drafted, accepted)
+            assert list(stats.accepted_per_position) == [per_position["0"], per_position["1"]]
+            assert control.SetLimits(pb.SetLimitsRequest(num_speculative_tokens=1), timeout=10) \
+                .num_speculative_tokens == 1
+    finally:
+        server.stop()

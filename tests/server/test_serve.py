@@ -7,12 +7,16 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.server.conftest import greedy
+from jetserve.cli import build_parser
+from jetserve.server import cli
+from jetserve.server.cli import demo_model_dir
 from jetserve.v1 import inference_pb2 as pb
 from jetserve.v1 import inference_pb2_grpc as pb_grpc
 
@@ -131,12 +135,25 @@ def test_a_model_that_fails_to_load_exits_1_with_the_reason(tmp_path, notify_soc
     assert "STOPPING=1" in notify_socket.wait_for("STOPPING=1", server, timeout=1)
 
 
-def test_without_model_it_says_the_demo_is_not_bundled_yet():
-    from jetserve.server.cli import demo_model_dir
+def test_without_model_it_serves_the_bundled_demo(notify_socket):
+    env = dict(os.environ, NOTIFY_SOCKET=notify_socket.address)
+    server = jetserve("serve", "--device", "cpu", "--max-model-len", "512", "--port", "0", "--metrics-port", "0",
+                      env=env)
+    try:
+        target = re.search(r"on (\S+)", notify_socket.wait_for("READY=1", server)).group(1)
+        with grpc.insecure_channel(target) as channel:
+            info = pb_grpc.InferenceStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+        assert Path(info.model) == Path(demo_model_dir()) and info.has_chat_template
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(30) == 0
+    finally:
+        server.kill()
+        server.communicate()
 
-    if os.path.exists(os.path.join(demo_model_dir(), "config.json")):
-        pytest.skip("the demo model is bundled now")
-    server = jetserve("serve", "--port", "0")
-    output = server.communicate(timeout=60)[0]
-    assert server.returncode == 1
-    assert "demo model is not bundled" in output and "--model" in output
+
+def test_without_model_or_demo_it_says_to_pass_model(tmp_path, monkeypatch):
+    monkeypatch.setattr(cli, "demo_model_dir", lambda: str(tmp_path))  # an install without the demo
+    args = build_parser().parse_args(["serve"])
+    with pytest.raises(SystemExit) as exit_:
+        args.func(args)
+    assert "demo model is not bundled" in str(exit_.value) and "--model" in str(exit_.value)
