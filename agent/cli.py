@@ -40,7 +40,7 @@ def register(subparsers):
                        help="inference service gRPC address (or unix:///run/jetserve/grpc.sock)")
     agent.add_argument("--service-timeout", type=float, default=2.0, help="seconds per gRPC call")
     agent.add_argument("--interval", type=float, default=10.0, help="seconds between health reports")
-    agent.add_argument("--state-dir", default="/var/lib/jetserve", help="where the outbox lives")
+    agent.add_argument("--state-dir", default="/var/lib/jetserve-agent", help="where the outbox lives")
     agent.add_argument("--outbox-limit", type=int, default=10000,
                        help="messages kept while the broker is away (oldest health dropped first)")
     agent.add_argument("--once-timeout", type=float, default=10.0,

@@ -9,7 +9,7 @@ fleet=$1 broker=$2 src=$(cd "$(dirname "$0")/.." && pwd) device=$(hostname -s)
 python3 -m venv /opt/jetserve
 /opt/jetserve/bin/pip install --quiet "$src"
 ln -sf /opt/jetserve/bin/jetserve /usr/local/bin/jetserve
-install -d -m 0755 /etc/jetserve /var/lib/jetserve
+install -d -m 0755 /etc/jetserve
 if [ $# -ge 3 ]; then
   umask 077 && printf '%s\n' "$3" > /etc/jetserve/mqtt-password
 fi

@@ -34,7 +34,6 @@ class AsyncLLM:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._pending = 0  # submitted, not yet running: the bounded waiting queue
         self._lock = threading.Lock()
         self._stats = self.engine.stats()
         self._error: BaseException | None = None
@@ -74,10 +73,10 @@ class AsyncLLM:
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already streaming")
-            stats = self._stats  # requests that will find a free running slot do not wait
-            if self._pending + stats.num_waiting >= self.max_waiting + max(0, stats.max_num_seqs - stats.num_running):
+            # At most max_num_seqs of the open streams run; the rest wait. Counted here, under
+            # the lock, so a burst between two steps cannot slip past the bound.
+            if len(self._streams) >= self.engine.scheduler.max_num_seqs + self.max_waiting:
                 raise QueueFullError(f"waiting queue is full ({self.max_waiting} requests); retry later")
-            self._pending += 1
             stream: asyncio.Queue = asyncio.Queue()
             self._streams[request_id] = (asyncio.get_running_loop(), stream)
         self._submit(("add", request_id, prompt, params, time.monotonic()))
@@ -151,8 +150,6 @@ class AsyncLLM:
             kind = command[0]
             if kind == "add":
                 _, request_id, prompt, params, arrival = command
-                with self._lock:
-                    self._pending -= 1
                 if request_id not in self._streams:  # cancelled before it reached the engine
                     continue
                 try:

@@ -90,6 +90,9 @@ def _client():
     return client
 
 
+DEMO_SPECULATIVE_CONFIG = {"method": "mtp", "num_speculative_tokens": 3}
+
+
 def demo_model_dir():
     import jetserve
     return os.path.join(os.path.dirname(jetserve.__file__), "models", "demo")
@@ -101,6 +104,8 @@ def run_serve(args):
         if not os.path.exists(os.path.join(demo, "config.json")):
             sys.exit("jetserve serve: " + NO_DEMO % demo)
         args.model = demo
+        if args.speculative_config is None:  # the demo exists to show drafting: on unless asked otherwise
+            args.speculative_config = DEMO_SPECULATIVE_CONFIG
     if bool(args.tls_cert) != bool(args.tls_key):
         sys.exit("jetserve serve: --tls-cert and --tls-key go together")
     if args.tls_client_ca and not args.tls_cert:
