@@ -58,7 +58,9 @@ def count_replays(llm):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_replay_equals_eager_logits(checkpoint, dtype):
-    """The same step through the graph and eagerly (same kernels): bit-identical hidden states."""
+    """The same step through the graph and eagerly: bit-identical when the batch fills its bucket
+    (same kernels, same shapes); a padded batch runs its GEMMs with more rows, which may pick
+    another cuBLAS kernel, so there only rounding may differ."""
     from jetserve.engine.attention import AttentionMetadata
 
     llm, _ = generate(checkpoint[0], PROMPTS[:3], dtype=dtype)
@@ -71,7 +73,12 @@ def test_replay_equals_eager_logits(checkpoint, dtype):
         pos = torch.tensor([c - 1 for c in ctx], device="cuda")
         graphed = runner.graphs.run(None, ids, pos, meta)
         eager = runner.model(ids, pos, runner.kv_cache, meta)
-        assert graphed is not None and torch.equal(graphed, eager), batch
+        assert graphed is not None, batch
+        if batch in runner.graphs.sizes:
+            assert torch.equal(graphed, eager), batch
+        else:
+            tol = 1e-5 if dtype == "float32" else 2e-2
+            torch.testing.assert_close(graphed, eager, rtol=tol, atol=tol)
 
 
 @gpu
@@ -133,11 +140,12 @@ def test_speculative_verify_and_drafts_graphed(tmp_path):
 
     path = make_model(tmp_path, mtp_layers=1)
     spec = {"method": "mtp", "num_speculative_tokens": 2, "adaptive": False}
-    _, plain = generate(path, PROMPTS[:4], dtype="float32", enforce_eager=True)
+    prompts = [[t % 64 for t in p] for p in PROMPTS[:4]]  # make_model's vocab is 64
+    _, plain = generate(path, prompts, dtype="float32", enforce_eager=True)
     llm = LLM(path, device="cuda", max_num_seqs=8, dtype="float32", speculative_config=spec)
     calls = count_replays(llm)
     keys = llm.engine.runner.graphs.graphs
     assert (None, 3, 4) in keys and (0, 3, 4) in keys and (0, 1, 4) in keys  # verify, MTP pass, chained draft
-    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:4]], GREEDY, use_tqdm=False)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == plain  # lossless, graphed
     assert sum(calls) >= 3 and llm.engine.stats().num_accepted_tokens > 0
