@@ -17,19 +17,55 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None  # the fused CUDA path needs it
+# The general path on CUDA: the memory-efficient kernel (masks), not cuDNN's, which plans anew
+# for every context length (a prefill chunk brings a new one each step), nor the slow math one.
+_GENERAL_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 MAX_UNIFORM_Q = 16  # longer uniform steps are prefill chunks: the SDPA path tiles those better
+
+
+@dataclass
+class SdpaGroup:
+    """Sequences attended together: queries padded to the group's longest, keys to its longest context."""
+
+    query_index: torch.Tensor  # [b, max_q] index into the T new tokens (padding points at 0)
+    valid_index: torch.Tensor  # [n] the real rows of the flattened [b * max_q]
+    context_slots: torch.Tensor  # [b, max_ctx] flat cache slot of each context position
+    mask: torch.Tensor  # [b, 1, max_q, max_ctx] bool: causal within the sequence's context
+
+    @staticmethod
+    def build(starts, q_lens, ctx_lens, block_tables, block_size) -> tuple[SdpaGroup, list[int]]:
+        """The group's tensors (on the CPU) and the token index of each of its real rows, in order."""
+        batch, max_q, max_ctx = len(q_lens), max(q_lens), max(ctx_lens)
+        q_lens_t, ctx_lens_t = torch.tensor(q_lens), torch.tensor(ctx_lens)
+        offs = torch.arange(max_q)
+        query_valid = offs[None, :] < q_lens_t[:, None]
+        query_index = torch.where(query_valid, torch.tensor(starts)[:, None] + offs[None, :], 0)
+        width = max(len(t) for t in block_tables)
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.long)
+        pos = torch.arange(max_ctx)
+        blocks = torch.gather(tables, 1, (pos // block_size).clamp(max=width - 1)[None, :].expand(batch, -1))
+        # Query j of a sequence sits at position ctx_len - q_len + j and sees keys up to it.
+        q_pos = (ctx_lens_t - q_lens_t)[:, None] + offs[None, :]
+        mask = pos[None, None, :] <= q_pos[:, :, None]
+        mask[:, :, 0] = True  # padded queries see one key, so no row is all -inf (no NaN)
+        group = SdpaGroup(query_index, torch.nonzero(query_valid.flatten()).flatten(),
+                          blocks * block_size + pos % block_size, mask[:, None])
+        return group, query_index[query_valid].tolist()
+
+    def to(self, device: torch.device) -> SdpaGroup:
+        return SdpaGroup(*(t.to(device) for t in (self.query_index, self.valid_index, self.context_slots, self.mask)))
 
 
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] flat cache slot of each new token (padding: the scratch slot)
-    # General form (any mix of prefill chunks and decodes): SDPA over the gathered context.
-    query_index: torch.Tensor | None = None  # [B, max_q] index into the T new tokens (padding points at 0)
-    output_index: torch.Tensor | None = None  # [T] where each new token sits in the flattened [B * max_q]
-    context_slots: torch.Tensor | None = None  # [B, max_ctx] flat cache slot of each context position
-    mask: torch.Tensor | None = None  # [B, 1, max_q, max_ctx] bool: causal within the sequence's context
+    # General form (any mix of prefill chunks and decodes): SDPA over the gathered context, in
+    # groups, so that short queries are not padded to a chunk's length nor a chunk batched with them.
+    groups: list[SdpaGroup] | None = None
+    output_index: torch.Tensor | None = None  # [T]: the groups' concatenated rows, back in token order
     # Uniform form (CUDA, every sequence `q_len` new tokens): the paged kernel's inputs.
     block_tables: torch.Tensor | None = None  # [B, max_blocks] int32
     context_lens: torch.Tensor | None = None  # [B] int32, after this step's tokens
@@ -42,34 +78,24 @@ class AttentionMetadata:
         """Describe a step; `ctx_lens` count the context after this step's tokens are added."""
         if device.type == "cuda" and HAS_TRITON and len(set(q_lens)) == 1 and q_lens[0] <= MAX_UNIFORM_Q:
             return AttentionMetadata._uniform(q_lens[0], ctx_lens, block_tables, block_size, device)
-        batch, max_q, max_ctx = len(q_lens), max(q_lens), max(ctx_lens)
-        q_lens_t = torch.tensor(q_lens)
-        ctx_lens_t = torch.tensor(ctx_lens)
-        starts = torch.cumsum(q_lens_t, 0) - q_lens_t
-        offs = torch.arange(max_q)
-        query_valid = offs[None, :] < q_lens_t[:, None]
-        query_index = torch.where(query_valid, starts[:, None] + offs[None, :], 0)
-        output_index = torch.nonzero(query_valid.flatten()).flatten()
-
-        width = max(len(t) for t in block_tables)
-        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.long)
-        pos = torch.arange(max_ctx)
-        blocks = torch.gather(tables, 1, (pos // block_size).clamp(max=width - 1)[None, :].expand(batch, -1))
-        context_slots = blocks * block_size + pos % block_size
-
-        # Query j of sequence b sits at position ctx_len - q_len + j and sees keys up to it.
-        q_pos = (ctx_lens_t - q_lens_t)[:, None] + offs[None, :]
-        mask = pos[None, None, :] <= q_pos[:, :, None]
-        mask[:, :, 0] = True  # padded queries see one key, so no row is all -inf (no NaN)
-        slot_mapping = torch.cat([context_slots[b, c - q:c] for b, (q, c) in enumerate(zip(q_lens, ctx_lens))])
-        return AttentionMetadata(
-            slot_mapping=slot_mapping.to(device),
-            query_index=query_index.to(device),
-            output_index=output_index.to(device),
-            context_slots=context_slots.to(device),
-            mask=mask[:, None].to(device),
-        )
-
+        short = [i for i, q in enumerate(q_lens) if q <= MAX_UNIFORM_Q]
+        members = ([short] if short else []) + [[i] for i, q in enumerate(q_lens) if q > MAX_UNIFORM_Q]
+        starts = [0]
+        for q in q_lens:
+            starts.append(starts[-1] + q)
+        groups, order, slots = [], [], []
+        for group in members:
+            g, rows = SdpaGroup.build([starts[i] for i in group], [q_lens[i] for i in group],
+                                      [ctx_lens[i] for i in group], [block_tables[i] for i in group], block_size)
+            groups.append(g)
+            order.extend(rows)
+        for i, (q, c) in enumerate(zip(q_lens, ctx_lens)):
+            table = block_tables[i]
+            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(c - q, c))
+        output_index = torch.empty(len(order), dtype=torch.long)
+        output_index[torch.tensor(order)] = torch.arange(len(order))
+        return AttentionMetadata(slot_mapping=torch.tensor(slots).to(device), output_index=output_index.to(device),
+                                 groups=[g.to(device) for g in groups])
 
     @staticmethod
     def _uniform(q_len: int, ctx_lens: list[int], block_tables: list[list[int]], block_size: int,
@@ -97,10 +123,18 @@ def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: f
     """q: [T, H, D]; k, v: [T, KVH, D]; caches: [slots, KVH, D]. Returns [T, H, D]."""
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
-    keys = k_cache[meta.context_slots].transpose(1, 2)  # [B, KVH, max_ctx, D]
-    values = v_cache[meta.context_slots].transpose(1, 2)
-    queries = q[meta.query_index].transpose(1, 2)  # [B, H, max_q, D]
-    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.mask, scale=scale,
-                                         enable_gqa=queries.shape[1] != keys.shape[1])
-    out = out.transpose(1, 2).flatten(0, 1)  # [B * max_q, H, D]
-    return out[meta.output_index]  # [T, H, D]: back to flattened token order
+    outs = []
+    for g in meta.groups:
+        keys = k_cache[g.context_slots].transpose(1, 2)  # [b, KVH, max_ctx, D]
+        values = v_cache[g.context_slots].transpose(1, 2)
+        queries = q[g.query_index].transpose(1, 2)  # [b, H, max_q, D]
+        if q.is_cuda:  # the memory-efficient kernel takes a mask but not GQA: give it every head
+            groups = queries.shape[1] // keys.shape[1]
+            keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
+            with sdpa_kernel(_GENERAL_BACKENDS):
+                out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=g.mask, scale=scale)
+        else:
+            out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=g.mask, scale=scale,
+                                                 enable_gqa=queries.shape[1] != keys.shape[1])
+        outs.append(out.transpose(1, 2).flatten(0, 1)[g.valid_index])  # the group's real rows
+    return torch.cat(outs)[meta.output_index]  # [T, H, D]: back to flattened token order
