@@ -166,6 +166,30 @@ def test_mtp_split_off_and_merged_back_loads_identically(tmp_path):
         assert torch.equal(want[name], got[name]), name
 
 
+def test_deepseek_named_mtp_heads_load_like_qwen3_next_ones(tmp_path):
+    """`model.layers.{N}.{eh_proj,enorm,hnorm,shared_head.norm}` + block = the same MTP layer."""
+    qwen, deepseek = tmp_path / "qwen", tmp_path / "deepseek"
+    build_qwen3(qwen)
+    config = json.loads((qwen / "config.json").read_text())
+    base = load_file(qwen / "model.safetensors")
+    mtp = _mtp_tensors(64, 96, 4, 2, 24)
+    save_file({**base, **mtp}, qwen / "model.safetensors")
+    (qwen / "config.json").write_text(json.dumps(dict(config, mtp_num_hidden_layers=1)))
+    head = {"mtp.fc.weight": "eh_proj.weight", "mtp.pre_fc_norm_embedding.weight": "enorm.weight",
+            "mtp.pre_fc_norm_hidden.weight": "hnorm.weight", "mtp.norm.weight": "shared_head.norm.weight"}
+    layer = f"model.layers.{config['num_hidden_layers']}."
+    renamed = {layer + (head.get(k) or k.removeprefix("mtp.layers.0.")): v for k, v in mtp.items()}
+    deepseek.mkdir()
+    save_file({**base, **renamed}, deepseek / "model.safetensors")
+    (deepseek / "config.json").write_text(json.dumps(dict(config, num_nextn_predict_layers=1)))
+
+    want = LLM(str(qwen)).engine.runner.model.state_dict()
+    got = LLM(str(deepseek)).engine.runner.model.state_dict()
+    assert want.keys() == got.keys() and "mtp.0.block.mlp.gate_up_proj.weight" in got
+    for name in want:
+        assert torch.equal(want[name], got[name]), name
+
+
 def test_streamed_cjk_and_emoji_text_never_has_replacement_chars(tiny):
     path, _ = tiny
 
