@@ -37,7 +37,8 @@ def check(probe_result):
     checks = []
 
     if not facts["jetson"]:
-        checks.append(Check("jetpack", OK, "not a Jetson: the JetPack gate does not apply"))
+        checks.append(Check("jetpack", OK, "not a Jetson: the JetPack gate does not apply "
+                            "(the engine captures CUDA graphs wherever torch finds a CUDA GPU)"))
         graphs = True
     elif jetpack is None:
         checks.append(Check("jetpack", WARN,
