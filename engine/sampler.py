@@ -43,10 +43,16 @@ def processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
 
 
 def exponential_noise(shape_like: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    noise = torch.empty_like(shape_like).exponential_()
+    """Exp(1) noise per row: from the row's own generator when it has one, else the global one."""
+    noise = torch.empty_like(shape_like)
+    unseeded = [row for row, generator in enumerate(generators) if generator is None]
+    if len(unseeded) == len(generators):
+        return noise.exponential_()
     for row, generator in enumerate(generators):
         if generator is not None:
             noise[row].exponential_(generator=generator)
+    if unseeded:
+        noise[unseeded] = torch.empty_like(noise[unseeded]).exponential_()
     return noise
 
 
