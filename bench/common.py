@@ -11,6 +11,10 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 # Real Qwen3 shapes (random weights: timing only) and the demo model's shape.
 SHAPES = {

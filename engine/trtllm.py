@@ -10,7 +10,6 @@ else. Where it runs: TRT-LLM 1.x on data-centre GPUs; on Jetson only the v0.12.0
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 import uuid
