@@ -24,6 +24,8 @@ def add_arguments(p):
                    help="static cache + compile recompiles per batch size (~35 s for 0.6B): keep it short")
     p.add_argument("--hf-compile-shapes", nargs="*", default=["qwen3-0.6b"], help="'' to skip")
     p.add_argument("--no-hf", action="store_true", help="skip transformers")
+    p.add_argument("--only", nargs="+", metavar="CONFIG", help="time only these of ours (e.g. ours_graphs "
+                   "ours_graphs_async)")
 
 
 def _ints(text):
@@ -71,10 +73,12 @@ def _time_model(args, name, model_dir, hf, device, dtype, batches, bandwidth_gbp
     from jetserve.bench.common import peak_memory, reset_peak
 
     out = {"configs": {}, "peak_memory_MiB": {}}
-    configs = [("ours_graphs", dict(enforce_eager=False)), ("ours_eager", dict(enforce_eager=True)),
-               ("ours_eager_plain_torch", dict(enforce_eager=True, plain=True))]
+    configs = [("ours_graphs", dict(enforce_eager=False)),
+               ("ours_graphs_async", dict(enforce_eager=False, async_scheduling=True)),
+               ("ours_eager", dict(enforce_eager=True)), ("ours_eager_plain_torch", dict(enforce_eager=True, plain=True))]
     if device.type != "cuda":
         configs = [("ours_eager", dict(enforce_eager=True))]
+    configs = [(name, kwargs) for name, kwargs in configs if not args.only or name in args.only]
     for config, kwargs in configs:
         reset_peak(device)
         out["configs"][config] = _time_engine(args, model_dir, device, batches, **kwargs)
@@ -99,7 +103,7 @@ def _time_model(args, name, model_dir, hf, device, dtype, batches, bandwidth_gbp
             out["configs"]["roofline"] = {b: round((weights + b * context * kv_per_token) / (bandwidth_gbps * 1e9) * 1e3,
                                                    4) for b in batches}
     ours = out["configs"]
-    if "ours_graphs" in ours:
+    if {"ours_graphs", "ours_eager", "ours_eager_plain_torch"} <= set(ours):
         one = min(batches)
         out["speedup_graphs_vs_eager_batch1"] = round(ours["ours_eager"][one] / ours["ours_graphs"][one], 2)
         out["speedup_graphs_vs_plain_eager_batch1"] = round(
@@ -111,7 +115,7 @@ def _mib(n):
     return None if n is None else round(n / 2**20)
 
 
-def _time_engine(args, model_dir, device, batches, enforce_eager, plain=False) -> dict:
+def _time_engine(args, model_dir, device, batches, enforce_eager, plain=False, async_scheduling=False) -> dict:
     """TPOT (median engine step, ms) for each batch size; with graphs also the graph replay alone."""
     import time
 
@@ -133,11 +137,12 @@ def _time_engine(args, model_dir, device, batches, enforce_eager, plain=False) -
         engine = LLMEngine(EngineArgs(
             model=model_dir, device=str(device), max_num_seqs=max_batch, max_model_len=length,
             num_kv_blocks=max_batch * -(-length // 16) + 1, enforce_eager=enforce_eager,
-            max_num_batched_tokens=max(2048, max_batch)))
+            async_scheduling=async_scheduling, max_num_batched_tokens=max(2048, max_batch)))
         rng = torch.Generator().manual_seed(0)
         vocab = engine.model_config.vocab_size
         tpot, replay = {}, {}
-        label = "plain torch" if plain else "eager" if enforce_eager else "graphs"
+        label = "plain torch" if plain else "eager" if enforce_eager else "graphs, async" if async_scheduling \
+            else "graphs"
         for batch in tqdm(batches, desc=f"[decode] ours, {label}", unit="batch size"):
             params = SamplingParams(temperature=0, max_tokens=args.steps + 2, ignore_eos=True)
             for i in range(batch):
@@ -216,7 +221,8 @@ def _time_hf(model, batch, prompt_len, steps, static) -> float:
 
 
 LABELS = {
-    "ours_graphs": ("ours, CUDA graphs", "o-"), "ours_graphs_replay": ("ours, graph replay (GPU only)", "o:"),
+    "ours_graphs": ("ours, CUDA graphs", "o-"), "ours_graphs_async": ("ours, CUDA graphs + async scheduling", "o-."),
+    "ours_graphs_replay": ("ours, graph replay (GPU only)", "o:"),
     "ours_eager": ("ours, eager (fused kernels)", "s-"), "ours_eager_plain_torch": ("ours, eager (plain torch)", "s--"),
     "hf_eager": ("transformers eager", "^-"), "hf_static_compile": ("transformers static cache + compile", "D"),
     "roofline": ("bandwidth roofline", "k--"),

@@ -94,6 +94,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
+    async_scheduling: bool = False  # launch step N+1 before reading step N's tokens
     speculative_config: dict | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None  # override the computed KV pool size (tests, tight devices)
@@ -120,6 +121,9 @@ class EngineArgs:
         g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
         g.add_argument("--enforce-eager", action="store_true", default=d.enforce_eager,
                        help="never capture CUDA graphs")
+        g.add_argument("--async-scheduling", action="store_true", default=d.async_scheduling,
+                       help="overlap the host's work on one step with the device's on the next "
+                            "(not with --speculative-config)")
         g.add_argument("--speculative-config", type=_json_dict, default=d.speculative_config,
                        help='e.g. \'{"method": "mtp", "num_speculative_tokens": 3}\'')
         g.add_argument("--block-size", type=int, default=d.block_size)

@@ -16,7 +16,7 @@ from jetserve.engine.checkpoint import read_json
 from jetserve.engine.config import EngineArgs, ModelConfig
 from jetserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jetserve.engine.prompts import check_prompt
-from jetserve.engine.runner import ModelRunner
+from jetserve.engine.runner import Launch, ModelRunner
 from jetserve.engine.sampling_params import SamplingParams
 from jetserve.engine.scheduler import Scheduler
 from jetserve.engine.sequence import Sequence
@@ -77,6 +77,9 @@ class LLMEngine:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} is below max_model_len="
                              f"{self.max_model_len}: without chunked prefill a whole prompt must fit in one step")
         spec = args.speculative_config
+        if spec and args.async_scheduling:
+            raise ValueError("async_scheduling does not combine with speculative_config yet: "
+                             "drafts depend on the tokens the host has not seen")
         self.spec_config = SpeculativeConfig.from_dict(spec, self.model_config.num_mtp_layers) if spec else None
         self.draft_length = DraftLength(self.spec_config) if spec else None
         self.spec_counters = SpecCounters()
@@ -93,6 +96,7 @@ class LLMEngine:
                                    args.enable_chunked_prefill)
         self.requests: dict[str, _Request] = {}
         self.num_requests_finished = 0
+        self._in_flight: Launch | None = None  # async scheduling: the step whose tokens are still out
 
     def _check_args(self, args: EngineArgs) -> int:
         for name in ("max_num_seqs", "block_size", "max_waiting"):
@@ -140,6 +144,8 @@ class LLMEngine:
     # -- the step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self.args.async_scheduling:
+            return self._step_async()
         num_drafts = self.draft_length.next() if self.draft_length else 0
         self.scheduler.num_lookahead_slots = num_drafts
         batch = self.scheduler.schedule()
@@ -161,6 +167,28 @@ class LLMEngine:
             outputs.append(self._append(self.requests[seq.request_id], new, now))
         if self.draft_length:
             self.draft_length.update()
+        return outputs
+
+    def _step_async(self) -> list[RequestOutput]:
+        """Launch step N+1, then read step N's tokens: the host's bookkeeping for N overlaps the
+        device's work on N+1, whose inputs the runner takes from N's tokens on the device. A
+        sequence that N finishes costs one wasted token in N+1, which is dropped here next time."""
+        batch = self.scheduler.schedule()
+        launch = self.runner.launch(batch) if batch else None
+        if launch is not None:
+            for seq, n in zip(batch.seqs, batch.num_tokens):
+                seq.num_computed_tokens += n
+            for seq in launch.seqs:
+                seq.num_pending += 1
+        previous, self._in_flight = self._in_flight, launch
+        if previous is None:
+            return []
+        outputs, now = [], time.monotonic()
+        for seq, token in previous.tokens():
+            seq.num_pending -= 1
+            request = self.requests.get(seq.request_id)
+            if request is not None and request.seq is seq:  # not finished or aborted meanwhile
+                outputs.append(self._append(request, [token], now))
         return outputs
 
     def _append(self, request: _Request, tokens: list[int], now: float) -> RequestOutput:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -57,6 +58,7 @@ class ModelRunner:
         self.proposer = MTPProposer(max_model_len, self.block_size, self.device) if args.speculative_config else None
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB) on %s, %s", self.num_blocks, self.block_size,
                  self.kv_cache.numel() * self.kv_cache.element_size() / 2**20, self.device, self.dtype)
+        self._last_sampled: tuple[torch.Tensor, dict[Sequence, int]] | None = None  # see launch()
         self.graphs = None
         if plan:
             self.graphs = CUDAGraphs(self.model, self.kv_cache, *plan, max_model_len, self.block_size,
@@ -128,22 +130,8 @@ class ModelRunner:
         whose tokens are now all computed, the tokens it gains (accepted drafts + one), None for
         one still part-way through its prompt; and the drafts (up to `num_drafts`) each one
         proposes for the next step."""
-        ids, positions, q_lens, ctx_lens, tables, sample_at, sampled, done = [], [], [], [], [], [], [], []
-        for seq, n in zip(batch.seqs, batch.num_tokens):
-            start = seq.num_computed_tokens
-            new = seq.token_ids[start:start + n]
-            ids.extend(new + seq.spec_token_ids[:n - len(new)])
-            positions.extend(range(start, start + n))
-            q_lens.append(n)
-            ctx_lens.append(start + n)
-            tables.append(seq.block_table)
-            done.append(start + n == seq.num_tokens + len(seq.spec_token_ids))
-            if done[-1]:
-                sample_at.extend(range(len(ids) - 1 - len(seq.spec_token_ids), len(ids)))
-                sampled.append(seq)
-        meta = AttentionMetadata.build(q_lens, ctx_lens, tables, self.block_size, self.device)
-        positions_t = torch.tensor(positions, device=self.device)
-        hidden = self._forward(torch.tensor(ids, device=self.device), positions_t, meta)
+        hidden, positions_t, meta, sample_at, done = self._run(batch)
+        sampled = [seq for seq, d in zip(batch.seqs, done) if d]
         tokens = iter(self._sample(hidden[sample_at], sampled) if sampled else [])
         emitted = [next(tokens) if d else None for d in done]
         if self.proposer is None:
@@ -151,6 +139,52 @@ class ModelRunner:
         drafts = self.proposer.propose(self._draft_forward, self.model.compute_logits, batch.seqs,
                                        batch.num_tokens, hidden, positions_t, meta, emitted, num_drafts)
         return emitted, drafts
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch) -> Launch:
+        """Async scheduling: enqueue the step and its sampling without waiting for them. The
+        sampled tokens stay on the device, where the next step reads its inputs, and reach the
+        host later through `Launch.tokens()`, while the device computes that next step."""
+        hidden, _, _, sample_at, done = self._run(batch)
+        sampled = [seq for seq, d in zip(batch.seqs, done) if d]
+        if not sampled:
+            return Launch(sampled, None, None)
+        tokens = self._sample_tensor(hidden[sample_at], sampled)
+        self._last_sampled = tokens, {seq: row for row, seq in enumerate(sampled)}
+        if tokens.device.type != "cuda":
+            return Launch(sampled, tokens, None)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return Launch(sampled, host, ready)
+
+    def _run(self, batch: ScheduledBatch):
+        """The forward of a step: hidden states, positions, attention metadata, the rows to sample
+        and, per sequence, whether this step samples it."""
+        ids, positions, q_lens, ctx_lens, tables, sample_at, done = [], [], [], [], [], [], []
+        pending = []  # (index in ids, sequence): a token the last launch left on the device
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            start = seq.num_computed_tokens
+            new = seq.token_ids[start:start + n]
+            if len(new) < n and seq.num_pending:
+                pending.append((len(ids) + len(new), seq))
+                new.append(0)
+            ids.extend(new + seq.spec_token_ids[:n - len(new)])
+            positions.extend(range(start, start + n))
+            q_lens.append(n)
+            ctx_lens.append(start + n)
+            tables.append(seq.block_table)
+            done.append(seq.completes(n))
+            if done[-1]:
+                sample_at.extend(range(len(ids) - 1 - len(seq.spec_token_ids), len(ids)))
+        meta = AttentionMetadata.build(q_lens, ctx_lens, tables, self.block_size, self.device)
+        ids_t = torch.tensor(ids, device=self.device)
+        if pending:
+            tokens, rows = self._last_sampled
+            ids_t[[i for i, _ in pending]] = tokens[[rows[seq] for _, seq in pending]]
+        positions_t = torch.tensor(positions, device=self.device)
+        return self._forward(ids_t, positions_t, meta), positions_t, meta, sample_at, done
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The main model over a step's tokens: a graph replay when one fits the step."""
@@ -166,11 +200,34 @@ class ModelRunner:
 
     def _sample(self, hidden: torch.Tensor, seqs: list[Sequence]) -> list[list[int]]:
         """Tokens each sequence gains: one sampled token, or accepted drafts + one with MTP."""
-        logits = self.model.compute_logits(hidden).float()
+        if self.proposer is None:
+            return [[t] for t in self._sample_tensor(hidden, seqs).tolist()]
+        logits, params, generators = self._logits(hidden, seqs)
+        return self.proposer.verify(logits, [s.spec_token_ids for s in seqs], params, generators)
+
+    def _sample_tensor(self, hidden: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """One token per sequence, left on the device."""
+        return sample(*self._logits(hidden, seqs))
+
+    def _logits(self, hidden: torch.Tensor, seqs: list[Sequence]):
         for seq in seqs:
             if seq.generator is None and seq.params.seed is not None:
                 seq.generator = make_generator(seq.params, self.device)
-        params, generators = [s.params for s in seqs], [s.generator for s in seqs]
-        if self.proposer is not None:
-            return self.proposer.verify(logits, [s.spec_token_ids for s in seqs], params, generators)
-        return [[t] for t in sample(logits, params, generators).tolist()]
+        return self.model.compute_logits(hidden).float(), [s.params for s in seqs], [s.generator for s in seqs]
+
+
+@dataclass
+class Launch:
+    """A step in flight (async scheduling): the sequences it samples and their tokens to come."""
+
+    seqs: list[Sequence]
+    tokens_on_host: torch.Tensor | None  # pinned, filled by a non-blocking copy (CPU: the tokens)
+    ready: torch.cuda.Event | None
+
+    def tokens(self) -> list[tuple[Sequence, int]]:
+        """Wait for the step's tokens: (sequence, token) for each sequence it sampled."""
+        if not self.seqs:
+            return []
+        if self.ready is not None:
+            self.ready.synchronize()
+        return list(zip(self.seqs, self.tokens_on_host.tolist()))

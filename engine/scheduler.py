@@ -97,8 +97,7 @@ class Scheduler:
 
     def _slots(self, seq: Sequence, n: int) -> int:
         """KV slots `seq` needs for `n` tokens: plus the lookahead when this step samples it."""
-        samples = n == seq.num_uncomputed_tokens + len(seq.spec_token_ids)
-        return n + self.num_lookahead_slots if samples else n
+        return n + self.num_lookahead_slots if seq.completes(n) else n
 
     def _make_room(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
         """Allocate blocks for `seq`, preempting later-admitted sequences; False if `seq` itself

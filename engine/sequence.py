@@ -33,6 +33,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.generator = None  # torch.Generator for seeded sampling, made by the sampler
         self.spec_token_ids: list[int] = []  # draft tokens awaiting verification (MTP)
+        self.num_pending = 0  # sampled on the device, not yet seen by the host (async scheduling)
 
     @property
     def num_tokens(self) -> int:
@@ -52,7 +53,12 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        return self.num_tokens + self.num_pending - self.num_computed_tokens
+
+    def completes(self, n: int) -> bool:
+        """Whether computing `n` more tokens reaches the end (pending drafts included), so the
+        step that does it samples this sequence's next token."""
+        return n == self.num_uncomputed_tokens + len(self.spec_token_ids)
 
     @property
     def is_finished(self) -> bool:

@@ -97,6 +97,16 @@ def test_greedy_graphs_equal_eager_and_transformers(checkpoint):
 
 @gpu
 @pytest.mark.gpu
+def test_async_scheduling_with_graphs_equals_transformers(checkpoint):
+    """Step N+1 reads step N's tokens on the device, replayed from graphs: same tokens."""
+    path, hf_model = checkpoint
+    reference = [hf_greedy(hf_model, p, GREEDY.max_tokens) for p in PROMPTS]
+    llm, tokens = generate(path, PROMPTS, dtype="float32", async_scheduling=True)
+    assert tokens == reference and llm.engine.blocks.num_used == 0
+
+
+@gpu
+@pytest.mark.gpu
 def test_odd_head_dim_graphed(tmp_path):
     hf_model = build_qwen3(tmp_path)  # head_dim 24: the kernels' masked (non power of 2) path
     reference = [hf_greedy(hf_model, p, GREEDY.max_tokens) for p in PROMPTS[:4]]

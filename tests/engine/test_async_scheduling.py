@@ -1,0 +1,95 @@
+"""Async scheduling (step N+1 launched before step N's tokens are read) changes no result."""
+
+import asyncio
+
+import pytest
+
+from jetserve.engine import LLM, AsyncLLM, EngineArgs, SamplingParams
+from jetserve.engine.llm_engine import LLMEngine
+from tests.engine.builders import CORPUS, build_qwen3, hf_greedy
+
+PROMPTS = [[5, 17, 2, 99, 31, 8, 64], [200, 3], list(range(40, 63)), [7] * 11]
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("async")
+    model = build_qwen3(path, seed=3)
+    return path, [hf_greedy(model, p, 8) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("budget", [1, 4, 7, 512])
+def test_greedy_matches_transformers(checkpoint, budget):
+    path, reference = checkpoint
+    llm = LLM(str(path), max_num_seqs=8, max_num_batched_tokens=budget, block_size=4, async_scheduling=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == reference
+    assert llm.engine.blocks.num_used == 0
+
+
+def test_preemption_is_exact(checkpoint):
+    path, reference = checkpoint
+    llm = LLM(str(path), num_kv_blocks=8, block_size=4, max_model_len=32, max_num_batched_tokens=16,
+              async_scheduling=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outputs] == reference
+    assert llm.engine.blocks.num_used == 0
+
+
+def test_same_text_stops_and_seeds_as_synchronous(tiny):
+    """EOS, stop strings, max_tokens and seeded sampling end requests exactly where they would."""
+    path, _ = tiny
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=24, stop=["e", "的"]) for s in range(4)] + \
+             [SamplingParams(temperature=0.8, seed=9, max_tokens=5), SamplingParams(temperature=0, max_tokens=30)]
+    prompts = [CORPUS[i % len(CORPUS)] for i in range(len(params))]
+    results = []
+    for async_scheduling in (False, True):
+        llm = LLM(str(path), max_num_seqs=4, max_num_batched_tokens=32, async_scheduling=async_scheduling)
+        results.append([(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason)
+                        for o in llm.generate(prompts, params, use_tqdm=False)])
+        assert llm.engine.blocks.num_used == 0
+    assert results[0] == results[1]
+    assert {reason for _, _, reason in results[1]} >= {"stop", "length"}
+
+
+def test_abort_while_a_step_is_in_flight(checkpoint):
+    path, _ = checkpoint
+    engine = LLMEngine(EngineArgs(model=str(path), async_scheduling=True))
+    engine.add_request("a", {"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.add_request("b", {"prompt_token_ids": PROMPTS[1]}, SamplingParams(max_tokens=50, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    assert engine._in_flight is not None and engine.blocks.num_used > 0
+    engine.abort("a")
+    outputs = engine.step()
+    assert all(o.request_id == "b" for o in outputs)
+    engine.abort("b")
+    engine.step()  # drains the step launched before the abort; its tokens are dropped
+    assert engine.blocks.num_used == 0 and not engine.has_unfinished_requests()
+
+
+def test_streams_through_the_async_engine(checkpoint):
+    path, reference = checkpoint
+
+    async def main():
+        engine = AsyncLLM(EngineArgs(model=str(path), async_scheduling=True))
+        engine.start()
+        try:
+            async def one(prompt):
+                tokens = []
+                async for out in engine.generate({"prompt_token_ids": prompt}, GREEDY):
+                    tokens += out.outputs[0].token_ids
+                return tokens
+            return await asyncio.gather(*(one(p) for p in PROMPTS))
+        finally:
+            engine.shutdown()
+
+    assert asyncio.run(main()) == reference
+
+
+def test_not_with_speculative_decoding(checkpoint):
+    path, _ = checkpoint
+    with pytest.raises(ValueError, match="async_scheduling does not combine with speculative_config"):
+        LLM(str(path), async_scheduling=True, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
