@@ -26,6 +26,15 @@ _GENERAL_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 MAX_UNIFORM_Q = 16  # longer uniform steps are prefill chunks: the SDPA path tiles those better
 
 
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a step's host-built tensor to the device without making the host wait for the device:
+    a copy from pageable memory synchronizes, one from pinned memory is queued (async scheduling
+    relies on it)."""
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class SdpaGroup:
     """Sequences attended together: queries padded to the group's longest, keys to its longest context."""
@@ -56,7 +65,8 @@ class SdpaGroup:
         return group, query_index[query_valid].tolist()
 
     def to(self, device: torch.device) -> SdpaGroup:
-        return SdpaGroup(*(t.to(device) for t in (self.query_index, self.valid_index, self.context_slots, self.mask)))
+        return SdpaGroup(*(to_device(t, device) for t in (self.query_index, self.valid_index, self.context_slots,
+                                                          self.mask)))
 
 
 @dataclass
@@ -94,7 +104,8 @@ class AttentionMetadata:
             slots.extend(table[p // block_size] * block_size + p % block_size for p in range(c - q, c))
         output_index = torch.empty(len(order), dtype=torch.long)
         output_index[torch.tensor(order)] = torch.arange(len(order))
-        return AttentionMetadata(slot_mapping=torch.tensor(slots).to(device), output_index=output_index.to(device),
+        return AttentionMetadata(slot_mapping=to_device(torch.tensor(slots), device),
+                                 output_index=to_device(output_index, device),
                                  groups=[g.to(device) for g in groups])
 
     @staticmethod
@@ -105,7 +116,7 @@ class AttentionMetadata:
                  for t, c in zip(block_tables, ctx_lens) for p in range(c - q_len, c)]
         tables = [t + [0] * (width - len(t)) for t in block_tables]
         # One host-to-device copy for all three.
-        packed = torch.tensor(slots + ctx_lens + [x for t in tables for x in t], dtype=torch.int32).to(device)
+        packed = to_device(torch.tensor(slots + ctx_lens + [x for t in tables for x in t], dtype=torch.int32), device)
         n, b = len(slots), len(ctx_lens)
         return AttentionMetadata(slot_mapping=packed[:n], context_lens=packed[n:n + b],
                                  block_tables=packed[n + b:].view(b, width), q_len=q_len,

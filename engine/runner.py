@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from jetserve.engine.attention import HAS_TRITON, AttentionMetadata
+from jetserve.engine.attention import HAS_TRITON, AttentionMetadata, to_device
 from jetserve.engine.config import EngineArgs, ModelConfig
 from jetserve.engine.cuda_graphs import CUDAGraphs, capture_sizes, step_shapes
 from jetserve.engine.loader import load_model, torch_dtype
@@ -179,12 +179,14 @@ class ModelRunner:
             if done[-1]:
                 sample_at.extend(range(len(ids) - 1 - len(seq.spec_token_ids), len(ids)))
         meta = AttentionMetadata.build(q_lens, ctx_lens, tables, self.block_size, self.device)
-        ids_t = torch.tensor(ids, device=self.device)
+        ids_t = to_device(torch.tensor(ids), self.device)
         if pending:
             tokens, rows = self._last_sampled
-            ids_t[[i for i, _ in pending]] = tokens[[rows[seq] for _, seq in pending]]
-        positions_t = torch.tensor(positions, device=self.device)
-        return self._forward(ids_t, positions_t, meta), positions_t, meta, sample_at, done
+            where = to_device(torch.tensor([i for i, _ in pending]), self.device)
+            ids_t[where] = tokens[to_device(torch.tensor([rows[seq] for _, seq in pending]), self.device)]
+        positions_t = to_device(torch.tensor(positions), self.device)
+        sample_at_t = to_device(torch.tensor(sample_at, dtype=torch.long), self.device)
+        return self._forward(ids_t, positions_t, meta), positions_t, meta, sample_at_t, done
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The main model over a step's tokens: a graph replay when one fits the step."""
