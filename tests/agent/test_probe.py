@@ -107,3 +107,13 @@ def test_bad_sysroot_is_a_clear_error(tmp_path):
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO, timeout=60)
     assert out.returncode == 1
     assert b"jetserve doctor: sysroot" in out.stdout and b"Traceback" not in out.stdout
+
+
+def test_jetson_stats_without_its_service_falls_back_with_the_reason():
+    """The real jetson-stats client, no jtop.service on this host: the agent's readers take over."""
+    pytest.importorskip("jtop")
+    from jetserve.agent.probe import JtopReader
+
+    reader = JtopReader()
+    assert reader.handle is None and reader.read() is None
+    assert reader.reason.startswith("jtop service unavailable") and "jtop.service" in reader.reason
