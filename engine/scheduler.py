@@ -89,7 +89,11 @@ class Scheduler:
         return seq.num_uncomputed_tokens > 1 + len(seq.spec_token_ids)
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
-        """Tokens `seq` computes this step: all it needs, or a chunk; 0 if it must wait."""
+        """Tokens `seq` computes this step: all it needs, or a chunk; 0 if it must wait. Drafts
+        that do not fit the budget are dropped (they are only guesses), or a decode with drafts
+        could wait forever under a budget smaller than 1 + k."""
+        if seq.spec_token_ids and not self._is_prefilling(seq):
+            del seq.spec_token_ids[max(0, budget - seq.num_uncomputed_tokens):]
         need = seq.num_uncomputed_tokens + len(seq.spec_token_ids)
         if need <= budget:
             return need

@@ -1,8 +1,10 @@
 """Tiny random Qwen3 checkpoints built with transformers offline: the reference for the engine."""
 
 import json
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -56,3 +58,51 @@ def hf_greedy(model, prompt, max_new_tokens):
     out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
                          do_sample=False, pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+DRAFT_HIDDEN = 32
+
+
+def build_drafting_model(path: Path, vocab=64, agree=True, context=3.0, sharpness=4.0, mtp_layers=1, seed=0) -> str:
+    """A random Qwen3 reshaped so drafting has something to agree with: big embeddings and small
+    attention/MLP outputs make it mostly a bigram model (`context` sets how much the rest of the
+    context moves it); "agreeing" MTP heads pass the embedding of token t+1 straight through
+    (fc = [I | 0], zeroed block outputs), so they predict the base's guess for x_{t+2}."""
+    torch.manual_seed(seed)
+    config = Qwen3Config(vocab_size=vocab, hidden_size=DRAFT_HIDDEN, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
+                         max_position_embeddings=256)
+    Qwen3ForCausalLM(config).save_pretrained(path)
+    state = load_file(path / "model.safetensors")
+    gen = torch.Generator().manual_seed(seed)
+    state["model.embed_tokens.weight"] = torch.randn(vocab, DRAFT_HIDDEN, generator=gen)
+    for name in state:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            state[name] = torch.randn(state[name].shape, generator=gen) * context / 8
+    state["lm_head.weight"] = torch.randn(vocab, DRAFT_HIDDEN, generator=gen) * sharpness / DRAFT_HIDDEN ** 0.5
+    if mtp_layers:
+        state.update(_agreeing_or_random_heads(state, agree, mtp_layers, gen))
+        cfg = json.loads((path / "config.json").read_text())
+        cfg["mtp_num_hidden_layers"] = mtp_layers
+        (path / "config.json").write_text(json.dumps(cfg))
+    save_file(state, path / "model.safetensors")
+    return str(path)
+
+
+def _agreeing_or_random_heads(state, agree, layers, gen):
+    block = {k[len("model.layers.0."):]: v for k, v in state.items() if k.startswith("model.layers.0.")}
+    heads = {}
+    for j in range(layers):
+        for name, value in block.items():
+            if name.endswith("norm.weight"):
+                w = torch.ones_like(value)
+            elif agree and name.endswith(("o_proj.weight", "down_proj.weight")):
+                w = torch.zeros_like(value)
+            else:
+                w = torch.randn(value.shape, generator=gen) * 0.1
+            heads[f"mtp.layers.{j}.{name}"] = w
+    eye = torch.cat([torch.eye(DRAFT_HIDDEN), torch.zeros(DRAFT_HIDDEN, DRAFT_HIDDEN)], 1)
+    heads["mtp.fc.weight"] = eye if agree else torch.randn(DRAFT_HIDDEN, 2 * DRAFT_HIDDEN, generator=gen)
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        heads[f"mtp.{name}.weight"] = torch.ones(DRAFT_HIDDEN)
+    return heads

@@ -8,73 +8,26 @@ context moves it), and "agreeing" MTP heads pass the embedding of token t+1 stra
 (fc = [I | 0], zeroed block outputs), so they predict f(x_{t+1}) = the base's x_{t+2} guess.
 """
 
-import json
 import math
 from pathlib import Path
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-from safetensors.torch import load_file, save_file  # noqa: E402
-
-from jetserve.engine import LLM, SamplingParams  # noqa: E402
-from jetserve.engine.sampler import sample  # noqa: E402
-from jetserve.engine.spec_decode import DraftLength, SpeculativeConfig, verify  # noqa: E402
-
-HIDDEN = 32
-
-
-def make_model(path: Path, vocab=64, agree=True, context=3.0, sharpness=4.0, mtp_layers=1, seed=0) -> str:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(seed)
-    config = Qwen3Config(vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
-                         max_position_embeddings=256)
-    Qwen3ForCausalLM(config).save_pretrained(path)
-    state = load_file(path / "model.safetensors")
-    gen = torch.Generator().manual_seed(seed)
-    state["model.embed_tokens.weight"] = torch.randn(vocab, HIDDEN, generator=gen)
-    for name in state:
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
-            state[name] = torch.randn(state[name].shape, generator=gen) * context / 8
-    state["lm_head.weight"] = torch.randn(vocab, HIDDEN, generator=gen) * sharpness / HIDDEN ** 0.5
-    if mtp_layers:
-        state.update(mtp_heads(state, agree, mtp_layers, gen))
-        cfg = json.loads((path / "config.json").read_text())
-        cfg["mtp_num_hidden_layers"] = mtp_layers
-        (path / "config.json").write_text(json.dumps(cfg))
-    save_file(state, path / "model.safetensors")
-    return str(path)
-
-
-def mtp_heads(state, agree, layers, gen):
-    block = {k[len("model.layers.0."):]: v for k, v in state.items() if k.startswith("model.layers.0.")}
-    heads = {}
-    for j in range(layers):
-        for name, value in block.items():
-            if name.endswith("norm.weight"):
-                w = torch.ones_like(value)
-            elif agree and name.endswith(("o_proj.weight", "down_proj.weight")):
-                w = torch.zeros_like(value)
-            else:
-                w = torch.randn(value.shape, generator=gen) * 0.1
-            heads[f"mtp.layers.{j}.{name}"] = w
-    eye = torch.cat([torch.eye(HIDDEN), torch.zeros(HIDDEN, HIDDEN)], 1)
-    heads["mtp.fc.weight"] = eye if agree else torch.randn(HIDDEN, 2 * HIDDEN, generator=gen)
-    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
-        heads[f"mtp.{name}.weight"] = torch.ones(HIDDEN)
-    return heads
+from jetserve.engine import LLM, SamplingParams
+from jetserve.engine.sampler import sample
+from jetserve.engine.spec_decode import DraftLength, SpeculativeConfig, verify
+from tests.engine.builders import build_drafting_model
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return make_model(tmp_path_factory.mktemp("agree"))
+    return build_drafting_model(tmp_path_factory.mktemp("agree"))
 
 
 @pytest.fixture(scope="module")
 def random_heads(tmp_path_factory):
-    return make_model(tmp_path_factory.mktemp("random"), agree=False)
+    return build_drafting_model(tmp_path_factory.mktemp("random"), agree=False)
 
 
 def engine(model_dir, k=None, **kwargs):
@@ -118,10 +71,10 @@ def test_greedy_is_token_identical_and_stats_add_up(model, reference, k):
 
 def test_greedy_with_two_mtp_layers_and_random_heads(tmp_path, model, reference):
     """Chaining past the MTP layers (step % n) and heads that never agree: still identical."""
-    two = make_model(tmp_path / "two", mtp_layers=2)
+    two = build_drafting_model(tmp_path / "two", mtp_layers=2)
     assert token_ids(engine(two, 3).generate(PROMPTS, GREEDY, use_tqdm=False)) == \
         token_ids(engine(two).generate(PROMPTS, GREEDY, use_tqdm=False))
-    bad = make_model(tmp_path / "bad", agree=False)
+    bad = build_drafting_model(tmp_path / "bad", agree=False)
     assert token_ids(engine(bad, 2).generate(PROMPTS, GREEDY, use_tqdm=False)) == \
         token_ids(engine(bad).generate(PROMPTS, GREEDY, use_tqdm=False))
 
@@ -192,7 +145,7 @@ def test_sampled_outputs_have_the_models_distribution(tmp_path):
     """Engine level, at temperature 1 on an 8-token vocabulary: tokens 2 and 3 (the drafted
     positions) with MTP k=2 against without, two-sample chi-square at alpha = 0.001 each; the
     same test fails when the engine's acceptance rule is the resample-from-p bug."""
-    model_dir = make_model(tmp_path / "v8", vocab=8, context=2.0, sharpness=2.0)
+    model_dir = build_drafting_model(tmp_path / "v8", vocab=8, context=2.0, sharpness=2.0)
     n = 2000
     prompts = [{"prompt_token_ids": [1, 5, 2]}] * n
     params = [SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seed=i) for i in range(n)]
@@ -282,7 +235,7 @@ def test_speculative_config_is_validated(model, tmp_path):
         LLM(model, speculative_config={"method": "mtp", "num_speculative_tokens": 0})
     with pytest.raises(ValueError, match="unknown key"):
         LLM(model, speculative_config={"method": "mtp", "num_speculative_tokens": 1, "k": 2})
-    plain = make_model(tmp_path / "plain", mtp_layers=0)
+    plain = build_drafting_model(tmp_path / "plain", mtp_layers=0)
     with pytest.raises(ValueError, match="jetserve mtp merge.*jetserve mtp fit"):
         LLM(plain, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
 
@@ -316,7 +269,7 @@ def test_mtp_fit_raises_acceptance_above_random_heads(tmp_path):
     base = tmp_path / "base"
     base.mkdir()
     tok = demo.train_tokenizer([f.read_text() for f in sources], 320, base)
-    make_model(base, vocab=tok.get_vocab_size(), context=3.0, mtp_layers=0)
+    build_drafting_model(base, vocab=tok.get_vocab_size(), context=3.0, mtp_layers=0)
     common = ["mtp", "fit", "--model", str(base), "--data", *map(str, sources), "--seq-len", "64",
               "--batch-size", "8", "--device", "cpu"]
     assert main(common + ["--steps", "1", "--lr", "1e-9", "--out", str(tmp_path / "untrained")]) == 0

@@ -1,0 +1,81 @@
+"""Random workloads against the scheduler's promises: whatever the budget, the KV pool, async
+scheduling, draft length or aborts, every finished request has the reference greedy tokens and
+no block outlives its request."""
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jetserve.engine import EngineArgs, SamplingParams
+from jetserve.engine.llm_engine import LLMEngine
+from tests.engine.builders import build_drafting_model
+
+VOCAB, MAX_MODEL_LEN, BLOCK = 64, 64, 4
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return build_drafting_model(tmp_path_factory.mktemp("props"), vocab=VOCAB)
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    """Greedy tokens of one prompt alone: no chunking, no drafting, a pool that never runs out."""
+    engine = LLMEngine(EngineArgs(model=model, max_model_len=MAX_MODEL_LEN, enable_chunked_prefill=False))
+    cache = {}
+
+    def greedy(prompt, max_tokens):
+        if prompt not in cache:
+            engine.add_request("ref", {"prompt_token_ids": list(prompt)}, SamplingParams(
+                temperature=0, max_tokens=24, ignore_eos=True))
+            tokens = []
+            while engine.has_unfinished_requests():
+                tokens += [t for out in engine.step() for t in out.outputs[0].token_ids]
+            cache[prompt] = tokens
+        return cache[prompt][:max_tokens]
+    return greedy
+
+
+workload = st.fixed_dictionaries({
+    "prompts": st.lists(st.tuples(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=30).map(tuple),
+                                  st.integers(1, 24)), min_size=1, max_size=6),
+    "budget": st.integers(1, 24),
+    "blocks": st.integers(MAX_MODEL_LEN // BLOCK + 4, 60),
+    "mode": st.sampled_from(["sync", "async", "mtp-1", "mtp-3"]),
+    "aborts": st.lists(st.tuples(st.integers(0, 5), st.integers(0, 60)), max_size=3),
+})
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(w=workload)
+def test_random_workloads_keep_tokens_and_blocks(model, reference, w):
+    spec = {"method": "mtp", "num_speculative_tokens": int(w["mode"][-1])} if w["mode"].startswith("mtp") else None
+    engine = LLMEngine(EngineArgs(model=model, max_model_len=MAX_MODEL_LEN, block_size=BLOCK, max_num_seqs=4,
+                                  max_num_batched_tokens=w["budget"], num_kv_blocks=w["blocks"],
+                                  async_scheduling=w["mode"] == "async", speculative_config=spec))
+    for i, (prompt, max_tokens) in enumerate(w["prompts"]):
+        engine.add_request(str(i), {"prompt_token_ids": list(prompt)},
+                           SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    aborts = {(str(i), step) for i, step in w["aborts"]}
+    tokens, reasons = {str(i): [] for i in range(len(w["prompts"]))}, {}
+    for step in range(2000):
+        if not engine.has_unfinished_requests():
+            break
+        for request_id in [r for r, s in aborts if s == step]:
+            final = engine.abort(request_id)
+            if final is not None:
+                reasons[request_id] = final.outputs[0].finish_reason
+        for out in engine.step():
+            tokens[out.request_id] += out.outputs[0].token_ids
+            if out.finished:
+                reasons[out.request_id] = out.outputs[0].finish_reason
+    assert not engine.has_unfinished_requests(), "every request ends"
+    for i, (prompt, max_tokens) in enumerate(w["prompts"]):
+        want = reference(prompt, max_tokens)
+        if reasons[str(i)] == "abort":
+            assert tokens[str(i)] == want[:len(tokens[str(i)])]
+        else:
+            assert (tokens[str(i)], reasons[str(i)]) == (want, "length")
+    assert engine.blocks.num_used == 0
+    assert engine.blocks.num_free == engine.blocks.num_blocks and sorted(engine.blocks.free_blocks) == list(
+        range(engine.blocks.num_blocks))
