@@ -254,18 +254,27 @@ def test_live_draft_length_control(model):
 
 def greedy_acceptance(model_dir) -> float:
     llm = engine(model_dir, 1, max_model_len=96)
-    prompts = [{"prompt_token_ids": list(range(5 + i, 25 + i))} for i in range(4)]
-    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)
+    prompts = [{"prompt_token_ids": list(range(5 + 7 * i, 25 + 7 * i))} for i in range(12)]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True), use_tqdm=False)
     return llm.engine.stats().acceptance_rate
 
 
 def test_mtp_fit_raises_acceptance_above_random_heads(tmp_path):
-    """`jetserve mtp fit` on a tiny CPU model (tokenizer trained here on the engine's sources):
+    """`jetserve mtp fit` on a tiny CPU model (tokenizer trained here on a fixed synthetic corpus):
     heads trained by distillation agree with the base far more often than untrained ones."""
+    import random
+
     from jetserve.cli import main
     from jetserve.engine import demo
 
-    sources = sorted(Path(demo.__file__).parent.glob("*.py"))
+    rng = random.Random(0)
+    words = ["def", "return", "self", "value", "for", "in", "if", "else", "import", "class", "None", "True",
+             "list", "dict", "key", "item", "range", "len", "print", "name", "data", "path", "error", "result"]
+    sources = []
+    for i in range(4):
+        lines = (" ".join(rng.choice(words) for _ in range(rng.randint(3, 12))) for _ in range(600))
+        sources.append(tmp_path / f"corpus{i}.txt")
+        sources[-1].write_text("\n".join(lines))
     base = tmp_path / "base"
     base.mkdir()
     tok = demo.train_tokenizer([f.read_text() for f in sources], 320, base)
@@ -273,6 +282,6 @@ def test_mtp_fit_raises_acceptance_above_random_heads(tmp_path):
     common = ["mtp", "fit", "--model", str(base), "--data", *map(str, sources), "--seq-len", "64",
               "--batch-size", "8", "--device", "cpu"]
     assert main(common + ["--steps", "1", "--lr", "1e-9", "--out", str(tmp_path / "untrained")]) == 0
-    assert main(common + ["--steps", "150", "--lr", "3e-3", "--out", str(tmp_path / "fitted")]) == 0
+    assert main(common + ["--steps", "400", "--lr", "3e-3", "--out", str(tmp_path / "fitted")]) == 0
     before, after = greedy_acceptance(str(tmp_path / "untrained")), greedy_acceptance(str(tmp_path / "fitted"))
-    assert after > before + 0.2 and after > 0.5, (before, after)
+    assert after > before + 0.25 and after > 2 * before, (before, after)  # seen: 0.15 -> 0.59
