@@ -76,5 +76,5 @@ class Controller:
             outcome = self.registry.state(fleet, device, doc)
         else:
             outcome = self.registry.data(fleet, device, kind, doc)
-        if outcome not in ("new", "birth"):
-            log.info("%s/%s %s: %s", fleet, device, kind, outcome)
+        (log.debug if outcome in ("new", "birth") else log.info)(
+            "%s/%s %s n=%s: %s", fleet, device, kind, doc.get("n"), outcome)

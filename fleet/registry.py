@@ -2,11 +2,16 @@
 
 Session rules (Sparkplug-style): a birth sets the device's bdSeq; a death counts only when its
 bdSeq is the current one, so a late death from an old session is ignored. Data messages carry
-(epoch, n): n at or below the last seen for the same epoch is a replay and is dropped (counted as
-a duplicate), a jump is a seq gap. Alerts the controller raises go to the same log as the
-devices' own.
+(epoch, n): an (epoch, n) seen before is a replay and is dropped (counted as a duplicate); a jump
+past the highest n opens holes (`gaps`), which a late message fills. Messages can arrive out of
+order when several controller replicas share one registry (`$share` splits the stream per
+message), so a hole is alerted only once it has stayed open for a report interval, and a late
+health document never overwrites a newer one. Every write is one IMMEDIATE transaction, so
+replicas in other processes see each other's updates whole. Alerts the controller raises go to
+the same log as the devices' own.
 """
 
+import contextlib
 import json
 import sqlite3
 import threading
@@ -19,7 +24,12 @@ CREATE TABLE IF NOT EXISTS devices (
     birth TEXT, health TEXT, status TEXT, conditions TEXT NOT NULL DEFAULT '[]',
     epoch TEXT, last_n INTEGER NOT NULL DEFAULT 0, received INTEGER NOT NULL DEFAULT 0,
     duplicates INTEGER NOT NULL DEFAULT 0, gaps INTEGER NOT NULL DEFAULT 0,
+    gaps_alerted INTEGER NOT NULL DEFAULT 0, gap_since REAL,
     PRIMARY KEY (fleet, device)
+);
+CREATE TABLE IF NOT EXISTS seen (
+    fleet TEXT NOT NULL, device TEXT NOT NULL, epoch TEXT, n INTEGER NOT NULL,
+    PRIMARY KEY (fleet, device, epoch, n)
 );
 CREATE TABLE IF NOT EXISTS alerts (
     id INTEGER PRIMARY KEY AUTOINCREMENT, ts REAL NOT NULL, fleet TEXT NOT NULL,
@@ -28,7 +38,8 @@ CREATE TABLE IF NOT EXISTS alerts (
 );
 """
 COLUMNS = ("fleet", "device", "online", "reason", "bdseq", "last_seen", "birth", "health", "status",
-           "conditions", "epoch", "last_n", "received", "duplicates", "gaps")
+           "conditions", "epoch", "last_n", "received", "duplicates", "gaps", "gaps_alerted", "gap_since")
+SEEN_WINDOW = 4096  # how far below the highest n a replay is still recognised
 JSON_COLUMNS = ("birth", "health", "conditions")
 
 
@@ -56,11 +67,23 @@ class Registry:
     def __init__(self, path):
         self._lock = threading.Lock()
         try:
-            self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+            self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=10)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.executescript(SCHEMA)
         except sqlite3.Error as exc:
             raise RegistryError("cannot open registry %s: %s" % (path, exc))
+
+    @contextlib.contextmanager
+    def _write(self):
+        """One write transaction: this thread's lock, and the database's against other replicas."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
 
     def _device(self, fleet, device):
         self._db.execute("INSERT OR IGNORE INTO devices (fleet, device) VALUES (?, ?)", (fleet, device))
@@ -82,7 +105,7 @@ class Registry:
     def state(self, fleet, device, doc, now=None):
         """A birth or death certificate; returns what it did ("birth", "death", "stale-death")."""
         now = now or time.time()
-        with self._lock:
+        with self._write():
             current = self._device(fleet, device)
             if doc.get("online"):
                 self._update(fleet, device, online=1, reason="birth", bdseq=doc.get("bdSeq"),
@@ -97,30 +120,38 @@ class Registry:
             return "death"
 
     def data(self, fleet, device, kind, doc, now=None):
-        """A health or alert message; returns "new", "duplicate" or "gap"."""
+        """A health or alert message; returns "new", "duplicate", "gap" (it opened holes) or
+        "late" (it filled one)."""
         now = now or time.time()
-        with self._lock:
+        epoch, n = doc.get("epoch"), doc.get("n")
+        if not isinstance(n, int):
+            return "invalid"
+        with self._write():
             current = self._device(fleet, device)
-            epoch, n = doc.get("epoch"), doc.get("n")
-            if not isinstance(n, int):
-                return "invalid"
-            last = current["last_n"] if epoch == current["epoch"] else 0
-            if n <= last:
+            if self._db.execute("INSERT OR IGNORE INTO seen (fleet, device, epoch, n) VALUES (?, ?, ?, ?)",
+                                (fleet, device, epoch, n)).rowcount == 0:
                 self._update(fleet, device, duplicates=current["duplicates"] + 1)
                 return "duplicate"
-            outcome = "new"
-            values = {"epoch": epoch, "last_n": n, "received": current["received"] + 1, "last_seen": now}
-            if n > last + 1 and epoch == current["epoch"]:
-                missing = n - last - 1
-                values["gaps"] = current["gaps"] + missing
-                self._alert(fleet, device, "controller", "seq-gap",
-                            "%d message(s) missing before n=%d (seq %d)" % (missing, n, doc.get("seq", -1)), ts=now)
-                outcome = "gap"
+            last = current["last_n"] if epoch == current["epoch"] else 0
+            self._db.execute("DELETE FROM seen WHERE fleet = ? AND device = ? AND (epoch IS NOT ? OR n < ?)",
+                             (fleet, device, epoch, max(n, last) - SEEN_WINDOW))
+            values = {"received": current["received"] + 1, "last_seen": now}
+            if n < last:  # a hole filled: out of order across replicas, never a replay (seen above)
+                outcome = "late"
+                values["gaps"] = max(current["gaps"] - 1, 0)
+                values["gaps_alerted"] = min(current["gaps_alerted"], values["gaps"])
+            else:
+                outcome = "new"
+                values.update(epoch=epoch, last_n=n)
+                if n > last + 1 and epoch == current["epoch"]:
+                    outcome = "gap"
+                    values["gaps"] = current["gaps"] + n - last - 1
+                    values["gap_since"] = current["gap_since"] or now
             if not current["online"] and current["reason"] == "silent":
                 values.update(online=1, reason="heard again")
             if kind == "alert":
                 self._alert(fleet, device, "device", doc.get("type", "alert"), _describe(doc), doc, ts=doc.get("ts"))
-            else:
+            elif outcome != "late":  # a late health document is older than the one shown
                 values.update(health=doc, status=doc.get("status"))
                 values["conditions"] = self._conditions(fleet, device, current["conditions"], conditions(doc), now)
             self._update(fleet, device, **values)
@@ -133,18 +164,26 @@ class Registry:
         return sorted(found)
 
     def sweep(self, silence_factor, now=None):
-        """Mark offline the online devices silent for `silence_factor` report intervals."""
+        """Mark offline the online devices silent for `silence_factor` report intervals, and alert
+        on holes still open a report interval after they appeared; returns the devices marked."""
         now = now or time.time()
         marked = []
-        with self._lock:
-            for fleet, device, last_seen, birth in self._db.execute(
-                    "SELECT fleet, device, last_seen, birth FROM devices WHERE online = 1").fetchall():
+        with self._write():
+            for fleet, device, online, last_seen, birth, gaps, alerted, since in self._db.execute(
+                    "SELECT fleet, device, online, last_seen, birth, gaps, gaps_alerted, gap_since "
+                    "FROM devices").fetchall():
                 interval = (json.loads(birth or "{}")).get("interval") or 10.0
-                if last_seen is not None and now - last_seen > silence_factor * interval:
+                if online and last_seen is not None and now - last_seen > silence_factor * interval:
                     self._update(fleet, device, online=0, reason="silent")
                     self._alert(fleet, device, "controller", "offline",
                                 "offline: silent for %.1f s" % (now - last_seen), ts=now)
                     marked.append((fleet, device))
+                if gaps > alerted and since is not None and now - since >= interval:
+                    self._update(fleet, device, gaps_alerted=gaps, gap_since=None)
+                    self._alert(fleet, device, "controller", "seq-gap",
+                                "%d message(s) missing (%d in all)" % (gaps - alerted, gaps), ts=now)
+                elif gaps <= alerted and since is not None:
+                    self._update(fleet, device, gap_since=None)  # the holes filled in time
         return marked
 
     def devices(self, fleet=None):

@@ -160,6 +160,25 @@ def test_broker_down_then_up_nothing_lost_in_order_nothing_duplicated(broker, sp
     assert "disconnected from the broker" in agent.output()
 
 
+def test_two_replicas_split_the_stream_and_count_each_message_once(broker, spawn, service, tmp_path):
+    """`$share`: the broker hands each message to one replica; both write one registry."""
+    db, state = str(tmp_path / "fleet.db"), str(tmp_path / "state")
+    replicas = [start_controller(spawn, broker, db, "--share", "ctl", "--client-id", "replica-%d" % i,
+                                 "--silence-factor", "1000", "--log-level", "DEBUG") for i in range(2)]
+    agent = spawn("agent", *agent_args(broker, os.path.join(SYSROOTS, "agx-orin-jp62"), state, "dev1",
+                                       service.address, "--interval", "0.1"))
+    wait_for(lambda: (device(db) or {}).get("received", 0) >= 30, 30, what="30 reports")
+    assert agent.stop() == 0
+    final = last_n(state)
+    record = wait_for(lambda: (lambda d: d if d["received"] == final else None)(device(db)), 20,
+                      what="every message at one replica or the other")
+    handled = [r.output().count("lab/dev1 health n=") for r in replicas]
+    print("last n %d, handled per replica %s, duplicates %d" % (final, handled, record["duplicates"]))
+    assert all(handled) and sum(handled) == final, "both replicas took part, each message once"
+    assert (record["last_n"], record["gaps"], record["duplicates"]) == (final, 0, 0)
+    assert not [a for a in alerts(db) if a["kind"] == "seq-gap"]
+
+
 def test_once_with_the_broker_down_keeps_the_report_for_later(broker, spawn, service, tmp_path):
     db, state = str(tmp_path / "fleet.db"), tmp_path / "state"
     port = free_port()  # nothing listens here

@@ -20,17 +20,37 @@ def test_stale_death_is_ignored(tmp_path):
     assert [a["kind"] for a in r.alerts()] == ["offline"]
 
 
-def test_replays_are_dropped_and_gaps_counted(tmp_path):
+def test_replays_are_dropped_and_holes_alerted_unless_filled_in_time(tmp_path):
     r = Registry(str(tmp_path / "f.db"))
-    assert [r.data("lab", "d", "health", health(n)) for n in (1, 2, 2, 1, 3)] == [
+    r.state("lab", "d", {"online": True, "bdSeq": 0, "interval": 2.0}, now=100.0)
+    assert [r.data("lab", "d", "health", health(n), now=100.0) for n in (1, 2, 2, 1, 3)] == [
         "new", "new", "duplicate", "duplicate", "new"]
-    assert r.data("lab", "d", "health", health(6)) == "gap"
+    assert r.data("lab", "d", "health", health(6), now=101.0) == "gap"  # 4 and 5 missing
+    assert r.data("lab", "d", "health", health(4), now=101.5) == "late"  # another replica had it
+    r.sweep(1000, now=102.9)
+    assert r.alerts() == [], "a hole gets one report interval to fill"
+    r.sweep(1000, now=103.1)
     d = r.devices()[0]
-    assert (d["received"], d["duplicates"], d["gaps"], d["last_n"]) == (4, 2, 2, 6)
-    assert r.alerts()[0]["kind"] == "seq-gap" and "2 message(s) missing before n=6" in r.alerts()[0]["message"]
+    assert (d["received"], d["duplicates"], d["gaps"], d["last_n"]) == (5, 2, 1, 6)
+    assert r.alerts()[0]["kind"] == "seq-gap" and "1 message(s) missing" in r.alerts()[0]["message"]
+    assert r.data("lab", "d", "health", health(5, status="DEGRADED"), now=104.0) == "late"
+    assert r.data("lab", "d", "health", health(4), now=104.0) == "duplicate"
+    d = r.devices()[0]
+    assert (d["gaps"], d["duplicates"]) == (0, 3)
+    assert d["health"]["n"] == 6 and d["status"] == "OK", "a late health document never overwrites a newer one"
     # a new outbox (epoch) starts over without a gap
-    assert r.data("lab", "d", "health", health(1, epoch="e2")) == "new"
-    assert r.devices()[0]["gaps"] == 2
+    assert r.data("lab", "d", "health", health(1, epoch="e2"), now=105.0) == "new"
+    assert r.devices()[0]["gaps"] == 0 and len(r.alerts()) == 1
+
+
+def test_replicas_in_other_processes_share_one_registry(tmp_path):
+    """Two writers on one file, messages split between them out of order: each counted once."""
+    db = str(tmp_path / "f.db")
+    a, b = Registry(db), Registry(db)
+    outcomes = [(a if n % 2 else b).data("lab", "d", "health", health(n), now=100.0) for n in (2, 1, 4, 3, 3, 5)]
+    assert outcomes == ["new", "late", "gap", "late", "duplicate", "new"]
+    d = a.devices()[0]
+    assert (d["received"], d["duplicates"], d["gaps"], d["last_n"]) == (5, 1, 0, 5)
 
 
 def test_conditions_alert_once_when_they_appear(tmp_path):
