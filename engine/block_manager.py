@@ -1,25 +1,34 @@
-"""Paged KV cache bookkeeping: fixed-size blocks, a free list, and reference counts.
+"""Paged KV cache bookkeeping: fixed-size blocks, a free list, reference counts and a prefix cache.
 
-Blocks are reference counted so that a block can be shared (prefix reuse, forks) and is
-returned to the free list only when its last user lets go.
+Blocks are reference counted so that one block can serve several sequences, and go back to the
+free list only when their last user lets go. With prefix caching, a full block whose KV has been
+computed is remembered by its tokens and everything before them; a new request whose prompt
+starts the same way takes those blocks instead of computing them again (a kiosk's system prompt,
+a robot's tool preamble). A freed block keeps its contents until it is handed out again, oldest
+freed first, so recently used prefixes stay cached as long as memory allows.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 
 from jetserve.engine.sequence import Sequence
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one KV block of at least one token, got "
                              f"num_blocks={num_blocks}, block_size={block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.ref_counts = [0] * num_blocks
-        self.free_blocks = deque(range(num_blocks))
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # oldest first
+        self.prefix_caching = enable_prefix_caching
+        self._cached: dict[tuple, int] = {}  # (parent key, block tokens) → block
+        self._key_of: dict[int, tuple] = {}  # block → its key, while it holds those tokens
+        self.prefix_queries = 0  # prompt tokens looked up / found in the cache
+        self.prefix_hits = 0
 
     @property
     def num_free(self) -> int:
@@ -42,14 +51,19 @@ class BlockManager:
         if needed > self.num_free:
             raise RuntimeError(f"out of KV blocks: need {needed}, {self.num_free} free")
         for _ in range(needed):
-            block = self.free_blocks.popleft()
+            block, _ = self.free_blocks.popitem(last=False)
+            key = self._key_of.pop(block, None)  # its old contents are gone now
+            if key is not None:
+                del self._cached[key]
             self.ref_counts[block] = 1
             seq.block_table.append(block)
 
     def share(self, block: int) -> int:
-        """Take another reference to an allocated block (prefix reuse)."""
-        if self.ref_counts[block] < 1:
-            raise RuntimeError(f"block {block} is not allocated")
+        """Take another reference to a block (prefix reuse); a cached free block comes back to life."""
+        if self.ref_counts[block] == 0:
+            if block not in self._key_of:
+                raise RuntimeError(f"block {block} is not allocated")
+            del self.free_blocks[block]
         self.ref_counts[block] += 1
         return block
 
@@ -58,10 +72,47 @@ class BlockManager:
         for block in reversed(seq.block_table):
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
-                self.free_blocks.append(block)
+                self.free_blocks[block] = None
         seq.block_table.clear()
+        seq.block_keys.clear()
         seq.num_computed_tokens = 0
 
     def slot(self, seq: Sequence, position: int) -> int:
         """Index of `position`'s KV entry in the flat cache."""
         return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
+
+    # -- prefix caching -------------------------------------------------------------------
+
+    def _key(self, seq: Sequence, index: int) -> tuple:
+        """Block `index` of `seq` by its tokens and, through the parent key, all before them."""
+        tokens = tuple(seq.token_ids[index * self.block_size:(index + 1) * self.block_size])
+        return (seq.block_keys[index - 1] if index else None, tokens)
+
+    def match_prefix(self, seq: Sequence) -> None:
+        """Start a sequence that has nothing computed on the cached blocks of its longest known
+        prefix. At least one token is left to compute: the step that computes it samples."""
+        if not self.prefix_caching or seq.block_table:
+            return
+        self.prefix_queries += seq.num_tokens
+        for index in range((seq.num_tokens - 1) // self.block_size):
+            key = self._key(seq, index)
+            block = self._cached.get(key)
+            if block is None:
+                break
+            seq.block_table.append(self.share(block))
+            seq.block_keys.append(key)
+        seq.num_computed_tokens = len(seq.block_table) * self.block_size
+        self.prefix_hits += seq.num_computed_tokens
+
+    def cache_computed_blocks(self, seq: Sequence) -> None:
+        """Remember the sequence's full blocks whose KV is computed and whose tokens are known."""
+        if not self.prefix_caching:
+            return
+        full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
+        for index in range(len(seq.block_keys), full):
+            key = self._key(seq, index)
+            seq.block_keys.append(key)
+            block = seq.block_table[index]
+            if block not in self._key_of and key not in self._cached:
+                self._cached[key] = block
+                self._key_of[block] = key

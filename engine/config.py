@@ -92,6 +92,7 @@ class EngineArgs:
     max_num_seqs: int = 16
     max_num_batched_tokens: int | None = None  # default: 512 with chunking, max_model_len without
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True  # reuse the KV of prompt prefixes seen before
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     async_scheduling: bool = False  # launch step N+1 before reading step N's tokens
@@ -118,6 +119,8 @@ class EngineArgs:
         g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
         g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                        default=d.enable_chunked_prefill)
+        g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                       default=d.enable_prefix_caching)
         g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
         g.add_argument("--enforce-eager", action="store_true", default=d.enforce_eager,
                        help="never capture CUDA graphs")

@@ -39,6 +39,8 @@ class EngineStats:
     kv_usage: float = 0.0
     num_preemptions: int = 0
     num_requests_finished: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, found (their KV reused, not computed)
     # Speculative decoding (MTP); zeros when drafting is off.
     num_drafts: int = 0
     num_draft_tokens: int = 0
@@ -91,7 +93,7 @@ class LLMEngine:
             raise ValueError(f"num_kv_blocks={self.runner.num_blocks} of {args.block_size} tokens cannot hold one "
                              f"sequence of max_model_len={self.max_model_len}"
                              + (f" plus {lookahead} draft slots" if lookahead else ""))
-        self.blocks = BlockManager(self.runner.num_blocks, args.block_size)
+        self.blocks = BlockManager(self.runner.num_blocks, args.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, args.max_num_seqs, self.max_num_batched_tokens,
                                    args.enable_chunked_prefill)
         self.requests: dict[str, _Request] = {}
@@ -157,6 +159,7 @@ class LLMEngine:
         for seq, n, new, new_drafts in zip(batch.seqs, batch.num_tokens, tokens, drafts):
             if new is None:
                 seq.num_computed_tokens += n
+                self.blocks.cache_computed_blocks(seq)
                 continue
             drafted, accepted = len(seq.spec_token_ids), len(new) - 1
             seq.num_computed_tokens += n - (drafted - accepted)  # rejected drafts' KV is rolled back
@@ -164,6 +167,7 @@ class LLMEngine:
                 self.spec_counters.record(drafted, accepted)
                 self.draft_length.record(drafted, accepted)
             seq.spec_token_ids = new_drafts
+            self.blocks.cache_computed_blocks(seq)  # before a finish frees the blocks
             outputs.append(self._append(self.requests[seq.request_id], new, now))
         if self.draft_length:
             self.draft_length.update()
@@ -178,6 +182,7 @@ class LLMEngine:
         if launch is not None:
             for seq, n in zip(batch.seqs, batch.num_tokens):
                 seq.num_computed_tokens += n
+                self.blocks.cache_computed_blocks(seq)
             for seq in launch.seqs:
                 seq.num_pending += 1
         previous, self._in_flight = self._in_flight, launch
@@ -257,6 +262,7 @@ class LLMEngine:
             max_num_seqs=self.scheduler.max_num_seqs, kv_blocks_total=total, kv_blocks_used=used,
             kv_usage=used / total, num_preemptions=self.scheduler.num_preemptions,
             num_requests_finished=self.num_requests_finished,
+            prefix_cache_queries=self.blocks.prefix_queries, prefix_cache_hits=self.blocks.prefix_hits,
             num_drafts=spec.num_drafts, num_draft_tokens=spec.num_draft_tokens,
             num_accepted_tokens=spec.num_accepted_tokens,
             accepted_per_position=list(spec.accepted_per_position),

@@ -74,8 +74,10 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            self.blocks.match_prefix(seq)
             n = self._chunk(seq, budget)
             if n == 0 or not self.blocks.can_allocate(seq, self._slots(seq, n)):
+                self.blocks.free(seq)  # a waiting sequence holds no blocks, cached ones neither
                 break
             self.waiting.popleft()
             self.blocks.allocate(seq, self._slots(seq, n))

@@ -120,6 +120,10 @@ class _EngineCollector(Collector):
                                 value=s.kv_usage)
         yield CounterMetricFamily("jetserve:num_preemptions", "Sequences preempted for lack of KV blocks.",
                                   value=s.num_preemptions)
+        yield CounterMetricFamily("jetserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                  value=s.prefix_cache_queries)
+        yield CounterMetricFamily("jetserve:prefix_cache_hits", "Prompt tokens found there (KV reused).",
+                                  value=s.prefix_cache_hits)
         yield CounterMetricFamily("jetserve:spec_decode_num_drafts", "Speculative drafting steps.",
                                   value=s.num_drafts)
         yield CounterMetricFamily("jetserve:spec_decode_num_draft_tokens", "Draft tokens proposed.",

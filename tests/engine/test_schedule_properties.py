@@ -1,6 +1,6 @@
 """Random workloads against the scheduler's promises: whatever the budget, the KV pool, async
-scheduling, draft length or aborts, every finished request has the reference greedy tokens and
-no block outlives its request."""
+scheduling, draft length, prefix caching or aborts, every finished request has the reference
+greedy tokens and no block outlives its request."""
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -21,7 +21,8 @@ def model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(model):
     """Greedy tokens of one prompt alone: no chunking, no drafting, a pool that never runs out."""
-    engine = LLMEngine(EngineArgs(model=model, max_model_len=MAX_MODEL_LEN, enable_chunked_prefill=False))
+    engine = LLMEngine(EngineArgs(model=model, max_model_len=MAX_MODEL_LEN, enable_chunked_prefill=False,
+                                  enable_prefix_caching=False))
     cache = {}
 
     def greedy(prompt, max_tokens):
@@ -36,9 +37,12 @@ def reference(model):
     return greedy
 
 
+token_run = st.lists(st.integers(0, VOCAB - 1), max_size=20).map(tuple)
 workload = st.fixed_dictionaries({
-    "prompts": st.lists(st.tuples(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=30).map(tuple),
-                                  st.integers(1, 24)), min_size=1, max_size=6),
+    # Prompts share prefixes (a system prompt, say), so the prefix cache has something to find.
+    "prefixes": st.lists(token_run, min_size=1, max_size=2),
+    "prompts": st.lists(st.tuples(st.integers(0, 1), token_run, st.integers(1, 24)), min_size=1, max_size=6),
+    "prefix_caching": st.booleans(),
     "budget": st.integers(1, 24),
     "blocks": st.integers(MAX_MODEL_LEN // BLOCK + 4, 60),
     "mode": st.sampled_from(["sync", "async", "mtp-1", "mtp-3"]),
@@ -46,18 +50,21 @@ workload = st.fixed_dictionaries({
 })
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(w=workload)
 def test_random_workloads_keep_tokens_and_blocks(model, reference, w):
     spec = {"method": "mtp", "num_speculative_tokens": int(w["mode"][-1])} if w["mode"].startswith("mtp") else None
     engine = LLMEngine(EngineArgs(model=model, max_model_len=MAX_MODEL_LEN, block_size=BLOCK, max_num_seqs=4,
                                   max_num_batched_tokens=w["budget"], num_kv_blocks=w["blocks"],
-                                  async_scheduling=w["mode"] == "async", speculative_config=spec))
-    for i, (prompt, max_tokens) in enumerate(w["prompts"]):
+                                  async_scheduling=w["mode"] == "async", speculative_config=spec,
+                                  enable_prefix_caching=w["prefix_caching"]))
+    prompts = [((w["prefixes"][p % len(w["prefixes"])] + own) or (0,), max_tokens)
+               for p, own, max_tokens in w["prompts"]]
+    for i, (prompt, max_tokens) in enumerate(prompts):
         engine.add_request(str(i), {"prompt_token_ids": list(prompt)},
                            SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     aborts = {(str(i), step) for i, step in w["aborts"]}
-    tokens, reasons = {str(i): [] for i in range(len(w["prompts"]))}, {}
+    tokens, reasons = {str(i): [] for i in range(len(prompts))}, {}
     for step in range(2000):
         if not engine.has_unfinished_requests():
             break
@@ -70,7 +77,7 @@ def test_random_workloads_keep_tokens_and_blocks(model, reference, w):
             if out.finished:
                 reasons[out.request_id] = out.outputs[0].finish_reason
     assert not engine.has_unfinished_requests(), "every request ends"
-    for i, (prompt, max_tokens) in enumerate(w["prompts"]):
+    for i, (prompt, max_tokens) in enumerate(prompts):
         want = reference(prompt, max_tokens)
         if reasons[str(i)] == "abort":
             assert tokens[str(i)] == want[:len(tokens[str(i)])]
