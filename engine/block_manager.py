@@ -25,7 +25,7 @@ class BlockManager:
         self.ref_counts = [0] * num_blocks
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # oldest first
         self.prefix_caching = enable_prefix_caching
-        self._cached: dict[tuple, int] = {}  # (parent key, block tokens) → block
+        self._cached: dict[tuple, int] = {}  # (digest of the blocks before, block tokens) → block
         self._key_of: dict[int, tuple] = {}  # block → its key, while it holds those tokens
         self.prefix_queries = 0  # prompt tokens looked up / found in the cache
         self.prefix_hits = 0
@@ -84,7 +84,8 @@ class BlockManager:
     # -- prefix caching -------------------------------------------------------------------
 
     def _key(self, seq: Sequence, index: int) -> tuple:
-        """Block `index` of `seq` by its tokens and, through the parent key, all before them."""
+        """Block `index` of `seq` by its tokens and, through a digest of the blocks before it, all
+        the tokens before them (a flat key: hashing it never walks the whole prefix)."""
         tokens = tuple(seq.token_ids[index * self.block_size:(index + 1) * self.block_size])
         return (seq.block_keys[index - 1] if index else None, tokens)
 
@@ -100,7 +101,7 @@ class BlockManager:
             if block is None:
                 break
             seq.block_table.append(self.share(block))
-            seq.block_keys.append(key)
+            seq.block_keys.append(hash(key))
         seq.num_computed_tokens = len(seq.block_table) * self.block_size
         self.prefix_hits += seq.num_computed_tokens
 
@@ -111,7 +112,7 @@ class BlockManager:
         full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
         for index in range(len(seq.block_keys), full):
             key = self._key(seq, index)
-            seq.block_keys.append(key)
+            seq.block_keys.append(hash(key))
             block = seq.block_table[index]
             if block not in self._key_of and key not in self._cached:
                 self._cached[key] = block

@@ -30,7 +30,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
-        self.block_keys: list[tuple] = []  # prefix-cache keys of the leading full, computed blocks
+        self.block_keys: list[int] = []  # prefix-cache digests of the leading full, computed blocks
         self.finish_reason: str | None = None
         self.generator = None  # torch.Generator for seeded sampling, made by the sampler
         self.spec_token_ids: list[int] = []  # draft tokens awaiting verification (MTP)
