@@ -102,6 +102,21 @@ def percentiles(samples) -> tuple[float, float, float]:
     return tuple(ordered[min(len(ordered) - 1, int(q * len(ordered)))] for q in (0.5, 0.9, 0.99))
 
 
+# (metric family, name under jetserve:, help, EngineStats field), read at scrape time.
+_ENGINE_METRICS = (
+    (GaugeMetricFamily, "num_requests_running", "Sequences in the running batch.", "num_running"),
+    (GaugeMetricFamily, "num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting"),
+    (GaugeMetricFamily, "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", "kv_usage"),
+    (CounterMetricFamily, "num_preemptions", "Sequences preempted for lack of KV blocks.", "num_preemptions"),
+    (CounterMetricFamily, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+     "prefix_cache_queries"),
+    (CounterMetricFamily, "prefix_cache_hits", "Prompt tokens found there (KV reused).", "prefix_cache_hits"),
+    (CounterMetricFamily, "spec_decode_num_drafts", "Speculative drafting steps.", "num_drafts"),
+    (CounterMetricFamily, "spec_decode_num_draft_tokens", "Draft tokens proposed.", "num_draft_tokens"),
+    (CounterMetricFamily, "spec_decode_num_accepted_tokens", "Draft tokens accepted.", "num_accepted_tokens"),
+)
+
+
 class _EngineCollector(Collector):
     """Reads engine.stats() at scrape time; yields nothing while the model is still loading."""
 
@@ -112,24 +127,8 @@ class _EngineCollector(Collector):
         s = self._engine_stats()
         if s is None:
             return
-        yield GaugeMetricFamily("jetserve:num_requests_running", "Sequences in the running batch.",
-                                value=s.num_running)
-        yield GaugeMetricFamily("jetserve:num_requests_waiting", "Requests waiting to be scheduled.",
-                                value=s.num_waiting)
-        yield GaugeMetricFamily("jetserve:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).",
-                                value=s.kv_usage)
-        yield CounterMetricFamily("jetserve:num_preemptions", "Sequences preempted for lack of KV blocks.",
-                                  value=s.num_preemptions)
-        yield CounterMetricFamily("jetserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                                  value=s.prefix_cache_queries)
-        yield CounterMetricFamily("jetserve:prefix_cache_hits", "Prompt tokens found there (KV reused).",
-                                  value=s.prefix_cache_hits)
-        yield CounterMetricFamily("jetserve:spec_decode_num_drafts", "Speculative drafting steps.",
-                                  value=s.num_drafts)
-        yield CounterMetricFamily("jetserve:spec_decode_num_draft_tokens", "Draft tokens proposed.",
-                                  value=s.num_draft_tokens)
-        yield CounterMetricFamily("jetserve:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
-                                  value=s.num_accepted_tokens)
+        for family, name, help_text, field in _ENGINE_METRICS:
+            yield family("jetserve:" + name, help_text, value=getattr(s, field))
         per_pos = CounterMetricFamily("jetserve:spec_decode_num_accepted_tokens_per_pos",
                                       "Draft tokens accepted, by position in the draft.", labels=["position"])
         for position, count in enumerate(s.accepted_per_position):
