@@ -1,16 +1,29 @@
 """Triton kernels for the CUDA hot path: one launch where plain torch takes several.
 
-A decode step of a small model is bound by kernel count, not arithmetic, so each kernel here
-replaces a chain of elementwise torch ops. Each rounds to the activation dtype exactly where
-the torch code it replaces rounds, so the fused and the plain path differ only in reduction
-order. Used on CUDA only: the CPU path stays plain torch (exact against transformers).
+A decode step of a small model is bound by kernel count and memory latency, not arithmetic:
+- elementwise chains run as one kernel each (residual add + RMSNorm, q/k norm + RoPE + KV
+  store, SiLU·up);
+- the skinny matmul: a decode step's products are matrix-vector products (a few rows), and one
+  kernel streams each weight once with the RMSNorm or SiLU·up before it fused in; its tile is
+  timed per shape on first use, against cuBLAS plus the separate kernel, which wins some big
+  shapes;
+- paged attention walks only each sequence's own blocks, split over the context when the batch
+  is too small to fill the GPU (flash-decoding).
+Each rounds to the activation dtype exactly where the torch code it replaces rounds, so the
+fused and the plain path differ only in reduction order. Used on CUDA (and by the tests in
+Triton's interpreter): the CPU path stays plain torch (exact against transformers).
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
+
+log = logging.getLogger(__name__)
 
 
 @triton.jit
@@ -126,15 +139,20 @@ def qk_norm_rope_store(qkv, q_weight, k_weight, cos, sin, slot_mapping, k_cache,
 
 
 @triton.jit
-def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, ctx_ptr, out_ptr, scale, table_stride, q_len,
-                            GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-                            HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                            BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, ctx_ptr, out_ptr, part_ptr, lse_ptr, scale,
+                            table_stride, q_len, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                            NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+                            BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+                            IEEE: tl.constexpr):
     t = tl.program_id(0)
     kvh = tl.program_id(1)
+    split = tl.program_id(2)
     b = t // q_len
     # Query j of a q_len-token step sits at position ctx - q_len + j; padded rows still see one key.
     limit = tl.maximum(tl.load(ctx_ptr + b) - q_len + t % q_len + 1, 1)
+    per_split = tl.cdiv(tl.cdiv(limit, SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, limit)
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_PAD)
     heads = kvh * GROUP + g
@@ -144,13 +162,14 @@ def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, ctx_ptr
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_PAD], tl.float32)
-    for start in range(0, limit, BLOCK_N):
+    for start in range(lo, hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
-        valid = pos < limit
+        valid = pos < hi
         block = tl.load(tables_ptr + b * table_stride + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         at = (block * BLOCK_SIZE + pos % BLOCK_SIZE) * NUM_KV_HEADS * HEAD_DIM + kvh * HEAD_DIM
         kv_mask = valid[:, None] & (d < HEAD_DIM)[None, :]
         k = tl.load(k_cache_ptr + at[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + at[:, None] + d[None, :], mask=kv_mask, other=0.0)  # in flight with k
         if IEEE:  # fp32 models: no tf32 rounding
             s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
         else:
@@ -159,15 +178,44 @@ def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, ctx_ptr
         m_new = tl.maximum(m, tl.max(s, axis=1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m - m_new)
-        v = tl.load(v_cache_ptr + at[:, None] + d[None, :], mask=kv_mask, other=0.0)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         l = l * alpha + tl.sum(p, axis=1)
         m = m_new
-    out = (acc / l[:, None]).to(q.dtype)
-    tl.store(out_ptr + row + heads[:, None] * HEAD_DIM + d[None, :], out, mask=q_mask)
+    if SPLITS == 1:
+        tl.store(out_ptr + row + heads[:, None] * HEAD_DIM + d[None, :], (acc / l[:, None]).to(q.dtype), mask=q_mask)
+    else:  # this split's share, normalized, and its log-sum-exp; an empty split weighs nothing
+        at = (t.to(tl.int64) * NUM_KV_HEADS * GROUP + heads) * SPLITS + split
+        l = tl.maximum(l, 1e-30)  # empty: m = -inf, acc = 0
+        tl.store(lse_ptr + at, m + tl.log(l), mask=g < GROUP)
+        tl.store(part_ptr + at[:, None] * HEAD_DIM + d[None, :], acc / l[:, None], mask=q_mask)
+
+
+@triton.jit
+def _combine_splits_kernel(part_ptr, lse_ptr, out_ptr, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                           HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
+    th = tl.program_id(0).to(tl.int64)  # token * heads + head
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, HEAD_PAD)
+    lse = tl.load(lse_ptr + th * SPLITS + s, mask=s < SPLITS, other=float("-inf"))
+    w = tl.exp(lse - tl.max(lse, axis=0))
+    w = w / tl.sum(w, axis=0)
+    mask = (s < SPLITS)[:, None] & (d < HEAD_DIM)[None, :]
+    parts = tl.load(part_ptr + (th * SPLITS + s[:, None]) * HEAD_DIM + d[None, :], mask=mask, other=0.0)
+    out = tl.sum(parts * w[:, None], axis=0)
+    tl.store(out_ptr + th * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+MAX_SPLITS = 16
+
+
+def _num_splits(programs: int, device: torch.device) -> int:
+    """Context splits per (token, kv head): enough programs to fill the GPU twice over. At batch 1
+    a model has a handful of kv heads, and one program walking a whole context is latency bound."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    return max(1, min(MAX_SPLITS, triton.cdiv(2 * sms, programs)))
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, context_lens, q_len: int, block_size: int,
@@ -175,57 +223,219 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, q_len: int,
     """Attention for steps where every sequence has `q_len` new tokens (decode: 1, verify: 1+k).
     q: [B * q_len, H, D]; caches: [slots, KVH, D]; block_tables: [B, W]; context_lens: [B]
     (after this step's tokens). Each program walks only its own sequence's blocks, up to its own
-    length: no gathered copy of the batch's context, and one launch per layer whatever the
-    lengths, so the step can live in a CUDA graph."""
+    length, or a slice of them when the batch is too small to fill the GPU (flash-decoding: the
+    slices' results are combined by their log-sum-exp). No gathered copy of the batch's context,
+    and fixed launch shapes whatever the lengths, so the step can live in a CUDA graph."""
     t, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
+    splits = _num_splits(t * num_kv_heads, q.device)
     out = torch.empty_like(q)
-    _paged_attention_kernel[(t, num_kv_heads)](
-        q, k_cache, v_cache, block_tables, context_lens, out, scale, block_tables.stride(0), q_len,
+    part = torch.empty(t, num_heads, splits, head_dim, dtype=torch.float32, device=q.device) if splits > 1 else out
+    lse = torch.empty(t, num_heads, splits, dtype=torch.float32, device=q.device) if splits > 1 else out
+    head_pad = max(16, triton.next_power_of_2(head_dim))
+    _paged_attention_kernel[(t, num_kv_heads, splits)](
+        q, k_cache, v_cache, block_tables, context_lens, out, part, lse, scale, block_tables.stride(0), q_len,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim, HEAD_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size, BLOCK_N=128,
-        IEEE=q.dtype == torch.float32, num_warps=8)
+        HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_SIZE=block_size, BLOCK_N=32, SPLITS=splits,
+        IEEE=q.dtype == torch.float32, num_warps=4)
+    if splits > 1:
+        _combine_splits_kernel[(t * num_heads,)](part, lse, out, SPLITS=splits,
+                                                  SPLITS_PAD=triton.next_power_of_2(splits), HEAD_DIM=head_dim,
+                                                  HEAD_PAD=head_pad)
     return out
 
 
-@triton.autotune(configs=[triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w)
-                          for n, k, w in ((8, 1024, 4), (16, 512, 4), (16, 1024, 8), (32, 256, 4), (32, 512, 8),
-                                          (64, 128, 4), (64, 256, 8))], key=["N", "K"])
+# What the skinny matmul computes from its input rows before the product.
+PLAIN, NORM, ADD_NORM, SILU_MUL = 0, 1, 2, 3
+SKINNY_MAX_ROWS = 8  # above this the rows amortize a weight read well enough for cuBLAS
+
+
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < N
-    acc = tl.zeros([BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        col_mask = cols < K
-        x = tl.load(x_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :],
-                    mask=row_mask[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(w * x[None, :], axis=1)
-    tl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty), mask=row_mask)
+def _input_chunk(x_ptr, res_ptr, res_out_ptr, rows, cols, mask, K: tl.constexpr, STORE_SUM, ADD: tl.constexpr,
+                 SILU: tl.constexpr, dtype: tl.constexpr):
+    """Columns `cols` of the product's input rows before any norm: x, x + residual (stored to
+    res_out when STORE_SUM), or SiLU(gate) * up, rounded like the torch path (silu_mul, rms_norm)."""
+    x_stride: tl.constexpr = 2 * K if SILU else K
+    a = tl.load(x_ptr + rows[:, None] * x_stride + cols[None, :], mask=mask, other=0.0)
+    if SILU:
+        up = tl.load(x_ptr + rows[:, None] * x_stride + K + cols[None, :], mask=mask, other=0.0)
+        g = a.to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(dtype)
+        a = (act.to(tl.float32) * up.to(tl.float32)).to(dtype)
+    if ADD:
+        r = tl.load(res_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0.0)
+        a = (a.to(tl.float32) + r.to(tl.float32)).to(dtype)
+        if STORE_SUM:
+            tl.store(res_out_ptr + rows[:, None] * K + cols[None, :], a, mask=mask)
+    return a
 
 
-def _triton_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    n, k = weight.shape
-    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    _gemv_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](x, weight, out, n, k)
-    return out
+@triton.jit
+def _normalized(a, inv, norm_w_ptr, cols, k_mask, dtype: tl.constexpr):
+    y = (a.to(tl.float32) * inv[:, None]).to(dtype)
+    nw = tl.load(norm_w_ptr + cols, mask=k_mask, other=0.0)
+    return (nw.to(tl.float32)[None, :] * y.to(tl.float32)).to(dtype)
 
 
-_use_triton_gemv: dict[tuple, bool] = {}
+@triton.jit
+def _skinny_matmul_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, out_ptr, res_out_ptr, M, N, K: tl.constexpr, eps,
+                          NORM: tl.constexpr, ADD: tl.constexpr, SILU: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[M, N] = a(x)[M, K] @ w[N, K]^T for a few rows, a() being the prologue: nothing, RMSNorm
+    (of x + residual, whose sum the first program also stores) or SiLU(gate) * up. Each program
+    streams BLOCK_N weight rows once for all M input rows; the inputs are tiny and come from L2.
+    When a tile spans K, its weights are requested first and the prologue runs while they arrive."""
+    pid = tl.program_id(0)
+    rows = tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < N
+    w_rows = w_ptr + n[:, None].to(tl.int64) * K
+    dtype = out_ptr.dtype.element_ty
+    if K <= BLOCK_K:
+        cols = tl.arange(0, BLOCK_K)
+        k_mask = cols < K
+        w = tl.load(w_rows + cols[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        a = _input_chunk(x_ptr, res_ptr, res_out_ptr, rows, cols, row_mask[:, None] & k_mask[None, :], K, pid == 0,
+                         ADD, SILU, dtype)
+        if NORM:
+            af = a.to(tl.float32)
+            a = _normalized(a, tl.rsqrt(tl.sum(af * af, axis=1) / K + eps), norm_w_ptr, cols, k_mask, dtype)
+        acc = tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    else:
+        if NORM:  # first pass: each row's mean square
+            ss = tl.zeros([BLOCK_M], tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                cols = k0 + tl.arange(0, BLOCK_K)
+                h = _input_chunk(x_ptr, res_ptr, res_out_ptr, rows, cols, row_mask[:, None] & (cols < K)[None, :],
+                                 K, False, ADD, SILU, dtype).to(tl.float32)
+                ss += tl.sum(h * h, axis=1)
+            inv = tl.rsqrt(ss / K + eps)
+        # Products accumulate elementwise and are reduced once at the end: an iteration is loads
+        # and FMAs, with no cross-thread reduction between one tile's loads and the next's.
+        acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            k_mask = cols < K
+            w = tl.load(w_rows + cols[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            a = _input_chunk(x_ptr, res_ptr, res_out_ptr, rows, cols, row_mask[:, None] & k_mask[None, :], K,
+                             pid == 0, ADD, SILU, dtype)
+            if NORM:
+                a = _normalized(a, inv, norm_w_ptr, cols, k_mask, dtype)
+            acc3 += a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        acc = tl.sum(acc3, axis=2)
+    tl.store(out_ptr + rows[:, None] * N + n[None, :], acc.to(dtype), mask=row_mask[:, None] & n_mask[None, :])
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [1, K] @ weight[N, K]^T. A batch-1 decode step is all matrix-vector products, where
-    cuBLAS reaches about a third of the memory bandwidth on the H200 (measured: 1.35 TB/s over a
-    Qwen3-0.6B step); the Triton kernel streams each weight row once with many loads in flight.
-    On first use of a weight shape (graph warm-up runs first) its block shape is tuned and it is
-    timed against cuBLAS; the faster one serves that shape from then on."""
-    key = (*weight.shape, weight.dtype)
-    if key not in _use_triton_gemv:
-        ours = triton.testing.do_bench(lambda: _triton_gemv(x, weight), return_mode="median")
-        cublas = triton.testing.do_bench(lambda: torch.nn.functional.linear(x, weight), return_mode="median")
-        _use_triton_gemv[key] = ours < cublas
-    return _triton_gemv(x, weight) if _use_triton_gemv[key] else torch.nn.functional.linear(x, weight)
+# (BLOCK_N, BLOCK_K, warps) tried for each shape; a tile holds BLOCK_M * BLOCK_N * BLOCK_K products.
+_TILES = [(4, 1024, 4), (1, 4096, 4), (2, 2048, 4), (2, 4096, 4), (4, 2048, 4), (8, 1024, 4), (16, 512, 4),  # one row
+          (1, 4096, 8), (2, 2048, 8), (4, 2048, 8), (8, 512, 8), (8, 1024, 8),
+          (4, 4096, 8), (8, 2048, 8), (16, 1024, 8),  # more bytes in flight a program, for big weights
+          (2, 1024, 8), (4, 512, 8), (8, 256, 8)]  # small enough for 8 rows
+_UNTUNED_BYTES = 256 * 1024  # weights this small take the first tile that fits: nothing to gain from timing
+_MAX_PRODUCTS_PER_THREAD = 64  # more spills registers
+_chosen: dict[tuple, tuple[int, int, int] | None] = {}
+tuning_times: dict[tuple, dict[tuple[int, int, int] | None, float]] = {}  # ms per candidate, per shape tuned
+
+
+def _torch_variant(prologue, x, weight, residual, norm_weight, eps):
+    """The same computation as separate kernels: the elementwise kernel, then cuBLAS."""
+    if prologue == SILU_MUL:
+        return torch.nn.functional.linear(silu_mul(x), weight)
+    if prologue == PLAIN:
+        return torch.nn.functional.linear(x, weight)
+    if prologue == NORM:
+        return torch.nn.functional.linear(rms_norm(x, norm_weight, eps), weight), x
+    y, res_out = rms_norm(x, norm_weight, eps, residual)
+    return torch.nn.functional.linear(y, weight), res_out
+
+
+def _run(tile, prologue, x, weight, residual, norm_weight, eps):
+    if tile is None:
+        return _torch_variant(prologue, x, weight, residual, norm_weight, eps)
+    block_n, block_k, warps = tile
+    m, (n, k) = x.shape[0], weight.shape
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    res_out = torch.empty(m, k, dtype=x.dtype, device=x.device) if prologue == ADD_NORM else out
+    _skinny_matmul_kernel[(triton.cdiv(n, block_n),)](
+        x, residual if residual is not None else x, norm_weight if norm_weight is not None else weight, weight, out,
+        res_out, m, n, k, eps, NORM=prologue in (NORM, ADD_NORM), ADD=prologue == ADD_NORM, SILU=prologue == SILU_MUL,
+        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+    if prologue == NORM:
+        return out, x
+    return (out, res_out) if prologue == ADD_NORM else out
+
+
+def graph_time(calls: list[Callable[[], object]], repeat: int = 8) -> float:
+    """GPU time (ms) of one call, captured in a CUDA graph as the engine replays it: launched
+    eagerly, a kernel this short is timed by the host's launch overhead instead."""
+    for call in calls:  # compile, pick cuBLAS algorithms
+        call()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeat):
+            for call in calls:
+                call()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(3):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / (3 * repeat * len(calls))
+
+
+def _cold_copies(weight: torch.Tensor) -> list[torch.Tensor]:
+    """The weight, plus scratch copies of its shape until together they pass twice the L2
+    cache (at most 16 in all): timed in turn, each is read from memory like in a step, not
+    from L2."""
+    l2 = torch.cuda.get_device_properties(weight.device).L2_cache_size
+    extra = min(15, -(-2 * l2 // (weight.numel() * weight.element_size())) - 1)
+    return [weight] + [torch.empty_like(weight) for _ in range(max(0, extra))]
+
+
+def _skinny_matmul(prologue, x, weight, residual=None, norm_weight=None, eps=0.0):
+    """The fused kernel in the tile found fastest for this shape, or the separate kernels where
+    cuBLAS wins. Each shape is timed on first use (graph warm-up runs before capture); a shape
+    first seen during a capture takes the separate kernels, untimed."""
+    x, residual = x.contiguous(), residual if residual is None else residual.contiguous()  # the kernel's layout
+    block_m, (n, k) = triton.next_power_of_2(x.shape[0]), weight.shape
+    key = (prologue, block_m, n, k, x.dtype)
+    if key not in _chosen:
+        tiles = [None] + [t for t in _TILES if block_m * t[0] * t[1] <= _MAX_PRODUCTS_PER_THREAD * 32 * t[2]]
+        if weight.numel() * weight.element_size() < _UNTUNED_BYTES:
+            _chosen[key] = tiles[1]
+            return _run(tiles[1], prologue, x, weight, residual, norm_weight, eps)
+        if torch.cuda.is_current_stream_capturing():
+            return _run(None, prologue, x, weight, residual, norm_weight, eps)
+        weights = _cold_copies(weight)
+        times = [graph_time([lambda w=w, t=t: _run(t, prologue, x, w, residual, norm_weight, eps) for w in weights])
+                 for t in tiles]
+        _chosen[key] = tiles[times.index(min(times))]
+        tuning_times[key] = dict(zip(tiles, times))
+        log.debug("skinny matmul %s: %s (%.2f µs; cuBLAS %.2f µs)", key, _chosen[key] or "cuBLAS",
+                  min(times) * 1e3, times[0] * 1e3)
+        del weights
+    return _run(_chosen[key], prologue, x, weight, residual, norm_weight, eps)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T for M <= SKINNY_MAX_ROWS. A decode step's products are
+    matrix-vector products, where cuBLAS reached about a third of the H200's bandwidth."""
+    return _skinny_matmul(PLAIN, x, weight)
+
+
+def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(x + residual) @ weight^T, x + residual) in one launch: the norm before a
+    projection never makes a round trip through memory."""
+    if residual is None:
+        return _skinny_matmul(NORM, x, weight, None, norm_weight, eps)
+    return _skinny_matmul(ADD_NORM, x, weight, residual, norm_weight, eps)
+
+
+def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """(SiLU(gate) * up) @ weight^T in one launch (the MLP's down projection)."""
+    return _skinny_matmul(SILU_MUL, gate_up, weight)

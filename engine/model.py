@@ -4,8 +4,10 @@ Numerics follow transformers' Qwen3 exactly where it decides logits: RMSNorm in 
 cast, q/k RMSNorm per head before RoPE, NeoX RoPE with cos/sin computed in fp32, head_dim from
 the config. Projections are fused (q|k|v, gate|up) so a step launches fewer kernels; the loader
 concatenates the checkpoint's separate tensors into them. On CUDA the elementwise chains run as
-Triton kernels (engine/kernels.py: residual add + RMSNorm, q/k norm + RoPE + KV store, SiLU·up,
-paged decode attention); the CPU path is plain torch and exact.
+Triton kernels (engine/kernels.py), and a step of a few rows (decode, verify) is six kernels a
+layer: residual add + RMSNorm + qkv projection, q/k norm + RoPE + KV store, paged attention, o
+projection, residual add + RMSNorm + gate|up projection, SiLU·up + down projection. The CPU path
+is plain torch and exact.
 """
 
 from __future__ import annotations
@@ -22,6 +24,17 @@ from jetserve.engine.config import ModelConfig
 kernels = importlib.import_module("jetserve.engine.kernels") if HAS_TRITON else None
 
 
+def _fused(x: torch.Tensor) -> bool:
+    """Whether x takes the Triton kernels: on CUDA, and not training (they have no backward)."""
+    return x.is_cuda and kernels is not None and not torch.is_grad_enabled()
+
+
+def _skinny(x: torch.Tensor) -> bool:
+    """Whether x is a few rows (a decode or verify step), where each product streams its weight
+    once through a fused Triton kernel."""
+    return _fused(x) and x.dim() == 2 and x.shape[0] <= kernels.SKINNY_MAX_ROWS
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -30,7 +43,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x); with `residual`, (norm(x + residual), x + residual): the add fused in."""
-        if x.is_cuda and kernels and not torch.is_grad_enabled():  # the kernels have no backward
+        if _fused(x):
             return kernels.rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
@@ -42,15 +55,24 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Linear):
-    """nn.Linear without bias; a one-row input on CUDA (a batch-1 decode step) takes the Triton GEMV."""
+    """nn.Linear without bias; a few rows on CUDA take the skinny Triton matmul."""
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__(in_features, out_features, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and kernels and x.dim() == 2 and x.shape[0] == 1 and not torch.is_grad_enabled():
-            return kernels.gemv(x, self.weight)
-        return super().forward(x)
+        return kernels.linear(x, self.weight) if _skinny(x) else super().forward(x)
+
+
+def norm_linear(norm: RMSNorm, linear: Linear, x: torch.Tensor, residual: torch.Tensor | None):
+    """(linear(norm(x + residual)), x + residual); no residual: (linear(norm(x)), x). One kernel
+    for a few rows on CUDA."""
+    if _skinny(x):
+        return kernels.norm_linear(x, residual, norm.weight, norm.eps, linear.weight)
+    if residual is None:
+        return linear(norm(x)), x
+    y, residual = norm(x, residual)
+    return linear(y), residual
 
 
 class RotaryEmbedding(nn.Module):
@@ -90,22 +112,24 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, x, rope, kv_cache, meta: AttentionMetadata):
+    def forward(self, qkv, rope, kv_cache, meta: AttentionMetadata):
+        """From the qkv projection of the normed input (the layer makes it, so that the norm fuses
+        into the projection)."""
         if meta is not None and meta.block_tables is not None:  # uniform step on CUDA: two fused kernels
-            q = kernels.qk_norm_rope_store(self.qkv_proj(x), self.q_norm.weight, self.k_norm.weight, *rope,
+            q = kernels.qk_norm_rope_store(qkv, self.q_norm.weight, self.k_norm.weight, *rope,
                                            meta.slot_mapping, kv_cache[0], kv_cache[1], self.q_norm.eps,
                                            self.num_heads, self.num_kv_heads, self.head_dim)
             out = kernels.paged_attention(q, kv_cache[0], kv_cache[1], meta.block_tables, meta.context_lens,
                                           meta.q_len, meta.block_size, self.scale)
             return self.o_proj(out.flatten(1))
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
         k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         cos, sin = rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if meta is None:  # training: x is [B, L, hidden], whole rows, no cache
-            rows = x.shape[:-1]
+            rows = qkv.shape[:-1]
             out = causal_attention(q.unflatten(0, rows), k.unflatten(0, rows), v.unflatten(0, rows), self.scale)
         else:
             out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
@@ -118,10 +142,13 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
 
-    def forward(self, x):
-        if x.is_cuda and kernels and not torch.is_grad_enabled():  # the kernels have no backward
-            return self.down_proj(kernels.silu_mul(self.gate_up_proj(x)))
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+    def forward(self, gate_up):
+        """From the gate|up projection of the normed input (made by the layer, like qkv)."""
+        if _skinny(gate_up):
+            return kernels.silu_linear(gate_up, self.down_proj.weight)
+        if _fused(gate_up):
+            return self.down_proj(kernels.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -135,14 +162,11 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, residual, rope, kv_cache, meta):
         """Returns (this layer's MLP output, the residual stream before it): the next norm adds
-        them, so each residual add rides along with a norm (one kernel on CUDA)."""
-        if residual is None:
-            x, residual = self.input_layernorm(x), x
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, rope, kv_cache, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        them, so each residual add rides along with a norm (and with the projection after it)."""
+        qkv, residual = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, x, residual)
+        x = self.self_attn(qkv, rope, kv_cache, meta)
+        gate_up, residual = norm_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, x, residual)
+        return self.mlp(gate_up), residual
 
 
 class MTPLayer(nn.Module):

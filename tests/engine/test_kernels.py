@@ -1,0 +1,93 @@
+"""The Triton kernels' arithmetic against plain torch: the skinny matmul with each prologue and
+every tile shape it may pick, split-context paged attention. On a GPU they run compiled; without
+one, in Triton's interpreter on CPU tensors (tests/conftest.py), so CI checks what the fused CUDA
+path computes. Their speed is measured by `jetserve bench`, whole steps by test_cuda_graphs."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from jetserve.engine import kernels  # noqa: E402  (after the skip)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rms_norm(x, w, eps):
+    y = x.float()
+    return w * (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+TILES = [(4, 1024, 4), (1, 4096, 4), (16, 512, 4), (8, 256, 8), (4, 4096, 8)]  # from kernels._TILES
+
+
+# bf16: the interpreter truncates where GPUs round to nearest, so its results drift further.
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2 if DEVICE == "cuda" else 1e-1)])
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_skinny_matmul_prologues(dtype, tol, m):
+    assert set(TILES) <= set(kernels._TILES)
+    """N and K not multiples of any tile (masked edges), K in one tile or in a loop (the norm's
+    first pass); bf16 rounds where the torch path does."""
+    torch.manual_seed(m)
+    n, k, eps = 37, 600, 1e-6
+    x, res = torch.randn(m, k, dtype=dtype, device=DEVICE), torch.randn(m, k, dtype=dtype, device=DEVICE)
+    gate_up = torch.randn(m, 2 * k, dtype=dtype, device=DEVICE)
+    w = torch.randn(n, k, dtype=dtype, device=DEVICE) / 8
+    norm_w = torch.rand(k, dtype=dtype, device=DEVICE) + 0.5
+    h = x + res
+    expected = {
+        kernels.PLAIN: F.linear(x, w),
+        kernels.NORM: (F.linear(rms_norm(x, norm_w, eps), w), x),
+        kernels.ADD_NORM: (F.linear(rms_norm(h, norm_w, eps), w), h),
+        kernels.SILU_MUL: F.linear(F.silu(gate_up[:, :k]) * gate_up[:, k:], w),
+    }
+    inputs = {kernels.PLAIN: (x, None, None), kernels.NORM: (x, None, norm_w),
+              kernels.ADD_NORM: (x, res, norm_w), kernels.SILU_MUL: (gate_up, None, None)}
+    for prologue, want in expected.items():
+        inp, residual, nw = inputs[prologue]
+        for tile in TILES:
+            got = kernels._run(tile, prologue, inp, w, residual, nw, eps)
+            if isinstance(want, tuple):
+                # The residual sum: exact (but for the interpreter's bf16 truncation).
+                exact = dtype == torch.float32 or DEVICE == "cuda"
+                torch.testing.assert_close(got[1], want[1], rtol=0 if exact else tol, atol=0 if exact else tol)
+                got, want_out = got[0], want[0]
+            else:
+                want_out = want
+            torch.testing.assert_close(got.float(), want_out.float(), rtol=tol, atol=tol, msg=f"{prologue} {tile}")
+
+
+def reference_attention(q, k_cache, v_cache, tables, ctx_lens, q_len, block_size, scale):
+    out = torch.empty_like(q)
+    for t in range(q.shape[0]):
+        b = t // q_len
+        limit = max(ctx_lens[b] - q_len + t % q_len + 1, 1)
+        slots = [tables[b][p // block_size] * block_size + p % block_size for p in range(limit)]
+        keys, values = k_cache[slots].float(), v_cache[slots].float()  # [L, KVH, D]
+        group = q.shape[1] // k_cache.shape[1]
+        keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+        weights = torch.einsum("hd,lhd->hl", q[t].float(), keys).mul(scale).softmax(-1)
+        out[t] = torch.einsum("hl,lhd->hd", weights, values).to(q.dtype)
+    return out
+
+
+@pytest.mark.parametrize("splits", [1, 4, 16])
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_paged_attention_splits(monkeypatch, splits, q_len):
+    """Context split over programs and recombined by log-sum-exp equals one pass: contexts
+    shorter than the splits (empty splits), not a multiple of a block, GQA, head_dim 24."""
+    torch.manual_seed(splits + q_len)
+    monkeypatch.setattr(kernels, "_num_splits", lambda programs, device: splits)
+    block_size, kv_heads, heads, head_dim = 4, 2, 6, 24
+    ctx_lens = [3, 1 + q_len, 70]
+    tables = [[7, 1], [3], list(range(8, 8 + 18))]
+    k_cache = torch.randn(30 * block_size, kv_heads, head_dim, device=DEVICE)
+    v_cache = torch.randn(30 * block_size, kv_heads, head_dim, device=DEVICE)
+    q = torch.randn(len(ctx_lens) * q_len, heads, head_dim, device=DEVICE)
+    width = max(map(len, tables))
+    table_t = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEVICE)
+    lens_t = torch.tensor(ctx_lens, dtype=torch.int32, device=DEVICE)
+    got = kernels.paged_attention(q, k_cache, v_cache, table_t, lens_t, q_len, block_size, head_dim ** -0.5)
+    want = reference_attention(q, k_cache, v_cache, tables, ctx_lens, q_len, block_size, head_dim ** -0.5)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
