@@ -5,7 +5,8 @@ transformers (eager `generate`, and static cache + torch.compile) on the same we
 same run, against the memory-bandwidth roofline (every weight and the batch's KV read once a
 step). Random weights in real Qwen3 shapes (timing only), or a checkpoint (--model). Our TPOT is
 the wall time of one engine step (scheduling, sampling and the host sync included); "graph
-replay" is the GPU time of the captured forward alone.
+replay" is the GPU time of the captured step alone (forward, vocab projection and greedy argmax),
+and "step overhead" what the engine step adds to it (host work and anything launched around it).
 """
 
 DEFAULT_SHAPES = ["qwen3-0.6b", "qwen3-4b"]
@@ -163,12 +164,17 @@ def _time_engine(args, model_dir, device, batches, enforce_eager, plain=False, a
             if graphs:
                 replay[batch] = _replay_ms(graphs, batch)
         del engine
-        return tpot if not replay else {**tpot, "graph_replay_ms": replay}
+        if not replay:
+            return tpot
+        overhead = {b: round(tpot[b] - ms, 4) for b, ms in replay.items() if ms is not None}
+        return {**tpot, "graph_replay_ms": replay, "step_overhead_ms": overhead}
     finally:
         attention.HAS_TRITON, model_module.kernels = saved
 
 
 def _replay_ms(graphs, batch) -> float | None:
+    """GPU time of one replay of the decode graph of this batch's bucket (forward, vocab
+    projection and argmax), over the inputs the last step left."""
     import torch
 
     bucket = next((s for s in graphs.sizes if s >= batch), None)

@@ -4,13 +4,17 @@ A decode step of a small model is a few hundred short kernels; launched one by o
 the CPU sets the pace (7.4 µs a launch against 1.0 µs inside a graph on the H200). So each step
 shape is captured once — (model part, tokens per sequence, batch bucket) — and replayed:
 
-- a batch is padded up to the next capture size; its inputs are copied into the static buffers
-  the graphs were captured on; padded tokens write their KV into the scratch block and attend
-  to one key, so they touch no real sequence;
+- a batch is padded up to the next capture size; its inputs go into the static buffers the
+  graphs were captured on, all views of one int32 tensor, so that a main-model step built on
+  the host crosses in one copy (`stage`); padded tokens write their KV into the scratch block
+  and attend to one key, so they touch no real sequence;
+- main-model steps (decode, verify) also run the vocab projection and the greedy argmax inside
+  the graph, into a static fp32 logits buffer: the lm_head GEMV is the step's biggest, and
+  launched eagerly it and the argmax cost host time every step;
 - graphs are captured largest first into one shared memory pool, each after warm-up runs
   (Triton compiles, cuBLAS handles, allocator state);
 - steps with prefill chunks, batches above the largest bucket and buckets whose capture failed
-  run eagerly. Sampling and draft acceptance stay outside the graphs.
+  run eagerly. Sampling other than greedy and draft acceptance stay outside the graphs.
 """
 
 from __future__ import annotations
@@ -56,32 +60,66 @@ class CUDAGraphs:
                  max_model_len: int, block_size: int, scratch_block: int, num_warmup: int):
         self.model, self.kv_cache = model, kv_cache
         self.sizes, self.shapes, self.num_warmup = sizes, shapes, num_warmup
-        self.block_size = block_size
+        self.block_size, self.scratch_block = block_size, scratch_block
         self.scratch_slot = scratch_block * block_size
-        device, n, b = kv_cache.device, max(sizes) * max(q for _, q in shapes), max(sizes)
-        # Static inputs, shared by every graph (one step runs at a time).
-        self.ids = torch.zeros(n, dtype=torch.long, device=device)
-        self.positions = torch.zeros(n, dtype=torch.long, device=device)
-        self.hidden = torch.zeros(n, model.config.hidden_size, dtype=kv_cache.dtype, device=device)
-        self.slots = torch.full((n,), self.scratch_slot, dtype=torch.int32, device=device)
-        self.context_lens = torch.ones(b, dtype=torch.int32, device=device)
+        max_q = max(q for _, q in shapes)
+        self.max_rows, self.max_batch = max(sizes) * max_q, max(sizes)
         # Wide enough for max_model_len plus the KV slots reserved for drafts.
-        width = -(-(max_model_len + max(q for _, q in shapes)) // block_size)
-        self.block_tables = torch.full((b, width), scratch_block, dtype=torch.int32, device=device)
+        self.width = -(-(max_model_len + max_q) // block_size)
+        size = 3 * self.max_rows + self.max_batch * (1 + self.width)
+        # Two pinned staging buffers: with async scheduling the host writes step N+1's inputs
+        # while step N's copy may still wait in the stream. An event per buffer, recorded after
+        # its copy, tells when the host may write that buffer again.
+        self._staging = [torch.zeros(size, dtype=torch.int32, pin_memory=True) for _ in range(2)]
+        for staging in self._staging:
+            _, _, slots, context_lens, block_tables = self._split(staging)
+            slots.fill_(self.scratch_slot)
+            context_lens.fill_(1)
+            block_tables.fill_(scratch_block)
+        self._host = [self._split(staging.numpy()) for staging in self._staging]
+        self._copied = [torch.cuda.Event(), torch.cuda.Event()]
+        self._turn = 0
+        # Static inputs, shared by every graph (one step runs at a time).
+        self.inputs = self._staging[0].to(kv_cache.device)
+        self.ids, self.positions, self.slots, self.context_lens, self.block_tables = self._split(self.inputs)
+        self.hidden = torch.zeros(self.max_rows, model.config.hidden_size, dtype=kv_cache.dtype, device=kv_cache.device)
+        # Outside the pool and shared by the main-model graphs: one graph's own output would pin
+        # its logits in the pool, one such copy per captured graph.
+        self.logits = torch.zeros(self.max_rows, model.config.vocab_size, dtype=torch.float32, device=kv_cache.device)
         self.graphs: dict[tuple[int | None, int, int], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int | None, int, int], torch.Tensor] = {}
+        self.outputs: dict[tuple[int | None, int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
 
-    @property
-    def max_tokens(self) -> int:
-        return self.ids.shape[0]
+    def _split(self, flat):
+        """Views of one buffer, laid out [ids n | positions n | slots n | context_lens b | block_tables b×W]
+        (n: rows of the largest step, b: the largest bucket, W: the table width)."""
+        n, b = self.max_rows, self.max_batch
+        return (flat[:n], flat[n:2 * n], flat[2 * n:3 * n], flat[3 * n:3 * n + b],
+                flat[3 * n + b:].reshape(b, self.width))
 
-    def _step(self, layer: int | None, q_len: int, bucket: int) -> torch.Tensor:
+    def key(self, layer: int | None, q_len: int, batch: int, width: int) -> tuple[int | None, int, int] | None:
+        """The captured graph for `batch` sequences of `q_len` tokens with block tables `width`
+        wide: (layer, q_len, bucket); None: the step runs eagerly."""
+        bucket = next((s for s in self.sizes if s >= batch), None)
+        key = (layer, q_len, bucket)
+        return key if key in self.graphs and width <= self.width else None
+
+    def meta(self, q_len: int, batch: int) -> AttentionMetadata:
+        """Attention metadata over the static inputs of `batch` sequences of `q_len` tokens."""
+        return AttentionMetadata(slot_mapping=self.slots[:batch * q_len], block_tables=self.block_tables[:batch],
+                                 context_lens=self.context_lens[:batch], q_len=q_len, block_size=self.block_size)
+
+    def _step(self, layer: int | None, q_len: int, bucket: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The captured work: hidden states, and for the main model the greedy tokens of the fp32
+        logits it writes into `self.logits`."""
         n = bucket * q_len
-        meta = AttentionMetadata(slot_mapping=self.slots[:n], block_tables=self.block_tables[:bucket],
-                                 context_lens=self.context_lens[:bucket], q_len=q_len, block_size=self.block_size)
-        if layer is None:
-            return self.model(self.ids[:n], self.positions[:n], self.kv_cache, meta)
-        return self.model.mtp_forward(layer, self.ids[:n], self.positions[:n], self.hidden[:n], self.kv_cache, meta)
+        meta = self.meta(q_len, bucket)
+        if layer is not None:
+            return self.model.mtp_forward(layer, self.ids[:n], self.positions[:n], self.hidden[:n], self.kv_cache,
+                                          meta), None
+        hidden = self.model(self.ids[:n], self.positions[:n], self.kv_cache, meta)
+        logits = self.logits[:n]
+        logits.copy_(self.model.compute_logits(hidden))  # the cast to fp32 rides on the copy
+        return hidden, logits.argmax(-1)
 
     @torch.inference_mode()
     def capture(self, progress: Callable[[str], None] | None = None) -> None:
@@ -107,18 +145,58 @@ class CUDAGraphs:
                  time.perf_counter() - start, ",".join(map(str, self.sizes)),
                  ", ".join(_name(*s) for s in self.shapes), (torch.cuda.memory_reserved() - reserved) / 2**20)
 
+    def stage(self, key: tuple[None, int, int], ids: list[int], positions: list[int], ctx_lens: list[int],
+              tables: list[list[int]]) -> None:
+        """Write a main-model step, given as the host lists the runner builds (per token: id and
+        position; per sequence: context length after the step and block table), into the static
+        inputs: through pinned staging, in one copy of the part this bucket reads."""
+        _, q_len, bucket = key
+        n, batch, bs = len(ids), len(ctx_lens), self.block_size
+        turn, self._turn = self._turn, 1 - self._turn
+        self._copied[turn].synchronize()  # this buffer's previous copy has left it
+        host_ids, host_positions, slots, context_lens, block_tables = self._host[turn]
+        host_ids[:n] = ids
+        host_positions[:n] = positions
+        slots[:n] = [t[p // bs] * bs + p % bs for t, c in zip(tables, ctx_lens) for p in range(c - q_len, c)]
+        slots[n:bucket * q_len] = self.scratch_slot
+        context_lens[:batch] = ctx_lens
+        context_lens[batch:bucket] = 1
+        # Entries past a sequence's context stay stale: the paged kernel reads positions < its length only.
+        for row, table in zip(block_tables, tables):
+            row[:len(table)] = table
+        block_tables[batch:bucket, 0] = self.scratch_block
+        end = self.inputs.shape[0] - (self.max_batch - bucket) * self.width
+        self.inputs[:end].copy_(self._staging[turn][:end], non_blocking=True)
+        self._copied[turn].record()
+
+    def replay(self, key: tuple[int | None, int, int], n: int
+               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Replay a captured step over the static inputs. Returns the first n rows of its hidden
+        states and, for the main model, of its fp32 logits and greedy tokens (MTP layers: None).
+
+        Views, not copies: every reader enqueues its reads before the next replay of any graph,
+        and the stream keeps that order (the runner samples, and in sync mode waits for the
+        tokens; async scheduling scatters them into the next step's ids before that step
+        replays; the drafting chain gathers rows and takes logits before its next step). Nothing
+        else writes there: each graph's outputs stay allocated in the shared pool, and the logits
+        buffer lies outside it."""
+        self.graphs[key].replay()
+        hidden, greedy = self.outputs[key]
+        if greedy is None:
+            return hidden[:n], None, None
+        return hidden[:n], self.logits[:n], greedy[:n]
+
     def run(self, layer: int | None, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
             hidden: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Replay the graph of this step's shape and return its output; None: run it eagerly."""
+        """A step given as device tensors (the MTP pass, drafting): copy them into the static
+        inputs, replay and return the hidden states; None: run it eagerly."""
         if meta.block_tables is None:
             return None
         batch = meta.context_lens.shape[0]
-        bucket = next((s for s in self.sizes if s >= batch), None)
-        key = (layer, meta.q_len, bucket)
-        graph = self.graphs.get(key)
-        if graph is None or meta.block_tables.shape[1] > self.block_tables.shape[1]:
+        key = self.key(layer, meta.q_len, batch, meta.block_tables.shape[1])
+        if key is None:
             return None
-        n = ids.shape[0]
+        n, bucket = ids.shape[0], key[2]
         self.ids[:n].copy_(ids)
         self.positions[:n].copy_(positions)
         self.slots[:n].copy_(meta.slot_mapping)
@@ -128,5 +206,4 @@ class CUDAGraphs:
         self.block_tables[:batch, :meta.block_tables.shape[1]].copy_(meta.block_tables)
         if hidden is not None:
             self.hidden[:n].copy_(hidden)
-        graph.replay()
-        return self.outputs[key][:n].clone()  # the next replay overwrites the static output
+        return self.replay(key, n)[0]

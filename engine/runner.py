@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from jetserve.engine.attention import HAS_TRITON, AttentionMetadata, to_device
+from jetserve.engine.attention import HAS_TRITON, MAX_UNIFORM_Q, AttentionMetadata, to_device
 from jetserve.engine.config import EngineArgs, ModelConfig
 from jetserve.engine.cuda_graphs import CUDAGraphs, capture_sizes, step_shapes
 from jetserve.engine.loader import load_model, torch_dtype
@@ -93,9 +93,10 @@ class ModelRunner:
         used = total - free
         n = args.max_num_batched_tokens or 512
         reserve = self._activation_peak(n, min(n, args.max_num_seqs))
-        if graph_plan:
+        if graph_plan:  # main-model graphs take logits of every row
             sizes, shapes = graph_plan
-            reserve += self._activation_peak(max(sizes) * max(q for _, q in shapes), 0)
+            rows = max(sizes) * max(q for _, q in shapes)
+            reserve += self._activation_peak(rows, rows)
         budget = int(total * args.gpu_memory_utilization) - used - reserve
         fits = budget // self.block_bytes - 1  # the scratch block
         if fits < -(-max_model_len // self.block_size):
@@ -104,7 +105,8 @@ class ModelRunner:
         return min(wanted, fits)
 
     def _activation_peak(self, n: int, n_logits: int) -> int:
-        """Bytes a step of n tokens, sampling n_logits of them, needs beyond the weights (one dry run)."""
+        """Bytes a step of n tokens, with fp32 logits of n_logits of them, needs beyond the weights
+        (one dry run)."""
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
         c = self.config
@@ -117,7 +119,7 @@ class ModelRunner:
             positions = torch.arange(n, device=self.device) % self.model.rotary.cos.shape[0]  # n may pass max_model_len
             hidden = self.model(ids, positions, cache, meta)
             if n_logits:
-                self.model.compute_logits(hidden[-n_logits:])
+                self.model.compute_logits(hidden[-n_logits:]).float()
         peak = torch.cuda.max_memory_allocated(self.device) - before
         del cache, hidden
         torch.cuda.empty_cache()
@@ -130,14 +132,14 @@ class ModelRunner:
         whose tokens are now all computed, the tokens it gains (accepted drafts + one), None for
         one still part-way through its prompt; and the drafts (up to `num_drafts`) each one
         proposes for the next step."""
-        hidden, positions_t, meta, sample_at, done = self._run(batch)
-        sampled = [seq for seq, d in zip(batch.seqs, done) if d]
-        tokens = iter(self._sample(hidden[sample_at], sampled) if sampled else [])
-        emitted = [next(tokens) if d else None for d in done]
+        step = self._run(batch)
+        sampled = [seq for seq, d in zip(batch.seqs, step.done) if d]
+        tokens = iter(self._sample(step, sampled) if sampled else [])
+        emitted = [next(tokens) if d else None for d in step.done]
         if self.proposer is None:
             return emitted, [[] for _ in batch.seqs]
         drafts = self.proposer.propose(self._draft_forward, self.model.compute_logits, batch.seqs,
-                                       batch.num_tokens, hidden, positions_t, meta, emitted, num_drafts)
+                                       batch.num_tokens, step.hidden, step.positions, step.meta, emitted, num_drafts)
         return emitted, drafts
 
     @torch.inference_mode()
@@ -145,11 +147,11 @@ class ModelRunner:
         """Async scheduling: enqueue the step and its sampling without waiting for them. The
         sampled tokens stay on the device, where the next step reads its inputs, and reach the
         host later through `Launch.tokens()`, while the device computes that next step."""
-        hidden, _, _, sample_at, done = self._run(batch)
-        sampled = [seq for seq, d in zip(batch.seqs, done) if d]
+        step = self._run(batch)
+        sampled = [seq for seq, d in zip(batch.seqs, step.done) if d]
         if not sampled:
             return Launch(sampled, None, None)
-        tokens = self._sample_tensor(hidden[sample_at], sampled)
+        tokens = self._sample_tensor(step, sampled)
         self._last_sampled = tokens, {seq: row for row, seq in enumerate(sampled)}
         if tokens.device.type != "cuda":
             return Launch(sampled, tokens, None)
@@ -159,9 +161,9 @@ class ModelRunner:
         ready.record()
         return Launch(sampled, host, ready)
 
-    def _run(self, batch: ScheduledBatch):
-        """The forward of a step: hidden states, positions, attention metadata, the rows to sample
-        and, per sequence, whether this step samples it."""
+    def _run(self, batch: ScheduledBatch) -> _Step:
+        """The forward of a step: a graph replay fed by one copy when a captured graph fits the
+        step, else eager."""
         ids, positions, q_lens, ctx_lens, tables, sample_at, done = [], [], [], [], [], [], []
         pending = []  # (index in ids, sequence): a token the last launch left on the device
         for seq, n in zip(batch.seqs, batch.num_tokens):
@@ -178,20 +180,40 @@ class ModelRunner:
             done.append(seq.completes(n))
             if done[-1]:
                 sample_at.extend(range(len(ids) - 1 - len(seq.spec_token_ids), len(ids)))
+        key = self._graph_key(q_lens, tables)
+        if key is not None:
+            graphs = self.graphs
+            graphs.stage(key, ids, positions, ctx_lens, tables)
+            if pending:  # after the copy into the static ids, before the replay: stream order
+                self._fill_pending(graphs.ids, pending)
+            hidden, logits, greedy = graphs.replay(key, len(ids))
+            step = _Step(hidden, graphs.positions[:len(ids)], graphs.meta(key[1], len(q_lens)), sample_at, done)
+            if sample_at == list(range(len(ids))):  # every row sampled: the graph's logits are the sampled ones
+                step.logits, step.greedy = logits, greedy
+            return step
         meta = AttentionMetadata.build(q_lens, ctx_lens, tables, self.block_size, self.device)
         ids_t = to_device(torch.tensor(ids), self.device)
         if pending:
-            tokens, rows = self._last_sampled
-            where = to_device(torch.tensor([i for i, _ in pending]), self.device)
-            ids_t[where] = tokens[to_device(torch.tensor([rows[seq] for _, seq in pending]), self.device)]
+            self._fill_pending(ids_t, pending)
         positions_t = to_device(torch.tensor(positions), self.device)
-        sample_at_t = to_device(torch.tensor(sample_at, dtype=torch.long), self.device)
-        return self._forward(ids_t, positions_t, meta), positions_t, meta, sample_at_t, done
+        return _Step(self.model(ids_t, positions_t, self.kv_cache, meta), positions_t, meta, sample_at, done)
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """The main model over a step's tokens: a graph replay when one fits the step."""
-        out = self.graphs.run(None, ids, positions, meta) if self.graphs else None
-        return self.model(ids, positions, self.kv_cache, meta) if out is None else out
+    def _graph_key(self, q_lens: list[int], tables: list[list[int]]) -> tuple[None, int, int] | None:
+        """The main-model graph that fits a step (every sequence the same few tokens, a captured
+        bucket, tables not too wide), decided before any metadata is built; None: eager."""
+        if self.graphs is None or q_lens.count(q_lens[0]) != len(q_lens) or q_lens[0] > MAX_UNIFORM_Q:
+            return None
+        return self.graphs.key(None, q_lens[0], len(q_lens), max(len(t) for t in tables))
+
+    def _fill_pending(self, ids: torch.Tensor, pending: list[tuple[int, Sequence]]) -> None:
+        """Put the tokens the last launch sampled on the device into this step's ids."""
+        tokens, rows = self._last_sampled
+        where, source = [i for i, _ in pending], [rows[seq] for _, seq in pending]
+        if where == source == list(range(len(pending))):  # steady decoding: same sequences, same order
+            ids[:len(pending)].copy_(tokens[:len(pending)])
+            return
+        index = to_device(torch.tensor(where + source), self.device)  # one copy for both
+        ids[index[:len(pending)]] = tokens[index[len(pending):]].to(ids.dtype)
 
     def _draft_forward(self, step: int, ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
                        meta: AttentionMetadata) -> torch.Tensor:
@@ -200,22 +222,43 @@ class ModelRunner:
         out = self.graphs.run(layer, ids, positions, meta, hidden) if self.graphs else None
         return self.model.mtp_forward(layer, ids, positions, hidden, self.kv_cache, meta) if out is None else out
 
-    def _sample(self, hidden: torch.Tensor, seqs: list[Sequence]) -> list[list[int]]:
+    def _sample(self, step: _Step, seqs: list[Sequence]) -> list[list[int]]:
         """Tokens each sequence gains: one sampled token, or accepted drafts + one with MTP."""
         if self.proposer is None:
-            return [[t] for t in self._sample_tensor(hidden, seqs).tolist()]
-        logits, params, generators = self._logits(hidden, seqs)
+            return [[t] for t in self._sample_tensor(step, seqs).tolist()]
+        logits, params, generators = self._logits(step, seqs)
         return self.proposer.verify(logits, [s.spec_token_ids for s in seqs], params, generators)
 
-    def _sample_tensor(self, hidden: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """One token per sequence, left on the device."""
-        return sample(*self._logits(hidden, seqs))
+    def _sample_tensor(self, step: _Step, seqs: list[Sequence]) -> torch.Tensor:
+        """One token per sequence, left on the device: the graph's argmax when all are greedy."""
+        if step.greedy is not None and all(s.params.greedy for s in seqs):
+            return step.greedy
+        return sample(*self._logits(step, seqs))
 
-    def _logits(self, hidden: torch.Tensor, seqs: list[Sequence]):
+    def _logits(self, step: _Step, seqs: list[Sequence]):
+        """fp32 logits of the sampled rows (the graph's, or the vocab projection of those rows),
+        the sequences' sampling parameters and generators."""
         for seq in seqs:
             if seq.generator is None and seq.params.seed is not None:
                 seq.generator = make_generator(seq.params, self.device)
-        return self.model.compute_logits(hidden).float(), [s.params for s in seqs], [s.generator for s in seqs]
+        logits = step.logits
+        if logits is None:
+            rows = to_device(torch.tensor(step.sample_at, dtype=torch.long), self.device)
+            logits = self.model.compute_logits(step.hidden[rows]).float()
+        return logits, [s.params for s in seqs], [s.generator for s in seqs]
+
+
+@dataclass
+class _Step:
+    """A step's forward, as sampling and drafting read it."""
+
+    hidden: torch.Tensor  # [tokens, hidden] final-normed
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_at: list[int]  # the rows to sample
+    done: list[bool]  # per sequence: whether this step samples it
+    logits: torch.Tensor | None = None  # [len(sample_at), vocab] fp32, when the graph computed them
+    greedy: torch.Tensor | None = None  # their argmax
 
 
 @dataclass

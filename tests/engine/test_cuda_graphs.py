@@ -9,7 +9,7 @@ import torch
 from jetserve.engine import LLM, SamplingParams
 from jetserve.engine.cuda_graphs import capture_sizes, step_shapes
 
-from tests.engine.builders import build_qwen3, hf_greedy
+from tests.engine.builders import build_drafting_model, build_qwen3, hf_greedy
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 PROMPTS = [[5, 17, 2, 99, 31, 8, 64], [200, 3], list(range(40, 63)), [7] * 11, [1, 2, 3], [9] * 30, [4, 4], [77]]
@@ -42,15 +42,16 @@ def generate(path, prompts, **kwargs):
     return llm, [o.outputs[0].token_ids for o in outputs]
 
 
-def count_replays(llm):
+def record_replays(llm):
+    """Every graph replay from now on: (key, copies of its outputs: hidden, logits, greedy)."""
     graphs, calls = llm.engine.runner.graphs, []
-    run = graphs.run
+    replay = graphs.replay
 
-    def counted(*args, **kwargs):
-        out = run(*args, **kwargs)
-        calls.append(out is not None)
+    def recorded(key, n):
+        out = replay(key, n)
+        calls.append((key, [None if t is None else t.clone() for t in out]))
         return out
-    graphs.run = counted
+    graphs.replay = recorded
     return calls
 
 
@@ -88,21 +89,57 @@ def test_greedy_graphs_equal_eager_and_transformers(checkpoint):
     assert eager == reference
     for n in range(1, 9):
         llm = LLM(str(path), device="cuda", max_num_seqs=8, dtype="float32", cudagraph_capture_sizes=[1, 2, 4])
-        calls = count_replays(llm)
+        calls = record_replays(llm)
         outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:n]], GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outputs] == reference[:n], n
-        assert any(calls) == (n <= 4), n  # above the largest bucket every step runs eagerly
+        assert bool(calls) == (n <= 4), n  # above the largest bucket every step runs eagerly
     assert llm.engine.model_info["cuda_graphs"] is True
 
 
 @gpu
 @pytest.mark.gpu
-def test_async_scheduling_with_graphs_equals_transformers(checkpoint):
-    """Step N+1 reads step N's tokens on the device, replayed from graphs: same tokens."""
+@pytest.mark.parametrize("batch", [1, 3])  # 3 pads to bucket 4
+def test_graph_logits_equal_eager(checkpoint, batch):
+    """The decode graph ends in the vocab projection and the greedy argmax: its tokens are
+    eager's and transformers', and its logits rows are eager `compute_logits` of its hidden rows."""
     path, hf_model = checkpoint
-    reference = [hf_greedy(hf_model, p, GREEDY.max_tokens) for p in PROMPTS]
-    llm, tokens = generate(path, PROMPTS, dtype="float32", async_scheduling=True)
-    assert tokens == reference and llm.engine.blocks.num_used == 0
+    prompts = PROMPTS[:batch]
+    reference = [hf_greedy(hf_model, p, GREEDY.max_tokens) for p in prompts]
+    assert generate(path, prompts, enforce_eager=True, dtype="float32")[1] == reference
+    llm = LLM(str(path), device="cuda", max_num_seqs=8, dtype="float32", cudagraph_capture_sizes=[1, 2, 4])
+    calls = record_replays(llm)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == reference
+    decodes = [out for key, out in calls if key == (None, 1, 1 if batch == 1 else 4)]
+    assert len(decodes) == GREEDY.max_tokens - 1  # every step after the prefill
+    model = llm.engine.runner.model
+    for hidden, logits, greedy in decodes:
+        assert hidden.shape[0] == logits.shape[0] == greedy.shape[0] == batch
+        with torch.inference_mode():  # the engine's mode (the fused kernels have no backward)
+            eager = model.compute_logits(hidden).float()
+        torch.testing.assert_close(logits, eager, rtol=1e-4, atol=1e-4)
+        assert torch.equal(greedy, logits.argmax(-1))
+
+
+@gpu
+@pytest.mark.gpu
+def test_async_scheduling_with_graphs_equals_transformers(checkpoint):
+    """Step N+1 takes step N's tokens on the device into the graph's staged ids: same tokens,
+    also once sequences finish one by one and the rest take their tokens from other rows."""
+    path, hf_model = checkpoint
+    params = [SamplingParams(temperature=0, max_tokens=5 + i, ignore_eos=True) for i in range(len(PROMPTS))]
+    reference = [hf_greedy(hf_model, p, GREEDY.max_tokens)[:sp.max_tokens] for p, sp in zip(PROMPTS, params)]
+    llm = LLM(str(path), device="cuda", max_num_seqs=8, dtype="float32", async_scheduling=True)
+    runner, filled = llm.engine.runner, []
+    fill = runner._fill_pending
+
+    def spy(ids, pending):
+        filled.append(ids is runner.graphs.ids)
+        fill(ids, pending)
+    runner._fill_pending = spy
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == reference and llm.engine.blocks.num_used == 0
+    assert any(filled)  # pending tokens went into a replayed graph's inputs
 
 
 @gpu
@@ -143,16 +180,14 @@ def test_enforce_eager_captures_nothing(checkpoint):
 @gpu
 @pytest.mark.gpu
 def test_speculative_verify_and_drafts_graphed(tmp_path):
-    from tests.engine.test_spec_decode import make_model
-
-    path = make_model(tmp_path, mtp_layers=1)
+    path = build_drafting_model(tmp_path, mtp_layers=1)
     spec = {"method": "mtp", "num_speculative_tokens": 2, "adaptive": False}
-    prompts = [[t % 64 for t in p] for p in PROMPTS[:4]]  # make_model's vocab is 64
+    prompts = [[t % 64 for t in p] for p in PROMPTS[:4]]  # build_drafting_model's vocab is 64
     _, plain = generate(path, prompts, dtype="float32", enforce_eager=True)
     llm = LLM(path, device="cuda", max_num_seqs=8, dtype="float32", speculative_config=spec)
-    calls = count_replays(llm)
+    calls = record_replays(llm)
     keys = llm.engine.runner.graphs.graphs
     assert (None, 3, 4) in keys and (0, 3, 4) in keys and (0, 1, 4) in keys  # verify, MTP pass, chained draft
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == plain  # lossless, graphed
-    assert sum(calls) >= 3 and llm.engine.stats().num_accepted_tokens > 0
+    assert {key[0] for key, _ in calls} == {None, 0} and llm.engine.stats().num_accepted_tokens > 0
