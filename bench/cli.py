@@ -1,4 +1,5 @@
-"""`jetserve bench ...`: decode latency, chunked prefill, MTP, the bf16 forward check, a profile.
+"""`jetserve bench ...`: decode latency, chunked prefill, MTP, the bf16 forward check, a profile,
+the decode kernels alone.
 
 Imports only the standard library at module level and parses on Python 3.8 (`jetserve.cli`
 imports every part's cli module, also on devices without torch). Each benchmark module keeps
@@ -16,6 +17,7 @@ BENCHMARKS = (
     ("mtp", "MTP drafting: acceptance per position and tok/s vs no drafting"),
     ("forward", "greedy tokens and logits of the engine vs transformers on one device"),
     ("profile", "where the time of a batch-1 decode step goes (torch.profiler)"),
+    ("kernels", "the decode kernels alone: skinny matmul vs cuBLAS bandwidth, split-context attention"),
 )
 
 

@@ -6,11 +6,12 @@ difference is the host: scheduling, metadata, sampling, the sync), and the profi
 """
 
 FAMILIES = (  # kernel-name substrings → family; the first match wins
-    ("paged attention", ("_paged_attention",)),
+    ("skinny matmul (+ RMSNorm or SiLU·up)", ("_skinny_matmul",)),
+    ("paged attention (+ split combine)", ("_paged_attention", "_combine_splits")),
     ("q/k norm + RoPE + KV store", ("_qk_norm_rope",)),
     ("RMSNorm (+ residual add)", ("_rms_norm",)),
     ("SiLU * up", ("_silu_mul",)),
-    ("GEMM / GEMV", ("gemm", "gemv", "nvjet", "cutlass", "sm90_", "splitk", "cublas")),  # _gemv_kernel too
+    ("cuBLAS GEMM", ("gemm", "gemv", "nvjet", "cutlass", "sm90_", "splitk", "cublas")),
 )
 
 
