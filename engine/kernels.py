@@ -334,6 +334,9 @@ _TILES = [(4, 1024, 4), (1, 4096, 4), (2, 2048, 4), (2, 4096, 4), (4, 2048, 4), 
           (4, 4096, 8), (8, 2048, 8), (16, 1024, 8),  # more bytes in flight a program, for big weights
           (2, 1024, 8), (4, 512, 8), (8, 256, 8)]  # small enough for 8 rows
 _UNTUNED_BYTES = 256 * 1024  # weights this small take the first tile that fits: nothing to gain from timing
+# Timing a tile captures CUDA graphs; where the engine runs without them (--enforce-eager, or a
+# JetPack too old for them) the runner turns this off and the first tile that fits serves.
+tile_timing = True
 _MAX_PRODUCTS_PER_THREAD = 64  # more spills registers
 _chosen: dict[tuple, tuple[int, int, int] | None] = {}
 tuning_times: dict[tuple, dict[tuple[int, int, int] | None, float]] = {}  # ms per candidate, per shape tuned
@@ -398,27 +401,32 @@ def _cold_copies(weight: torch.Tensor) -> list[torch.Tensor]:
 
 def _skinny_matmul(prologue, x, weight, residual=None, norm_weight=None, eps=0.0):
     """The fused kernel in the tile found fastest for this shape, or the separate kernels where
-    cuBLAS wins. Each shape is timed on first use (graph warm-up runs before capture); a shape
-    first seen during a capture takes the separate kernels, untimed."""
+    cuBLAS wins."""
     x, residual = x.contiguous(), residual if residual is None else residual.contiguous()  # the kernel's layout
-    block_m, (n, k) = triton.next_power_of_2(x.shape[0]), weight.shape
-    key = (prologue, block_m, n, k, x.dtype)
-    if key not in _chosen:
-        tiles = [None] + [t for t in _TILES if block_m * t[0] * t[1] <= _MAX_PRODUCTS_PER_THREAD * 32 * t[2]]
-        if weight.numel() * weight.element_size() < _UNTUNED_BYTES:
-            _chosen[key] = tiles[1]
-            return _run(tiles[1], prologue, x, weight, residual, norm_weight, eps)
-        if torch.cuda.is_current_stream_capturing():
-            return _run(None, prologue, x, weight, residual, norm_weight, eps)
-        weights = _cold_copies(weight)
-        times = [graph_time([lambda w=w, t=t: _run(t, prologue, x, w, residual, norm_weight, eps) for w in weights])
-                 for t in tiles]
-        _chosen[key] = tiles[times.index(min(times))]
-        tuning_times[key] = dict(zip(tiles, times))
-        log.debug("skinny matmul %s: %s (%.2f µs; cuBLAS %.2f µs)", key, _chosen[key] or "cuBLAS",
-                  min(times) * 1e3, times[0] * 1e3)
-        del weights
-    return _run(_chosen[key], prologue, x, weight, residual, norm_weight, eps)
+    key = (prologue, triton.next_power_of_2(x.shape[0]), *weight.shape, x.dtype)
+    tile = _chosen[key] if key in _chosen else _choose_tile(key, prologue, x, weight, residual, norm_weight, eps)
+    return _run(tile, prologue, x, weight, residual, norm_weight, eps)
+
+
+def _choose_tile(key, prologue, x, weight, residual, norm_weight, eps):
+    """A new shape's tile (None: cuBLAS). Timed on first use, which graph warm-up makes happen
+    before capture; a shape first seen during a capture takes cuBLAS this time, untimed."""
+    tiles = [None] + [t for t in _TILES if key[1] * t[0] * t[1] <= _MAX_PRODUCTS_PER_THREAD * 32 * t[2]]
+    if weight.numel() * weight.element_size() < _UNTUNED_BYTES:
+        _chosen[key] = tiles[1]
+        return tiles[1]
+    if not tile_timing:
+        return tiles[1]
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    weights = _cold_copies(weight)
+    times = [graph_time([lambda w=w, t=t: _run(t, prologue, x, w, residual, norm_weight, eps) for w in weights])
+             for t in tiles]
+    _chosen[key] = tiles[times.index(min(times))]
+    tuning_times[key] = dict(zip(tiles, times))
+    log.debug("skinny matmul %s: %s (%.2f µs; cuBLAS %.2f µs)", key, _chosen[key] or "cuBLAS", min(times) * 1e3,
+              times[0] * 1e3)
+    return _chosen[key]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ where padded tokens of a fixed-shape (graphed) step write without touching real 
 
 from __future__ import annotations
 
+import importlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,6 +52,8 @@ class ModelRunner:
         torch.manual_seed(args.seed)
         self.model = load_model(args.model, self.dtype, self.device, max_model_len, progress)
         plan = self._graph_plan(args)
+        if self.device.type == "cuda" and HAS_TRITON:  # the skinny matmul times its tiles in CUDA graphs
+            importlib.import_module("jetserve.engine.kernels").tile_timing = plan is not None
         self.num_blocks = args.num_kv_blocks or self._fit_num_blocks(args, max_model_len, plan)
         slots = (self.num_blocks + 1) * self.block_size
         self.kv_cache = torch.zeros(self.model.num_kv_layers, 2, slots, model_config.num_key_value_heads,

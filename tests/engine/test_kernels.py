@@ -91,3 +91,14 @@ def test_paged_attention_splits(monkeypatch, splits, q_len):
     got = kernels.paged_attention(q, k_cache, v_cache, table_t, lens_t, q_len, block_size, head_dim ** -0.5)
     want = reference_attention(q, k_cache, v_cache, tables, ctx_lens, q_len, block_size, head_dim ** -0.5)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_untimed_where_graphs_are_off(monkeypatch):
+    """Timing tiles captures CUDA graphs; with graphs off (the runner clears `tile_timing`) a big
+    weight takes the first tile that fits, untimed and not remembered for when graphs are on."""
+    monkeypatch.setattr(kernels, "tile_timing", False)
+    monkeypatch.setattr(kernels, "_chosen", {})
+    x = torch.randn(2, 256, device=DEVICE)
+    w = torch.randn(300, 256, device=DEVICE)  # 300 KB in fp32: past the untimed size
+    torch.testing.assert_close(kernels.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert kernels._chosen == {}
