@@ -35,8 +35,8 @@ class ServiceClient:
     def __init__(self, address, timeout=2.0):
         self.address, self.timeout = address, timeout
         self._channel = grpc.insecure_channel(address)
-        self._control = inference_pb2_grpc.ControlStub(self._channel)
-        self._inference = inference_pb2_grpc.InferenceStub(self._channel)
+        self._control = inference_pb2_grpc.ControlServiceStub(self._channel)
+        self._inference = inference_pb2_grpc.InferenceServiceStub(self._channel)
         self._health = self._channel.unary_unary(HEALTH_CHECK)
 
     def _call(self, method, request):

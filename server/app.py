@@ -29,7 +29,7 @@ from jetserve.v1 import inference_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
-SERVICES = tuple(pb.DESCRIPTOR.services_by_name[name].full_name for name in ("Inference", "Control"))
+SERVICES = tuple(pb.DESCRIPTOR.services_by_name[name].full_name for name in ("InferenceService", "ControlService"))
 # The engine's step loop turns at least every 0.5 s even when idle; a heartbeat older than this
 # (or than the watchdog period, if that is longer) means it is wedged or dead.
 STALE_AFTER_S = 2.0
@@ -131,8 +131,8 @@ class JetServer:
         opts = self.options
         token_check = [BearerTokenInterceptor(opts.api_key)] if opts.api_key else []
         self._grpc = grpc.aio.server(interceptors=token_check)
-        pb_grpc.add_InferenceServicer_to_server(self._inference, self._grpc)
-        pb_grpc.add_ControlServicer_to_server(ControlServicer(self), self._grpc)
+        pb_grpc.add_InferenceServiceServicer_to_server(self._inference, self._grpc)
+        pb_grpc.add_ControlServiceServicer_to_server(ControlServicer(self), self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         reflection.enable_server_reflection(SERVICES + (health.SERVICE_NAME, reflection.SERVICE_NAME), self._grpc)
         await self._update_health()

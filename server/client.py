@@ -12,7 +12,7 @@ from jetserve.v1 import inference_pb2 as pb
 from jetserve.v1 import inference_pb2_grpc as pb_grpc
 
 
-def connect(args) -> pb_grpc.InferenceStub:
+def connect(args) -> pb_grpc.InferenceServiceStub:
     """A stub for `--target` (host:port or unix:/path), over TLS when `--tls-ca` is given."""
     if args.tls_ca:
         read = lambda path: Path(path).read_bytes() if path else None  # noqa: E731
@@ -20,7 +20,7 @@ def connect(args) -> pb_grpc.InferenceStub:
         channel = grpc.secure_channel(args.target, credentials)
     else:
         channel = grpc.insecure_channel(args.target)
-    return pb_grpc.InferenceStub(channel)
+    return pb_grpc.InferenceServiceStub(channel)
 
 
 def sampling(args) -> pb.SamplingOptions:

@@ -63,7 +63,7 @@ def chat_prompt(request: pb.ChatRequest, engine) -> str:
     return engine.tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in request.messages])
 
 
-class InferenceServicer(pb_grpc.InferenceServicer):
+class InferenceServicer(pb_grpc.InferenceServiceServicer):
     """`server` is the JetServer: its `engine` (None while loading), `draining` and `metrics`."""
 
     def __init__(self, server):
@@ -82,15 +82,15 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     async def Generate(self, request, context):
         async for reply in self._stream(context, request.request_id, request.sampling,
-                                        functools.partial(generate_prompt, request)):
+                                        functools.partial(generate_prompt, request), pb.GenerateResponse):
             yield reply
 
     async def Chat(self, request, context):
         async for reply in self._stream(context, request.request_id, request.sampling,
-                                        functools.partial(chat_prompt, request)):
+                                        functools.partial(chat_prompt, request), pb.ChatResponse):
             yield reply
 
-    async def _stream(self, context, request_id, sampling, make_prompt):
+    async def _stream(self, context, request_id, sampling, make_prompt, response_type):
         try:
             engine = self._server.admit()
             request_id = request_id or uuid.uuid4().hex
@@ -102,7 +102,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             try:
                 async with aclosing(engine.generate(prompt, params, request_id)) as outputs:
                     async for out in outputs:
-                        yield self._reply(request_id, out, timer)
+                        yield self._reply(response_type, request_id, out, timer)
             finally:
                 self._open -= 1
                 if not self._open:
@@ -113,10 +113,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         await context.abort(code, message)
 
     @staticmethod
-    def _reply(request_id, out, timer) -> pb.GenerateResponse:
+    def _reply(response_type, request_id, out, timer):
+        """A GenerateResponse or ChatResponse (the same fields) for one delta."""
         delta = out.outputs[0]
         timer.tokens(len(delta.token_ids))
-        reply = pb.GenerateResponse(request_id=request_id, text=delta.text, token_ids=delta.token_ids)
+        reply = response_type(request_id=request_id, text=delta.text, token_ids=delta.token_ids)
         if out.finished:
             ttft, total = timer.finished(len(out.prompt_token_ids), delta.finish_reason)
             reply.finish_reason = FINISH_REASONS[delta.finish_reason]
@@ -131,7 +132,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         engine = self._server.loaded()
         info = engine.model_info
         tokenizer = engine.tokenizer
-        return pb.ModelInfo(
+        return pb.GetModelInfoResponse(
             model=str(info["model"]), architecture=info["architecture"], dtype=str(info["dtype"]),
             device=str(info["device"]), max_model_len=info["max_model_len"], vocab_size=info["vocab_size"],
             has_chat_template=tokenizer is not None and tokenizer.chat_template is not None,
@@ -147,7 +148,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             p50, p90, p99 = percentiles(samples)
             return pb.LatencyPercentiles(p50_s=p50, p90_s=p90, p99_s=p99, count=len(samples))
 
-        return pb.Stats(
+        return pb.GetStatsResponse(
             num_waiting=s.num_waiting, num_running=s.num_running, max_num_seqs=s.max_num_seqs,
             kv_blocks_total=s.kv_blocks_total, kv_blocks_used=s.kv_blocks_used, kv_usage=s.kv_usage,
             time_to_first_token=latency(metrics.recent_ttft), inter_token_latency=latency(metrics.recent_itl),
@@ -160,7 +161,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             num_preemptions=s.num_preemptions)
 
 
-class ControlServicer(pb_grpc.ControlServicer):
+class ControlServicer(pb_grpc.ControlServiceServicer):
     """Load shedding for the agent: the same drain as SIGTERM's, without the stop."""
 
     def __init__(self, server):
@@ -169,12 +170,12 @@ class ControlServicer(pb_grpc.ControlServicer):
     @answers_with_status
     async def Drain(self, request, context):
         await self._server.set_draining(True)
-        return self._reply("draining: new streams get UNAVAILABLE, open ones finish")
+        return self._reply(pb.DrainResponse, "draining: new streams get UNAVAILABLE, open ones finish")
 
     @answers_with_status
     async def Resume(self, request, context):
         await self._server.set_draining(False)
-        return self._reply("accepting new streams")
+        return self._reply(pb.ResumeResponse, "accepting new streams")
 
     @answers_with_status
     async def SetLimits(self, request, context):
@@ -187,11 +188,11 @@ class ControlServicer(pb_grpc.ControlServicer):
         if request.HasField("num_speculative_tokens"):
             await asyncio.to_thread(engine.set_num_speculative_tokens, request.num_speculative_tokens)
             changed["num_speculative_tokens"] = request.num_speculative_tokens
-        return self._reply("limits set", **changed)
+        return self._reply(pb.SetLimitsResponse, "limits set", **changed)
 
-    def _reply(self, message, **changed) -> pb.ControlReply:
+    def _reply(self, response_type, message, **changed):
         """The current limits; the engine's stats snapshot trails a change by one step, hence `changed`."""
-        reply = pb.ControlReply(draining=self._server.draining, message=message)
+        reply = response_type(draining=self._server.draining, message=message)
         if self._server.engine is not None:
             stats = self._server.engine.stats()
             reply.max_num_seqs = changed.get("max_num_seqs", stats.max_num_seqs)

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bjetserve/v1/inference.proto\x12\x0bjetserve.v1\"\xfb\x01\n\x0fSamplingOptions\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x05\x88\x01\x01\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\r\n\x0b_max_tokensB\x07\n\x05_seed\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x9b\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.jetserve.v1.TokenIdsH\x00\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.jetserve.v1.SamplingOptionsB\x08\n\x06prompt\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"}\n\x0b\x43hatRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x08messages\x18\x02 \x03(\x0b\x32\x18.jetserve.v1.ChatMessage\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.jetserve.v1.SamplingOptions\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"8\n\x06Timing\x12\x1d\n\x15time_to_first_token_s\x18\x01 \x01(\x01\x12\x0f\n\x07total_s\x18\x02 \x01(\x01\"\xc1\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.jetserve.v1.FinishReason\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.jetserve.v1.Usage\x12#\n\x06timing\x18\x06 \x01(\x0b\x32\x13.jetserve.v1.Timing\"\x15\n\x13GetModelInfoRequest\"\x84\x02\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x15\n\rmax_model_len\x18\x05 \x01(\x05\x12\x12\n\nvocab_size\x18\x06 \x01(\x05\x12\x19\n\x11has_chat_template\x18\x07 \x01(\x08\x12\x16\n\x0enum_mtp_layers\x18\x08 \x01(\x05\x12\x1e\n\x16num_speculative_tokens\x18\t \x01(\x05\x12\x13\n\x0b\x63uda_graphs\x18\n \x01(\x08\x12\x0f\n\x07\x62\x61\x63kend\x18\x0b \x01(\t\x12\x0f\n\x07version\x18\x0c \x01(\t\"\x11\n\x0fGetStatsRequest\"P\n\x12LatencyPercentiles\x12\r\n\x05p50_s\x18\x01 \x01(\x01\x12\r\n\x05p90_s\x18\x02 \x01(\x01\x12\r\n\x05p99_s\x18\x03 \x01(\x01\x12\r\n\x05\x63ount\x18\x04 \x01(\x03\"\xd3\x01\n\x10SpeculativeStats\x12\x12\n\nnum_drafts\x18\x01 \x01(\x03\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\x03\x12\x1b\n\x13num_accepted_tokens\x18\x03 \x01(\x03\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x04 \x03(\x03\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x05 \x01(\x01\x12\x1c\n\x14mean_accepted_length\x18\x06 \x01(\x01\x12\x1e\n\x16num_speculative_tokens\x18\x07 \x01(\x05\"\x84\x03\n\x05Stats\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\x05\x12\x13\n\x0bnum_running\x18\x02 \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x03 \x01(\x05\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\x05\x12\x16\n\x0ekv_blocks_used\x18\x05 \x01(\x05\x12\x10\n\x08kv_usage\x18\x06 \x01(\x01\x12<\n\x13time_to_first_token\x18\x07 \x01(\x0b\x32\x1f.jetserve.v1.LatencyPercentiles\x12<\n\x13inter_token_latency\x18\x08 \x01(\x0b\x32\x1f.jetserve.v1.LatencyPercentiles\x12\x32\n\x0bspeculative\x18\t \x01(\x0b\x32\x1d.jetserve.v1.SpeculativeStats\x12\x10\n\x08\x64raining\x18\n \x01(\x08\x12\x1d\n\x15num_requests_finished\x18\x0b \x01(\x03\x12\x17\n\x0fnum_preemptions\x18\x0c \x01(\x03\"\x0e\n\x0c\x44rainRequest\"\x0f\n\rResumeRequest\"~\n\x10SetLimitsRequest\x12\x19\n\x0cmax_num_seqs\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12#\n\x16num_speculative_tokens\x18\x02 \x01(\x05H\x01\x88\x01\x01\x42\x0f\n\r_max_num_seqsB\x19\n\x17_num_speculative_tokens\"g\n\x0c\x43ontrolReply\x12\x10\n\x08\x64raining\x18\x01 \x01(\x08\x12\x14\n\x0cmax_num_seqs\x18\x02 \x01(\x05\x12\x1e\n\x16num_speculative_tokens\x18\x03 \x01(\x05\x12\x0f\n\x07message\x18\x04 \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xa1\x02\n\tInference\x12I\n\x08Generate\x12\x1c.jetserve.v1.GenerateRequest\x1a\x1d.jetserve.v1.GenerateResponse0\x01\x12\x41\n\x04\x43hat\x12\x18.jetserve.v1.ChatRequest\x1a\x1d.jetserve.v1.GenerateResponse0\x01\x12H\n\x0cGetModelInfo\x12 .jetserve.v1.GetModelInfoRequest\x1a\x16.jetserve.v1.ModelInfo\x12<\n\x08GetStats\x12\x1c.jetserve.v1.GetStatsRequest\x1a\x12.jetserve.v1.Stats2\xd0\x01\n\x07\x43ontrol\x12=\n\x05\x44rain\x12\x19.jetserve.v1.DrainRequest\x1a\x19.jetserve.v1.ControlReply\x12?\n\x06Resume\x12\x1a.jetserve.v1.ResumeRequest\x1a\x19.jetserve.v1.ControlReply\x12\x45\n\tSetLimits\x12\x1d.jetserve.v1.SetLimitsRequest\x1a\x19.jetserve.v1.ControlReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bjetserve/v1/inference.proto\x12\x0bjetserve.v1\"\xfb\x01\n\x0fSamplingOptions\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x05\x88\x01\x01\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\r\n\x0b_max_tokensB\x07\n\x05_seed\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x9b\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.jetserve.v1.TokenIdsH\x00\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.jetserve.v1.SamplingOptionsB\x08\n\x06prompt\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"}\n\x0b\x43hatRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x08messages\x18\x02 \x03(\x0b\x32\x18.jetserve.v1.ChatMessage\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.jetserve.v1.SamplingOptions\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"8\n\x06Timing\x12\x1d\n\x15time_to_first_token_s\x18\x01 \x01(\x01\x12\x0f\n\x07total_s\x18\x02 \x01(\x01\"\xc1\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.jetserve.v1.FinishReason\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.jetserve.v1.Usage\x12#\n\x06timing\x18\x06 \x01(\x0b\x32\x13.jetserve.v1.Timing\"\xbd\x01\n\x0c\x43hatResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.jetserve.v1.FinishReason\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.jetserve.v1.Usage\x12#\n\x06timing\x18\x06 \x01(\x0b\x32\x13.jetserve.v1.Timing\"\x15\n\x13GetModelInfoRequest\"\x8f\x02\n\x14GetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x15\n\rmax_model_len\x18\x05 \x01(\x05\x12\x12\n\nvocab_size\x18\x06 \x01(\x05\x12\x19\n\x11has_chat_template\x18\x07 \x01(\x08\x12\x16\n\x0enum_mtp_layers\x18\x08 \x01(\x05\x12\x1e\n\x16num_speculative_tokens\x18\t \x01(\x05\x12\x13\n\x0b\x63uda_graphs\x18\n \x01(\x08\x12\x0f\n\x07\x62\x61\x63kend\x18\x0b \x01(\t\x12\x0f\n\x07version\x18\x0c \x01(\t\"\x11\n\x0fGetStatsRequest\"P\n\x12LatencyPercentiles\x12\r\n\x05p50_s\x18\x01 \x01(\x01\x12\r\n\x05p90_s\x18\x02 \x01(\x01\x12\r\n\x05p99_s\x18\x03 \x01(\x01\x12\r\n\x05\x63ount\x18\x04 \x01(\x03\"\xd3\x01\n\x10SpeculativeStats\x12\x12\n\nnum_drafts\x18\x01 \x01(\x03\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\x03\x12\x1b\n\x13num_accepted_tokens\x18\x03 \x01(\x03\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x04 \x03(\x03\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x05 \x01(\x01\x12\x1c\n\x14mean_accepted_length\x18\x06 \x01(\x01\x12\x1e\n\x16num_speculative_tokens\x18\x07 \x01(\x05\"\x8f\x03\n\x10GetStatsResponse\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\x05\x12\x13\n\x0bnum_running\x18\x02 \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x03 \x01(\x05\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\x05\x12\x16\n\x0ekv_blocks_used\x18\x05 \x01(\x05\x12\x10\n\x08kv_usage\x18\x06 \x01(\x01\x12<\n\x13time_to_first_token\x18\x07 \x01(\x0b\x32\x1f.jetserve.v1.LatencyPercentiles\x12<\n\x13inter_token_latency\x18\x08 \x01(\x0b\x32\x1f.jetserve.v1.LatencyPercentiles\x12\x32\n\x0bspeculative\x18\t \x01(\x0b\x32\x1d.jetserve.v1.SpeculativeStats\x12\x10\n\x08\x64raining\x18\n \x01(\x08\x12\x1d\n\x15num_requests_finished\x18\x0b \x01(\x03\x12\x17\n\x0fnum_preemptions\x18\x0c \x01(\x03\"\x0e\n\x0c\x44rainRequest\"\x0f\n\rResumeRequest\"~\n\x10SetLimitsRequest\x12\x19\n\x0cmax_num_seqs\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12#\n\x16num_speculative_tokens\x18\x02 \x01(\x05H\x01\x88\x01\x01\x42\x0f\n\r_max_num_seqsB\x19\n\x17_num_speculative_tokens\"h\n\rDrainResponse\x12\x10\n\x08\x64raining\x18\x01 \x01(\x08\x12\x14\n\x0cmax_num_seqs\x18\x02 \x01(\x05\x12\x1e\n\x16num_speculative_tokens\x18\x03 \x01(\x05\x12\x0f\n\x07message\x18\x04 \x01(\t\"i\n\x0eResumeResponse\x12\x10\n\x08\x64raining\x18\x01 \x01(\x08\x12\x14\n\x0cmax_num_seqs\x18\x02 \x01(\x05\x12\x1e\n\x16num_speculative_tokens\x18\x03 \x01(\x05\x12\x0f\n\x07message\x18\x04 \x01(\t\"l\n\x11SetLimitsResponse\x12\x10\n\x08\x64raining\x18\x01 \x01(\x08\x12\x14\n\x0cmax_num_seqs\x18\x02 \x01(\x05\x12\x1e\n\x16num_speculative_tokens\x18\x03 \x01(\x05\x12\x0f\n\x07message\x18\x04 \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xba\x02\n\x10InferenceService\x12I\n\x08Generate\x12\x1c.jetserve.v1.GenerateRequest\x1a\x1d.jetserve.v1.GenerateResponse0\x01\x12=\n\x04\x43hat\x12\x18.jetserve.v1.ChatRequest\x1a\x19.jetserve.v1.ChatResponse0\x01\x12S\n\x0cGetModelInfo\x12 .jetserve.v1.GetModelInfoRequest\x1a!.jetserve.v1.GetModelInfoResponse\x12G\n\x08GetStats\x12\x1c.jetserve.v1.GetStatsRequest\x1a\x1d.jetserve.v1.GetStatsResponse2\xdf\x01\n\x0e\x43ontrolService\x12>\n\x05\x44rain\x12\x19.jetserve.v1.DrainRequest\x1a\x1a.jetserve.v1.DrainResponse\x12\x41\n\x06Resume\x12\x1a.jetserve.v1.ResumeRequest\x1a\x1b.jetserve.v1.ResumeResponse\x12J\n\tSetLimits\x12\x1d.jetserve.v1.SetLimitsRequest\x1a\x1e.jetserve.v1.SetLimitsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'jetserve.v1.inference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2225
-  _globals['_FINISHREASON']._serialized_end=2345
+  _globals['_FINISHREASON']._serialized_start=2657
+  _globals['_FINISHREASON']._serialized_end=2777
   _globals['_SAMPLINGOPTIONS']._serialized_start=45
   _globals['_SAMPLINGOPTIONS']._serialized_end=296
   _globals['_TOKENIDS']._serialized_start=298
@@ -49,28 +49,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TIMING']._serialized_end=769
   _globals['_GENERATERESPONSE']._serialized_start=772
   _globals['_GENERATERESPONSE']._serialized_end=965
-  _globals['_GETMODELINFOREQUEST']._serialized_start=967
-  _globals['_GETMODELINFOREQUEST']._serialized_end=988
-  _globals['_MODELINFO']._serialized_start=991
-  _globals['_MODELINFO']._serialized_end=1251
-  _globals['_GETSTATSREQUEST']._serialized_start=1253
-  _globals['_GETSTATSREQUEST']._serialized_end=1270
-  _globals['_LATENCYPERCENTILES']._serialized_start=1272
-  _globals['_LATENCYPERCENTILES']._serialized_end=1352
-  _globals['_SPECULATIVESTATS']._serialized_start=1355
-  _globals['_SPECULATIVESTATS']._serialized_end=1566
-  _globals['_STATS']._serialized_start=1569
-  _globals['_STATS']._serialized_end=1957
-  _globals['_DRAINREQUEST']._serialized_start=1959
-  _globals['_DRAINREQUEST']._serialized_end=1973
-  _globals['_RESUMEREQUEST']._serialized_start=1975
-  _globals['_RESUMEREQUEST']._serialized_end=1990
-  _globals['_SETLIMITSREQUEST']._serialized_start=1992
-  _globals['_SETLIMITSREQUEST']._serialized_end=2118
-  _globals['_CONTROLREPLY']._serialized_start=2120
-  _globals['_CONTROLREPLY']._serialized_end=2223
-  _globals['_INFERENCE']._serialized_start=2348
-  _globals['_INFERENCE']._serialized_end=2637
-  _globals['_CONTROL']._serialized_start=2640
-  _globals['_CONTROL']._serialized_end=2848
+  _globals['_CHATRESPONSE']._serialized_start=968
+  _globals['_CHATRESPONSE']._serialized_end=1157
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1159
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1180
+  _globals['_GETMODELINFORESPONSE']._serialized_start=1183
+  _globals['_GETMODELINFORESPONSE']._serialized_end=1454
+  _globals['_GETSTATSREQUEST']._serialized_start=1456
+  _globals['_GETSTATSREQUEST']._serialized_end=1473
+  _globals['_LATENCYPERCENTILES']._serialized_start=1475
+  _globals['_LATENCYPERCENTILES']._serialized_end=1555
+  _globals['_SPECULATIVESTATS']._serialized_start=1558
+  _globals['_SPECULATIVESTATS']._serialized_end=1769
+  _globals['_GETSTATSRESPONSE']._serialized_start=1772
+  _globals['_GETSTATSRESPONSE']._serialized_end=2171
+  _globals['_DRAINREQUEST']._serialized_start=2173
+  _globals['_DRAINREQUEST']._serialized_end=2187
+  _globals['_RESUMEREQUEST']._serialized_start=2189
+  _globals['_RESUMEREQUEST']._serialized_end=2204
+  _globals['_SETLIMITSREQUEST']._serialized_start=2206
+  _globals['_SETLIMITSREQUEST']._serialized_end=2332
+  _globals['_DRAINRESPONSE']._serialized_start=2334
+  _globals['_DRAINRESPONSE']._serialized_end=2438
+  _globals['_RESUMERESPONSE']._serialized_start=2440
+  _globals['_RESUMERESPONSE']._serialized_end=2545
+  _globals['_SETLIMITSRESPONSE']._serialized_start=2547
+  _globals['_SETLIMITSRESPONSE']._serialized_end=2655
+  _globals['_INFERENCESERVICE']._serialized_start=2780
+  _globals['_INFERENCESERVICE']._serialized_end=3094
+  _globals['_CONTROLSERVICE']._serialized_start=3097
+  _globals['_CONTROLSERVICE']._serialized_end=3320
 # @@protoc_insertion_point(module_scope)

@@ -105,11 +105,27 @@ class GenerateResponse(_message.Message):
     timing: Timing
     def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ...) -> None: ...
 
+class ChatResponse(_message.Message):
+    __slots__ = ("request_id", "text", "token_ids", "finish_reason", "usage", "timing")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    text: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    finish_reason: FinishReason
+    usage: Usage
+    timing: Timing
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ...) -> None: ...
+
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
-class ModelInfo(_message.Message):
+class GetModelInfoResponse(_message.Message):
     __slots__ = ("model", "architecture", "dtype", "device", "max_model_len", "vocab_size", "has_chat_template", "num_mtp_layers", "num_speculative_tokens", "cuda_graphs", "backend", "version")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
@@ -171,7 +187,7 @@ class SpeculativeStats(_message.Message):
     num_speculative_tokens: int
     def __init__(self, num_drafts: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., num_speculative_tokens: _Optional[int] = ...) -> None: ...
 
-class Stats(_message.Message):
+class GetStatsResponse(_message.Message):
     __slots__ = ("num_waiting", "num_running", "max_num_seqs", "kv_blocks_total", "kv_blocks_used", "kv_usage", "time_to_first_token", "inter_token_latency", "speculative", "draining", "num_requests_finished", "num_preemptions")
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -215,7 +231,31 @@ class SetLimitsRequest(_message.Message):
     num_speculative_tokens: int
     def __init__(self, max_num_seqs: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ...) -> None: ...
 
-class ControlReply(_message.Message):
+class DrainResponse(_message.Message):
+    __slots__ = ("draining", "max_num_seqs", "num_speculative_tokens", "message")
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    draining: bool
+    max_num_seqs: int
+    num_speculative_tokens: int
+    message: str
+    def __init__(self, draining: bool = ..., max_num_seqs: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class ResumeResponse(_message.Message):
+    __slots__ = ("draining", "max_num_seqs", "num_speculative_tokens", "message")
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    draining: bool
+    max_num_seqs: int
+    num_speculative_tokens: int
+    message: str
+    def __init__(self, draining: bool = ..., max_num_seqs: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class SetLimitsResponse(_message.Message):
     __slots__ = ("draining", "max_num_seqs", "num_speculative_tokens", "message")
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]

@@ -25,7 +25,7 @@ if _version_not_supported:
     )
 
 
-class InferenceStub(object):
+class InferenceServiceStub(object):
     """Text generation, streamed one message per token delta.
     """
 
@@ -36,28 +36,28 @@ class InferenceStub(object):
             channel: A grpc.Channel.
         """
         self.Generate = channel.unary_stream(
-                '/jetserve.v1.Inference/Generate',
+                '/jetserve.v1.InferenceService/Generate',
                 request_serializer=jetserve_dot_v1_dot_inference__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=jetserve_dot_v1_dot_inference__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.Chat = channel.unary_stream(
-                '/jetserve.v1.Inference/Chat',
+                '/jetserve.v1.InferenceService/Chat',
                 request_serializer=jetserve_dot_v1_dot_inference__pb2.ChatRequest.SerializeToString,
-                response_deserializer=jetserve_dot_v1_dot_inference__pb2.GenerateResponse.FromString,
+                response_deserializer=jetserve_dot_v1_dot_inference__pb2.ChatResponse.FromString,
                 _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
-                '/jetserve.v1.Inference/GetModelInfo',
+                '/jetserve.v1.InferenceService/GetModelInfo',
                 request_serializer=jetserve_dot_v1_dot_inference__pb2.GetModelInfoRequest.SerializeToString,
-                response_deserializer=jetserve_dot_v1_dot_inference__pb2.ModelInfo.FromString,
+                response_deserializer=jetserve_dot_v1_dot_inference__pb2.GetModelInfoResponse.FromString,
                 _registered_method=True)
         self.GetStats = channel.unary_unary(
-                '/jetserve.v1.Inference/GetStats',
+                '/jetserve.v1.InferenceService/GetStats',
                 request_serializer=jetserve_dot_v1_dot_inference__pb2.GetStatsRequest.SerializeToString,
-                response_deserializer=jetserve_dot_v1_dot_inference__pb2.Stats.FromString,
+                response_deserializer=jetserve_dot_v1_dot_inference__pb2.GetStatsResponse.FromString,
                 _registered_method=True)
 
 
-class InferenceServicer(object):
+class InferenceServiceServicer(object):
     """Text generation, streamed one message per token delta.
     """
 
@@ -88,7 +88,7 @@ class InferenceServicer(object):
         raise NotImplementedError('Method not implemented!')
 
 
-def add_InferenceServicer_to_server(servicer, server):
+def add_InferenceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
@@ -98,27 +98,27 @@ def add_InferenceServicer_to_server(servicer, server):
             'Chat': grpc.unary_stream_rpc_method_handler(
                     servicer.Chat,
                     request_deserializer=jetserve_dot_v1_dot_inference__pb2.ChatRequest.FromString,
-                    response_serializer=jetserve_dot_v1_dot_inference__pb2.GenerateResponse.SerializeToString,
+                    response_serializer=jetserve_dot_v1_dot_inference__pb2.ChatResponse.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
                     request_deserializer=jetserve_dot_v1_dot_inference__pb2.GetModelInfoRequest.FromString,
-                    response_serializer=jetserve_dot_v1_dot_inference__pb2.ModelInfo.SerializeToString,
+                    response_serializer=jetserve_dot_v1_dot_inference__pb2.GetModelInfoResponse.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
                     request_deserializer=jetserve_dot_v1_dot_inference__pb2.GetStatsRequest.FromString,
-                    response_serializer=jetserve_dot_v1_dot_inference__pb2.Stats.SerializeToString,
+                    response_serializer=jetserve_dot_v1_dot_inference__pb2.GetStatsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'jetserve.v1.Inference', rpc_method_handlers)
+            'jetserve.v1.InferenceService', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('jetserve.v1.Inference', rpc_method_handlers)
+    server.add_registered_method_handlers('jetserve.v1.InferenceService', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
-class Inference(object):
+class InferenceService(object):
     """Text generation, streamed one message per token delta.
     """
 
@@ -136,7 +136,7 @@ class Inference(object):
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/jetserve.v1.Inference/Generate',
+            '/jetserve.v1.InferenceService/Generate',
             jetserve_dot_v1_dot_inference__pb2.GenerateRequest.SerializeToString,
             jetserve_dot_v1_dot_inference__pb2.GenerateResponse.FromString,
             options,
@@ -163,9 +163,9 @@ class Inference(object):
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/jetserve.v1.Inference/Chat',
+            '/jetserve.v1.InferenceService/Chat',
             jetserve_dot_v1_dot_inference__pb2.ChatRequest.SerializeToString,
-            jetserve_dot_v1_dot_inference__pb2.GenerateResponse.FromString,
+            jetserve_dot_v1_dot_inference__pb2.ChatResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -190,9 +190,9 @@ class Inference(object):
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/jetserve.v1.Inference/GetModelInfo',
+            '/jetserve.v1.InferenceService/GetModelInfo',
             jetserve_dot_v1_dot_inference__pb2.GetModelInfoRequest.SerializeToString,
-            jetserve_dot_v1_dot_inference__pb2.ModelInfo.FromString,
+            jetserve_dot_v1_dot_inference__pb2.GetModelInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -217,9 +217,9 @@ class Inference(object):
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/jetserve.v1.Inference/GetStats',
+            '/jetserve.v1.InferenceService/GetStats',
             jetserve_dot_v1_dot_inference__pb2.GetStatsRequest.SerializeToString,
-            jetserve_dot_v1_dot_inference__pb2.Stats.FromString,
+            jetserve_dot_v1_dot_inference__pb2.GetStatsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -231,7 +231,7 @@ class Inference(object):
             _registered_method=True)
 
 
-class ControlStub(object):
+class ControlServiceStub(object):
     """Load shedding, used by the agent (and operators): drain, resume, limits.
     """
 
@@ -242,23 +242,23 @@ class ControlStub(object):
             channel: A grpc.Channel.
         """
         self.Drain = channel.unary_unary(
-                '/jetserve.v1.Control/Drain',
+                '/jetserve.v1.ControlService/Drain',
                 request_serializer=jetserve_dot_v1_dot_inference__pb2.DrainRequest.SerializeToString,
-                response_deserializer=jetserve_dot_v1_dot_inference__pb2.ControlReply.FromString,
+                response_deserializer=jetserve_dot_v1_dot_inference__pb2.DrainResponse.FromString,
                 _registered_method=True)
         self.Resume = channel.unary_unary(
-                '/jetserve.v1.Control/Resume',
+                '/jetserve.v1.ControlService/Resume',
                 request_serializer=jetserve_dot_v1_dot_inference__pb2.ResumeRequest.SerializeToString,
-                response_deserializer=jetserve_dot_v1_dot_inference__pb2.ControlReply.FromString,
+                response_deserializer=jetserve_dot_v1_dot_inference__pb2.ResumeResponse.FromString,
                 _registered_method=True)
         self.SetLimits = channel.unary_unary(
-                '/jetserve.v1.Control/SetLimits',
+                '/jetserve.v1.ControlService/SetLimits',
                 request_serializer=jetserve_dot_v1_dot_inference__pb2.SetLimitsRequest.SerializeToString,
-                response_deserializer=jetserve_dot_v1_dot_inference__pb2.ControlReply.FromString,
+                response_deserializer=jetserve_dot_v1_dot_inference__pb2.SetLimitsResponse.FromString,
                 _registered_method=True)
 
 
-class ControlServicer(object):
+class ControlServiceServicer(object):
     """Load shedding, used by the agent (and operators): drain, resume, limits.
     """
 
@@ -284,32 +284,32 @@ class ControlServicer(object):
         raise NotImplementedError('Method not implemented!')
 
 
-def add_ControlServicer_to_server(servicer, server):
+def add_ControlServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Drain': grpc.unary_unary_rpc_method_handler(
                     servicer.Drain,
                     request_deserializer=jetserve_dot_v1_dot_inference__pb2.DrainRequest.FromString,
-                    response_serializer=jetserve_dot_v1_dot_inference__pb2.ControlReply.SerializeToString,
+                    response_serializer=jetserve_dot_v1_dot_inference__pb2.DrainResponse.SerializeToString,
             ),
             'Resume': grpc.unary_unary_rpc_method_handler(
                     servicer.Resume,
                     request_deserializer=jetserve_dot_v1_dot_inference__pb2.ResumeRequest.FromString,
-                    response_serializer=jetserve_dot_v1_dot_inference__pb2.ControlReply.SerializeToString,
+                    response_serializer=jetserve_dot_v1_dot_inference__pb2.ResumeResponse.SerializeToString,
             ),
             'SetLimits': grpc.unary_unary_rpc_method_handler(
                     servicer.SetLimits,
                     request_deserializer=jetserve_dot_v1_dot_inference__pb2.SetLimitsRequest.FromString,
-                    response_serializer=jetserve_dot_v1_dot_inference__pb2.ControlReply.SerializeToString,
+                    response_serializer=jetserve_dot_v1_dot_inference__pb2.SetLimitsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'jetserve.v1.Control', rpc_method_handlers)
+            'jetserve.v1.ControlService', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('jetserve.v1.Control', rpc_method_handlers)
+    server.add_registered_method_handlers('jetserve.v1.ControlService', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
-class Control(object):
+class ControlService(object):
     """Load shedding, used by the agent (and operators): drain, resume, limits.
     """
 
@@ -327,9 +327,9 @@ class Control(object):
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/jetserve.v1.Control/Drain',
+            '/jetserve.v1.ControlService/Drain',
             jetserve_dot_v1_dot_inference__pb2.DrainRequest.SerializeToString,
-            jetserve_dot_v1_dot_inference__pb2.ControlReply.FromString,
+            jetserve_dot_v1_dot_inference__pb2.DrainResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -354,9 +354,9 @@ class Control(object):
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/jetserve.v1.Control/Resume',
+            '/jetserve.v1.ControlService/Resume',
             jetserve_dot_v1_dot_inference__pb2.ResumeRequest.SerializeToString,
-            jetserve_dot_v1_dot_inference__pb2.ControlReply.FromString,
+            jetserve_dot_v1_dot_inference__pb2.ResumeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -381,9 +381,9 @@ class Control(object):
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/jetserve.v1.Control/SetLimits',
+            '/jetserve.v1.ControlService/SetLimits',
             jetserve_dot_v1_dot_inference__pb2.SetLimitsRequest.SerializeToString,
-            jetserve_dot_v1_dot_inference__pb2.ControlReply.FromString,
+            jetserve_dot_v1_dot_inference__pb2.SetLimitsResponse.FromString,
             options,
             channel_credentials,
             insecure,

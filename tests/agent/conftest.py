@@ -1,5 +1,5 @@
 """Real parts for the agent and fleet tests: a mosquitto on a loopback port, a gRPC service
-implementing jetserve.v1 Control/GetStats (+ grpc.health.v1), and the agent and the controller
+implementing jetserve.v1 ControlService/GetStats (+ grpc.health.v1), and the agent and the controller
 as `python -m jetserve.cli` processes. Everything started here is stopped here.
 """
 
@@ -168,8 +168,8 @@ def controller_args(broker, db, *extra):
             "--client-id", "controller-%d" % broker.port, "--keepalive", "5"] + list(extra)
 
 
-class FakeService(inference_pb2_grpc.ControlServicer, inference_pb2_grpc.InferenceServicer):
-    """The service side of jetserve.v1 Control and GetStats, recording every call."""
+class FakeService(inference_pb2_grpc.ControlServiceServicer, inference_pb2_grpc.InferenceServiceServicer):
+    """The service side of jetserve.v1 ControlService and GetStats, recording every call."""
 
     def __init__(self, max_num_seqs=8, num_speculative_tokens=3):
         self.max_num_seqs, self.num_speculative_tokens, self.draining = max_num_seqs, num_speculative_tokens, False
@@ -178,8 +178,9 @@ class FakeService(inference_pb2_grpc.ControlServicer, inference_pb2_grpc.Inferen
     def _reply(self, name, **fields):
         with self._lock:
             self.calls.append((name, fields))
-        return inference_pb2.ControlReply(draining=self.draining, max_num_seqs=self.max_num_seqs,
-                                          num_speculative_tokens=self.num_speculative_tokens, message=name)
+        return getattr(inference_pb2, name + "Response")(
+            draining=self.draining, max_num_seqs=self.max_num_seqs,
+            num_speculative_tokens=self.num_speculative_tokens, message=name)
 
     def Drain(self, request, context):
         self.draining = True
@@ -200,9 +201,9 @@ class FakeService(inference_pb2_grpc.ControlServicer, inference_pb2_grpc.Inferen
         return self._reply("SetLimits", **fields)
 
     def GetStats(self, request, context):
-        return inference_pb2.Stats(max_num_seqs=self.max_num_seqs, draining=self.draining,
-                                   speculative=inference_pb2.SpeculativeStats(
-                                       num_speculative_tokens=self.num_speculative_tokens))
+        return inference_pb2.GetStatsResponse(max_num_seqs=self.max_num_seqs, draining=self.draining,
+                                              speculative=inference_pb2.SpeculativeStats(
+                                                  num_speculative_tokens=self.num_speculative_tokens))
 
     def control_calls(self):
         with self._lock:
@@ -211,15 +212,15 @@ class FakeService(inference_pb2_grpc.ControlServicer, inference_pb2_grpc.Inferen
 
 @pytest.fixture
 def service():
-    """A live gRPC server on loopback with Control, Inference.GetStats and grpc.health.v1."""
+    """A live gRPC server on loopback with ControlService, InferenceService.GetStats and grpc.health.v1."""
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
     fake = FakeService()
     fake.health, fake.health_pb2 = health.HealthServicer(), health_pb2
     fake.health.set("", health_pb2.HealthCheckResponse.SERVING)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    inference_pb2_grpc.add_ControlServicer_to_server(fake, server)
-    inference_pb2_grpc.add_InferenceServicer_to_server(fake, server)
+    inference_pb2_grpc.add_ControlServiceServicer_to_server(fake, server)
+    inference_pb2_grpc.add_InferenceServiceServicer_to_server(fake, server)
     health_pb2_grpc.add_HealthServicer_to_server(fake.health, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()

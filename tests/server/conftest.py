@@ -135,7 +135,7 @@ def live(tiny_model):
 @pytest.fixture
 def stubs(live):
     with live.channel() as channel:
-        yield pb_grpc.InferenceStub(channel), pb_grpc.ControlStub(channel)
+        yield pb_grpc.InferenceServiceStub(channel), pb_grpc.ControlServiceStub(channel)
 
 
 def wait_for_free_blocks(engine, timeout=5.0):

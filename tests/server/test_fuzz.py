@@ -64,7 +64,7 @@ def target(tiny_model):
 
 def test_random_requests_all_get_a_proper_answer(target):
     channel = target.channel()
-    inference = pb_grpc.InferenceStub(channel)
+    inference = pb_grpc.InferenceServiceStub(channel)
     answers = {"finished": 0, "refused": 0}
 
     @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,

@@ -30,8 +30,8 @@ def test_health_goes_not_serving_serving_not_serving_across_load_and_drain(tiny_
     server = LiveServer(held_load)
     channel = server.channel()
     health = health_pb2_grpc.HealthStub(channel)
-    inference, control = pb_grpc.InferenceStub(channel), pb_grpc.ControlStub(channel)
-    watch = health.Watch(health_pb2.HealthCheckRequest(service="jetserve.v1.Inference"), timeout=60)
+    inference, control = pb_grpc.InferenceServiceStub(channel), pb_grpc.ControlServiceStub(channel)
+    watch = health.Watch(health_pb2.HealthCheckRequest(service="jetserve.v1.InferenceService"), timeout=60)
     try:
         assert next(watch).status == NOT_SERVING
         assert health.Check(health_pb2.HealthCheckRequest()).status == NOT_SERVING
@@ -115,9 +115,9 @@ def test_reflection_lists_the_services(live):
     with live.channel() as channel:
         database = ProtoReflectionDescriptorDatabase(channel)
         services = set(database.get_services())
-        assert {"jetserve.v1.Inference", "jetserve.v1.Control", "grpc.health.v1.Health",
+        assert {"jetserve.v1.InferenceService", "jetserve.v1.ControlService", "grpc.health.v1.Health",
                 "grpc.reflection.v1alpha.ServerReflection"} <= services
-        proto = database.FindFileContainingSymbol("jetserve.v1.Inference")
+        proto = database.FindFileContainingSymbol("jetserve.v1.InferenceService")
         assert proto.package == "jetserve.v1"
         assert {m.name for m in proto.service[0].method} >= {"Generate", "Chat", "GetModelInfo", "GetStats"}
 
@@ -176,7 +176,7 @@ def test_speculative_counters_move_per_position():
     server.wait_loaded()
     try:
         with server.channel() as channel:
-            inference, control = pb_grpc.InferenceStub(channel), pb_grpc.ControlStub(channel)
+            inference, control = pb_grpc.InferenceServiceStub(channel), pb_grpc.ControlServiceStub(channel)
             messages = list(inference.Generate(pb.GenerateRequest(
                 text="def add(a, b):\n", sampling=greedy(48, ignore_eos=True)), timeout=60))
             assert sum(len(m.token_ids) for m in messages) == 48

@@ -1,5 +1,7 @@
-"""The committed stubs in jetserve/v1 are what grpcio-tools makes of the .proto, byte for byte."""
+"""The .proto passes buf's STANDARD lint and format, and the committed stubs in jetserve/v1 are
+what grpcio-tools makes of it, byte for byte."""
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -7,6 +9,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PROTO = "proto/jetserve/v1/inference.proto"
 STUBS = ("inference_pb2.py", "inference_pb2.pyi", "inference_pb2_grpc.py")
+
+
+def buf(*args):
+    path = shutil.which("buf")
+    assert path, "buf is not installed: npm install -g @bufbuild/buf (.ci/run does)"
+    return subprocess.run([path, *args], cwd=ROOT, capture_output=True, text=True)
+
+
+def test_buf_lint_standard_is_clean():
+    result = buf("lint")
+    assert result.returncode == 0 and not result.stdout, result.stdout + result.stderr
+
+
+def test_buf_format_leaves_nothing_to_change():
+    result = buf("format", "-d", "--exit-code")
+    assert result.returncode == 0 and not result.stdout, result.stdout + result.stderr
 
 
 def test_committed_stubs_are_fresh(tmp_path):

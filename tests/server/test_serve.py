@@ -74,7 +74,7 @@ def test_systemd_sees_ready_watchdog_stopping_and_sigterm_drains(tiny_model, tmp
         notify_socket.wait_for("WATCHDOG=1", server, timeout=5)
 
         channel = grpc.insecure_channel(target)
-        inference, control = pb_grpc.InferenceStub(channel), pb_grpc.ControlStub(channel)
+        inference, control = pb_grpc.InferenceServiceStub(channel), pb_grpc.ControlServiceStub(channel)
         health = health_pb2_grpc.HealthStub(channel)
         stats = inference.GetStats(pb.GetStatsRequest(), timeout=10)
         assert (stats.max_num_seqs, stats.kv_blocks_total) == (3, 256)  # flag over file, file over default
@@ -112,7 +112,7 @@ def test_streams_past_the_grace_period_are_cancelled(tiny_model, notify_socket):
     try:
         target = re.search(r"on (\S+)", notify_socket.wait_for("READY=1", server)).group(1)
         with grpc.insecure_channel(target) as channel:
-            stream = pb_grpc.InferenceStub(channel).Generate(
+            stream = pb_grpc.InferenceServiceStub(channel).Generate(
                 pb.GenerateRequest(text="robot", sampling=greedy(500, ignore_eos=True)), timeout=30)
             next(stream)
             server.send_signal(signal.SIGTERM)
@@ -142,7 +142,7 @@ def test_without_model_it_serves_the_bundled_demo(notify_socket):
     try:
         target = re.search(r"on (\S+)", notify_socket.wait_for("READY=1", server)).group(1)
         with grpc.insecure_channel(target) as channel:
-            info = pb_grpc.InferenceStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+            info = pb_grpc.InferenceServiceStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
         assert Path(info.model) == Path(demo_model_dir()) and info.has_chat_template
         server.send_signal(signal.SIGTERM)
         assert server.wait(30) == 0

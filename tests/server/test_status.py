@@ -122,7 +122,7 @@ def test_draining_refuses_new_streams_until_resumed(stubs):
 
 def test_chat_on_a_model_without_template(restricted):
     with restricted.channel() as channel:
-        inference = pb_grpc.InferenceStub(channel)
+        inference = pb_grpc.InferenceServiceStub(channel)
         assert not inference.GetModelInfo(pb.GetModelInfoRequest(), metadata=AUTH).has_chat_template
         code, details = failure(lambda: inference.Chat(
             pb.ChatRequest(messages=[pb.ChatMessage(role="user", content="hi")]), metadata=AUTH))
@@ -132,7 +132,7 @@ def test_chat_on_a_model_without_template(restricted):
 def test_a_full_queue_answers_resource_exhausted(restricted):
     async def run():
         async with grpc.aio.insecure_channel(restricted.target) as channel:
-            stub = pb_grpc.InferenceStub(channel)
+            stub = pb_grpc.InferenceServiceStub(channel)
 
             async def one(i):
                 request = pb.GenerateRequest(text="robot %d" % i, sampling=greedy(150, ignore_eos=True))
@@ -155,7 +155,7 @@ def test_a_full_queue_answers_resource_exhausted(restricted):
 @pytest.mark.parametrize("metadata", [(), (("authorization", "Bearer wrong"),), (("authorization", TOKEN),)])
 def test_a_missing_or_wrong_token_is_unauthenticated(restricted, metadata):
     with restricted.channel() as channel:
-        inference, control = pb_grpc.InferenceStub(channel), pb_grpc.ControlStub(channel)
+        inference, control = pb_grpc.InferenceServiceStub(channel), pb_grpc.ControlServiceStub(channel)
         for call in (lambda: inference.Generate(pb.GenerateRequest(text="hi"), metadata=metadata),
                      lambda: inference.GetStats(pb.GetStatsRequest(), metadata=metadata),
                      lambda: control.Drain(pb.DrainRequest(), metadata=metadata)):

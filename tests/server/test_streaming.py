@@ -76,7 +76,7 @@ def test_32_concurrent_streams_all_complete_correctly(live, offline):
 
     async def run():
         async with grpc.aio.insecure_channel(live.target) as channel:
-            stub = pb_grpc.InferenceStub(channel)
+            stub = pb_grpc.InferenceServiceStub(channel)
 
             async def one(i):
                 request = pb.GenerateRequest(request_id="c%d" % i, text=prompts[i],

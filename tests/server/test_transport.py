@@ -53,7 +53,7 @@ def secured(tiny_model, pki, tmp_path_factory):
 
 def _generate(channel):
     request = pb.GenerateRequest(text="kiosk", sampling=greedy(3, ignore_eos=True))
-    return list(pb_grpc.InferenceStub(channel).Generate(request, timeout=10))
+    return list(pb_grpc.InferenceServiceStub(channel).Generate(request, timeout=10))
 
 
 def _credentials(pki, client_cert=True):
