@@ -8,27 +8,8 @@ import logging
 import signal
 import sys
 
-from jetserve.config import add_config_flag
-
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-
-
-def add_mqtt_flags(parser):
-    """Broker connection flags shared by `jetserve agent` and `jetserve fleet`."""
-    group = parser.add_argument_group("MQTT")
-    group.add_argument("--mqtt-host", default="127.0.0.1")
-    group.add_argument("--mqtt-port", type=int, default=1883)
-    group.add_argument("--mqtt-user", help="username (a device's is its device id under the ACL)")
-    group.add_argument("--mqtt-password", help="password (prefer --mqtt-password-file)")
-    group.add_argument("--mqtt-password-file", help="file holding the password")
-    group.add_argument("--mqtt-tls", action="store_true", help="TLS with the system CAs")
-    group.add_argument("--mqtt-ca", help="CA bundle for TLS (implies --mqtt-tls)")
-    group.add_argument("--mqtt-cert", help="client certificate for TLS")
-    group.add_argument("--mqtt-key", help="client key for TLS")
-    group.add_argument("--keepalive", type=int, default=30,
-                       help="MQTT keepalive in seconds; the broker declares us dead after 1.5x")
-    group.add_argument("--fleet", default="default", help="fleet name (a topic level)")
-
+from jetserve.config import LOG_LEVELS, add_config_flag
+from jetserve.wire.mqtt import add_flags as add_mqtt_flags
 
 def register(subparsers):
     agent = subparsers.add_parser("agent", help="run the on-device agent (health, thermals, MQTT)",
@@ -54,6 +35,7 @@ def register(subparsers):
                        help="degrees below a threshold before restoring a level")
     agent.add_argument("--no-jtop", action="store_true", help="never use jetson-stats")
     agent.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
+    agent.add_argument("--fleet", default="default", help="fleet name (a topic level)")
     add_mqtt_flags(agent)
     add_config_flag(agent, "agent")
     agent.set_defaults(func=run_agent)
@@ -66,8 +48,8 @@ def register(subparsers):
 
 
 def run_doctor(args):
-    from jetserve.agent.compat import check, format_table
-    from jetserve.agent.probe import ProbeError, probe
+    from jetserve.device.compat import check, format_table
+    from jetserve.device.probe import ProbeError, probe
 
     try:
         verdict = check(probe(args.sysroot))
@@ -82,10 +64,10 @@ def run_agent(args):
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from jetserve.agent.daemon import Agent
-    from jetserve.agent.mqtt import MqttConfigError
     from jetserve.agent.outbox import OutboxError
-    from jetserve.agent.probe import ProbeError
-    from jetserve.agent.topics import check_name
+    from jetserve.device.probe import ProbeError
+    from jetserve.wire.mqtt import MqttConfigError
+    from jetserve.wire.topics import check_name
 
     args.device_id = args.device_id or socket.gethostname().split(".")[0]
     try:

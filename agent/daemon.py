@@ -11,11 +11,13 @@ import threading
 import time
 
 from jetserve import __version__
-from jetserve.agent import commands, compat, health, thermal
+from jetserve.agent import commands, health, thermal
 from jetserve.agent.outbox import Outbox
-from jetserve.agent.probe import JtopReader, probe
 from jetserve.agent.publisher import Publisher
 from jetserve.agent.service import ServiceClient
+from jetserve.device import compat
+from jetserve.device.probe import JtopReader, probe
+from jetserve.wire.mqtt import MqttOptions
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +37,9 @@ class Agent:
         self._last_shed_error = None
         self.outbox = Outbox(os.path.join(args.state_dir, "outbox-%s-%s.db" % (args.fleet, args.device_id)),
                              limit=args.outbox_limit)
-        self.publisher = Publisher(args, self.outbox, self._birth(first), self.inbox.put)
+        self.mqtt = MqttOptions.from_args(args)
+        self.publisher = Publisher(self.mqtt, args.fleet, args.device_id, self.outbox, self._birth(first),
+                                   self.inbox.put, reconnect_max=args.reconnect_max)
         self.actions = {
             "drain": lambda _: self._manual(self.service.drain, True),
             "resume": lambda _: self._manual(self.service.resume, False),
@@ -100,8 +104,8 @@ class Agent:
                 self.report()
                 if self.publisher.wait_flushed(self.args.once_timeout):
                     return 0
-                log.error("broker %s:%s not reachable within %ss; the report waits in the outbox",
-                          self.args.mqtt_host, self.args.mqtt_port, self.args.once_timeout)
+                log.error("broker %s not reachable within %ss; the report waits in the outbox",
+                          self.mqtt.address, self.args.once_timeout)
                 return 3
             next_report = time.monotonic()
             while not self.stop_event.is_set():

@@ -15,17 +15,16 @@ import time
 
 import paho.mqtt.client as mqtt
 
-from jetserve.agent import topics
-from jetserve.agent.mqtt import new_client
+from jetserve.wire import topics
+from jetserve.wire.mqtt import new_client
 
 log = logging.getLogger(__name__)
 WINDOW = 50  # messages handed to paho and not yet acknowledged
 
 
 class Publisher:
-    def __init__(self, args, outbox, birth, on_command):
-        self.fleet, self.device = args.fleet, args.device_id
-        self.host, self.port, self.keepalive = args.mqtt_host, args.mqtt_port, args.keepalive
+    def __init__(self, mqtt_options, fleet, device, outbox, birth, on_command, reconnect_max=30):
+        self.fleet, self.device, self.mqtt = fleet, device, mqtt_options
         self.outbox, self.birth, self.on_command = outbox, birth, on_command
         self.bdseq = None
         self.connected = threading.Event()
@@ -36,8 +35,8 @@ class Publisher:
         self._last_handed = 0
         self._stopping = False
         self._refused = None
-        self.client = new_client("jetserve-%s-%s" % (self.fleet, self.device), args)
-        self.client.reconnect_delay_set(1, args.reconnect_max)
+        self.client = new_client("jetserve-%s-%s" % (self.fleet, self.device), mqtt_options)
+        self.client.reconnect_delay_set(1, reconnect_max)
         self.client.on_pre_connect = self._on_pre_connect
         self.client.on_connect = self._on_connect
         self.client.on_disconnect = self._on_disconnect
@@ -50,7 +49,7 @@ class Publisher:
         return topics.topic(self.fleet, self.device, kind)
 
     def start(self):
-        self.client.connect_async(self.host, self.port, keepalive=self.keepalive)
+        self.client.connect_async(self.mqtt.host, self.mqtt.port, keepalive=self.mqtt.keepalive)
         self.client.loop_start()
         self._flusher.start()
 
@@ -100,11 +99,11 @@ class Publisher:
     def _on_connect(self, client, userdata, flags, reason_code, properties):
         if reason_code.is_failure:
             if self._refused != str(reason_code):
-                log.error("broker %s:%s refused the connection: %s", self.host, self.port, reason_code)
+                log.error("broker %s refused the connection: %s", self.mqtt.address, reason_code)
             self._refused = str(reason_code)
             return
         self._refused = None
-        log.info("connected to %s:%s, bdSeq %d", self.host, self.port, self.bdseq)
+        log.info("connected to %s, bdSeq %d", self.mqtt.address, self.bdseq)
         client.publish(self.topic(topics.STATE), self._state(True), qos=1, retain=True)
         client.subscribe(self.topic(topics.CMD), qos=1)
         self._generation += 1

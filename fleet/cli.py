@@ -9,12 +9,11 @@ import signal
 import sys
 import threading
 
-from jetserve.config import add_config_flag
+from jetserve.config import LOG_LEVELS, add_config_flag
+from jetserve.wire.mqtt import add_flags as add_mqtt_flags
 
 
 def register(subparsers):
-    from jetserve.agent.cli import LOG_LEVELS, add_mqtt_flags  # one definition of the shared flags
-
     fleet = subparsers.add_parser("fleet", help="fleet controller: registry, status, commands")
     commands = fleet.add_subparsers(dest="fleet_command", metavar="COMMAND")
     fleet.set_defaults(func=lambda args: fleet.print_help() or 2)
@@ -28,9 +27,10 @@ def register(subparsers):
     run.add_argument("--silence-factor", type=float, default=3.0,
                      help="offline after this many report intervals without a message")
     run.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
+    run.add_argument("--fleet", help="only this fleet (default: every fleet)")
     add_mqtt_flags(run)
     add_config_flag(run, "fleet")
-    run.set_defaults(func=run_controller, fleet=None)  # every fleet unless --fleet
+    run.set_defaults(func=run_controller)
 
     status = commands.add_parser("status", help="print the fleet as a table")
     status.add_argument("--db", default="/var/lib/jetserve/fleet.db")
@@ -45,6 +45,7 @@ def register(subparsers):
     send.add_argument("--set", action="append", default=[], metavar="KEY=INT",
                       help="set-limits argument, e.g. --set max_num_seqs=2")
     send.add_argument("--timeout", type=float, default=10.0)
+    send.add_argument("--fleet", default="default", help="fleet of DEVICE when not given as FLEET/DEVICE")
     add_mqtt_flags(send)
     add_config_flag(send, "fleet")
     send.set_defaults(func=run_send)
@@ -59,10 +60,10 @@ def _host_port(text):
 
 def run_controller(args):
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from jetserve.agent.mqtt import MqttConfigError
     from jetserve.fleet import web
     from jetserve.fleet.controller import Controller
     from jetserve.fleet.registry import Registry, RegistryError
+    from jetserve.wire.mqtt import MqttConfigError
 
     try:
         http = _host_port(args.http) if args.http else None
@@ -111,9 +112,9 @@ def run_status(args):
 
 
 def run_send(args):
-    from jetserve.agent.mqtt import MqttConfigError
-    from jetserve.agent.topics import check_name
     from jetserve.fleet.send import send
+    from jetserve.wire.mqtt import MqttConfigError, MqttOptions
+    from jetserve.wire.topics import check_name
 
     fleet, _, device = args.device.rpartition("/")
     try:
@@ -122,7 +123,7 @@ def run_send(args):
         for item in args.set:
             key, _, value = item.partition("=")
             command_args[key] = int(value)
-        reply = send(args, fleet, device, args.command, command_args, args.timeout)
+        reply = send(MqttOptions.from_args(args), fleet, device, args.command, command_args, args.timeout)
     except ValueError as exc:
         sys.exit("jetserve fleet send: bad argument: %s" % exc)
     except (TimeoutError, MqttConfigError) as exc:

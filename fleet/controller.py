@@ -11,8 +11,8 @@ import logging
 import socket
 import threading
 
-from jetserve.agent import topics
-from jetserve.agent.mqtt import new_client, session_properties
+from jetserve.wire import topics
+from jetserve.wire.mqtt import MqttOptions, new_client, session_properties
 
 log = logging.getLogger(__name__)
 SESSION_EXPIRY_S = 24 * 3600
@@ -20,9 +20,9 @@ SESSION_EXPIRY_S = 24 * 3600
 
 class Controller:
     def __init__(self, args, registry):
-        self.args, self.registry = args, registry
+        self.args, self.registry, self.mqtt = args, registry, MqttOptions.from_args(args)
         self.connected = threading.Event()
-        self.client = new_client(args.client_id or "jetserve-fleet-%s" % socket.gethostname(), args)
+        self.client = new_client(args.client_id or "jetserve-fleet-%s" % socket.gethostname(), self.mqtt)
         self.client.reconnect_delay_set(1, 10)
         self.client.on_connect = self._on_connect
         self.client.on_disconnect = self._on_disconnect
@@ -30,7 +30,7 @@ class Controller:
         self.client.on_subscribe = lambda *_: log.info("subscribed; receiving the fleet's messages")
 
     def start(self):
-        self.client.connect_async(self.args.mqtt_host, self.args.mqtt_port, keepalive=self.args.keepalive,
+        self.client.connect_async(self.mqtt.host, self.mqtt.port, keepalive=self.mqtt.keepalive,
                                   clean_start=False, properties=session_properties(SESSION_EXPIRY_S))
         self.client.loop_start()
 
@@ -50,13 +50,12 @@ class Controller:
 
     def _on_connect(self, client, userdata, flags, reason_code, properties):
         if reason_code.is_failure:
-            log.error("broker %s:%s refused the controller: %s", self.args.mqtt_host, self.args.mqtt_port,
-                      reason_code)
+            log.error("broker %s refused the controller: %s", self.mqtt.address, reason_code)
             return
         client.subscribe([(topics.subscription(self.args.fleet, kind, self.args.share), 1)
                           for kind in (topics.STATE, topics.HEALTH, topics.ALERT)])
         self.connected.set()
-        log.info("controller connected to %s:%s", self.args.mqtt_host, self.args.mqtt_port)
+        log.info("controller connected to %s", self.mqtt.address)
 
     def _on_disconnect(self, client, userdata, flags, reason_code, properties):
         self.connected.clear()

@@ -4,11 +4,11 @@ import json
 import threading
 import uuid
 
-from jetserve.agent import topics
-from jetserve.agent.mqtt import new_client
+from jetserve.wire import topics
+from jetserve.wire.mqtt import new_client
 
 
-def send(args, fleet, device, command, command_args, timeout):
+def send(mqtt_options, fleet, device, command, command_args, timeout):
     """The device's reply dict; raises TimeoutError when the broker or the device does not answer."""
     request_id = uuid.uuid4().hex
     subscribed, answered = threading.Event(), threading.Event()
@@ -27,16 +27,16 @@ def send(args, fleet, device, command, command_args, timeout):
             reply.update(doc)
             answered.set()
 
-    client = new_client("jetserve-send-" + request_id[:12], args)
+    client = new_client("jetserve-send-" + request_id[:12], mqtt_options)
     client.on_connect = on_connect
     client.on_subscribe = lambda *a: subscribed.set()
     client.on_message = on_message
-    client.connect_async(args.mqtt_host, args.mqtt_port, keepalive=args.keepalive)
+    client.connect_async(mqtt_options.host, mqtt_options.port, keepalive=mqtt_options.keepalive)
     client.loop_start()
     try:
         if not subscribed.wait(timeout):
-            raise TimeoutError("broker %s:%s not reachable (or refused us) within %ss"
-                               % (args.mqtt_host, args.mqtt_port, timeout))
+            raise TimeoutError("broker %s not reachable (or refused us) within %ss"
+                               % (mqtt_options.address, timeout))
         request = {"id": request_id, "command": command, "args": command_args}
         client.publish(topics.topic(fleet, device, topics.CMD), json.dumps(request), qos=1)
         if not answered.wait(timeout):

@@ -13,6 +13,9 @@ else:  # pragma: no cover - exercised on the agent's Python 3.8/3.10
     import tomli as tomllib
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")  # every long-running command's --log-level
+
+
 class ConfigError(ValueError):
     pass
 

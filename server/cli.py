@@ -133,8 +133,8 @@ def apply_compat_gate(engine_args, sysroot="/"):
     if engine_args.enforce_eager:
         return engine_args
     try:
-        from jetserve.agent.compat import check
-        from jetserve.agent.probe import probe
+        from jetserve.device.compat import check
+        from jetserve.device.probe import probe
 
         verdict = check(probe(sysroot))
     except (ImportError, OSError, ValueError) as exc:

@@ -5,8 +5,8 @@ import os
 import subprocess
 import sys
 
-from jetserve.agent.compat import check
-from jetserve.agent.probe import probe
+from jetserve.device.compat import check
+from jetserve.device.probe import probe
 from tests.agent.conftest import REPO, SYSROOTS, copy_sysroot
 
 

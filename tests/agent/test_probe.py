@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from jetserve.agent.probe import ProbeError, probe
-from jetserve.agent.release import parse_nv_tegra_release
+from jetserve.device.probe import ProbeError, probe
+from jetserve.device.release import parse_nv_tegra_release
 from tests.agent.conftest import REPO, SYSROOTS, copy_sysroot
 
 
@@ -112,7 +112,7 @@ def test_bad_sysroot_is_a_clear_error(tmp_path):
 def test_jetson_stats_without_its_service_falls_back_with_the_reason():
     """The real jetson-stats client, no jtop.service on this host: the agent's readers take over."""
     pytest.importorskip("jtop")
-    from jetserve.agent.probe import JtopReader
+    from jetserve.device.probe import JtopReader
 
     reader = JtopReader()
     assert reader.handle is None and reader.read() is None

@@ -3,7 +3,7 @@
 import copy
 import os
 
-from jetserve.agent.probe import probe
+from jetserve.device.probe import probe
 from jetserve.agent.thermal import DRAIN, NORMAL, SHED, ThermalPolicy
 from tests.agent.conftest import SYSROOTS
 

@@ -1,7 +1,7 @@
 """What this device is and how it is doing: one dict, read under a sysroot.
 
 `probe(sysroot="/")` is also what the inference service calls at start (with
-`jetserve.agent.compat.check`) to learn whether CUDA graphs are allowed here.
+`jetserve.device.compat.check`) to learn whether CUDA graphs are allowed here.
 """
 
 import json
@@ -10,9 +10,9 @@ import platform
 
 import psutil
 
-from jetserve.agent import sensors
-from jetserve.agent.release import jetpack_for, read_l4t
-from jetserve.agent.sysfs import Root, read_text
+from jetserve.device import sensors
+from jetserve.device.release import jetpack_for, read_l4t
+from jetserve.device.sysfs import Root, read_text
 
 
 class ProbeError(ValueError):

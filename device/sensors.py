@@ -7,7 +7,7 @@ A power-gated zone reads as an error or -256000: it is reported offline, never a
 import os
 import re
 
-from jetserve.agent.sysfs import natural_glob, read_int, read_text
+from jetserve.device.sysfs import natural_glob, read_int, read_text
 
 OFFLINE_MILLIDEGREES = -256000
 GPU_NODES = ("ga10b", "gv11b", "gp10b", "gb10b")

@@ -8,7 +8,7 @@ not in it is reported as unknown rather than guessed.
 import re
 import subprocess
 
-from jetserve.agent.sysfs import read_text
+from jetserve.device.sysfs import read_text
 
 JETPACK = {
     "32.7.1": "4.6.1", "32.7.4": "4.6.4",

@@ -8,7 +8,7 @@ Jetson build needs JetPack 6.1 on AGX Orin; TensorRT Edge-LLM 0.11 runs on Thor 
 
 import collections
 
-from jetserve.agent.release import version_tuple
+from jetserve.device.release import version_tuple
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 CUDA_GRAPHS_MIN_JETPACK = (5, 1)
@@ -28,7 +28,7 @@ class Verdict(collections.namedtuple("Verdict", "status cuda_graphs_allowed back
 
 
 def check(probe_result):
-    """Judge a `jetserve.agent.probe.probe()` result; never raises on missing facts."""
+    """Judge a `jetserve.device.probe.probe()` result; never raises on missing facts."""
     facts = {key: probe_result.get(key) for key in
              ("model", "soc", "l4t", "jetpack", "python", "cuda", "jetson")}
     jetpack = version_tuple(facts["jetpack"])
