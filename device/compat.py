@@ -1,9 +1,11 @@
 """The compatibility gate: what this device may run, from JetPack/L4T, SoC, Python and CUDA.
 
 The inference service calls `check(probe(sysroot))` at start and runs eager (no CUDA graphs) when
-`cuda_graphs_allowed` is false. Facts (the seed): CUDA graphs need JetPack ≥ 5.1; TensorRT-LLM's
-Jetson build needs JetPack 6.1 on AGX Orin; TensorRT Edge-LLM 0.11 runs on Thor with JetPack
-7.0–7.2 and on Orin with JetPack 7.2. The engine and the service need Python ≥ 3.10.
+`cuda_graphs_allowed` is false. Facts (the seed): CUDA graphs need JetPack ≥ 5.1; the
+tensorrt-llm backend drives TensorRT-LLM ≥ 1.0, which has no Jetson build (Orin's v0.12.0-jetson
+branch predates its LLM API), so it runs on data-centre GPUs only; TensorRT Edge-LLM 0.11 runs on
+Thor with JetPack 7.0–7.2 and on Orin with JetPack 7.2, and jetserve has no backend for it yet.
+The engine and the service need Python ≥ 3.10.
 """
 
 import collections
@@ -69,11 +71,18 @@ def check(probe_result):
     backends = ["torch-eager"]
     if graphs:
         backends.append("torch-cuda-graphs")
-    if jetpack is not None and jetpack >= (6, 1) and soc == ORIN and "AGX" in (facts["model"] or ""):
-        backends.append("tensorrt-llm")
-    if jetpack is not None and ((soc == THOR and (7, 0) <= jetpack[:2] <= (7, 2))
-                                or (soc == ORIN and jetpack[:2] == (7, 2))):
-        backends.append("tensorrt-edge-llm")
+    if not facts["jetson"]:
+        if facts["cuda"]:
+            backends.append("tensorrt-llm")
+        checks.append(Check("backends", OK, "torch here; tensorrt-llm where a data-centre GPU has "
+                            "TensorRT-LLM >= 1.0 installed"))
+    else:
+        detail = ("torch with NVIDIA's PyTorch for this JetPack; no tensorrt-llm on a Jetson (TensorRT-LLM "
+                  ">= 1.0 has no Jetson build, and v0.12.0-jetson predates the LLM API that backend drives)")
+        if jetpack is not None and ((soc == THOR and (7, 0) <= jetpack[:2] <= (7, 2))
+                                    or (soc == ORIN and jetpack[:2] == (7, 2))):
+            detail += "; TensorRT Edge-LLM runs on this JetPack, but jetserve has no backend for it yet"
+        checks.append(Check("backends", OK, detail))
 
     worst = FAIL if any(c.status == FAIL for c in checks) else (
         WARN if any(c.status == WARN for c in checks) else OK)

@@ -21,14 +21,26 @@ def doctor(*args):
 
 def test_verdict_per_fixture():
     agx, nano, thor = verdict("agx-orin-jp62"), verdict("orin-nano-jp512"), verdict("thor-jp70")
-    assert agx.cuda_graphs_allowed and "tensorrt-llm" in agx.backends and agx.status == "ok"
+    assert agx.cuda_graphs_allowed and agx.backends == ("torch-eager", "torch-cuda-graphs") and agx.status == "ok"
     assert nano.cuda_graphs_allowed and "tensorrt-llm" not in nano.backends  # 5.1.2 >= 5.1
-    assert thor.cuda_graphs_allowed and "tensorrt-edge-llm" in thor.backends and "tensorrt-llm" not in thor.backends
+    assert thor.cuda_graphs_allowed and "tensorrt-llm" not in thor.backends
+    assert "no tensorrt-llm on a Jetson" in agx.checks[-1].detail and "Edge-LLM" not in agx.checks[-1].detail
+    assert "TensorRT Edge-LLM runs on this JetPack, but jetserve has no backend" in thor.checks[-1].detail
     unknown = verdict("unknown-l4t")
     assert unknown.status == "warn" and not unknown.cuda_graphs_allowed
     assert "not in the JetPack table" in unknown.checks[0].detail
     host = verdict("x86-host")
     assert host.status == "ok" and host.cuda_graphs_allowed and host.backends[0] == "torch-eager"
+    assert "tensorrt-llm" not in host.backends  # no CUDA toolkit in this sysroot
+
+
+def test_tensorrt_llm_backend_on_a_gpu_server(tmp_path):
+    root = copy_sysroot("x86-host", tmp_path)
+    os.makedirs(os.path.join(root, "usr/local/cuda"))
+    with open(os.path.join(root, "usr/local/cuda/version.json"), "w") as f:
+        json.dump({"cuda": {"version": "12.9.1"}}, f)
+    server = verdict(root)
+    assert server.backends[-1] == "tensorrt-llm" and "TensorRT-LLM >= 1.0" in server.checks[-1].detail
 
 
 def test_below_jetpack_51_is_a_clear_too_old_verdict(tmp_path):
