@@ -26,6 +26,8 @@ def register(subparsers):
     run.add_argument("--client-id", help="MQTT client id (default: jetserve-fleet-<host>)")
     run.add_argument("--silence-factor", type=float, default=3.0,
                      help="offline after this many report intervals without a message")
+    run.add_argument("--stall-timeout", type=float, default=30.0,
+                     help="exit (to be restarted) when ingestion is stuck on one step this many seconds")
     run.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
     run.add_argument("--fleet", help="only this fleet (default: every fleet)")
     add_mqtt_flags(run)
@@ -59,16 +61,22 @@ def _host_port(text):
 
 
 def run_controller(args):
+    import os
+    import socket
+
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from jetserve.fleet import web
     from jetserve.fleet.controller import Controller
     from jetserve.fleet.registry import Registry, RegistryError
-    from jetserve.wire.mqtt import MqttConfigError
+    from jetserve.wire.mqtt import MqttConfigError, MqttOptions
 
     try:
         http = _host_port(args.http) if args.http else None
         registry = Registry(args.db)
-        controller = Controller(args, registry)
+        controller = Controller(MqttOptions.from_args(args), registry,
+                                args.client_id or "jetserve-fleet-%s" % socket.gethostname(), fleet=args.fleet,
+                                share=args.share, silence_factor=args.silence_factor,
+                                stall_timeout=args.stall_timeout)
         server = web.serve(registry, *http) if http else None
     except (ValueError, OSError, RegistryError, MqttConfigError) as exc:
         sys.exit("jetserve fleet run: %s" % exc)
@@ -77,12 +85,12 @@ def run_controller(args):
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    try:
-        controller.run(stop)
-    finally:
-        if server:
-            server.shutdown()
-        registry.close()
+    if controller.run(stop):
+        logging.shutdown()
+        os._exit(1)  # a stuck thread may hold the registry: a normal exit would wait on it
+    if server:
+        server.shutdown()
+    registry.close()
     return 0
 
 
@@ -99,6 +107,7 @@ def run_status(args):
     except RegistryError as exc:
         sys.exit("jetserve fleet status: %s" % exc)
     devices = registry.devices(args.fleet)
+    refused = [r for r in registry.rejections() if not args.fleet or r["fleet"] == args.fleet]
     registry.close()
     if args.json:
         print(json.dumps(devices, indent=2))
@@ -108,6 +117,10 @@ def run_status(args):
     widths = [max(len(row[i]) for row in rows) for i in range(len(columns) - 1)]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1])
+    if refused:
+        print("\nrefused messages (failed the message checks):")
+        for r in refused:
+            print("  %s/%s %s: %d, last: %s" % (r["fleet"], r["device"], r["kind"], r["count"], r["last_error"]))
     return 0
 
 

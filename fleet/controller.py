@@ -1,79 +1,151 @@
-"""The fleet controller: MQTT in, registry out, plus a silence sweep and the HTTP page.
+"""The fleet controller: MQTT in, every message checked, registry out; a silence sweep; liveness.
+
+Nothing a device sends reaches the registry unchecked (`jetserve.wire.messages`): a message that
+fails is logged, counted per device and kind (`Registry.rejections`), alerted once per new error,
+and dropped. No message can end the ingest thread, and if ingestion stops anyway (a thread died,
+a step is stuck) the process exits non-zero so systemd (or compose) restarts it; under systemd it
+is `Type=notify` and pings the watchdog only while ingestion is healthy.
 
 It keeps a persistent MQTT session (clean_start off, a session expiry) so messages published
 while it reconnects wait at the broker for it. With `--share GROUP` several replicas split the
-fleet's stream (`$share/GROUP/...`); shared subscriptions get no retained births, so a replica
-learns a device at its next report instead.
+fleet's stream (`$share/GROUP/...`). A device heard from without a known session (births are not
+retained, as in Sparkplug) is asked for a rebirth, at most once per `REBIRTH_EVERY_S`.
 """
 
 import json
 import logging
-import socket
 import threading
+import time
+import uuid
 
-from jetserve.wire import topics
-from jetserve.wire.mqtt import MqttOptions, new_client, session_properties
+from jetserve import notify
+from jetserve.fleet.liveness import Liveness
+from jetserve.wire import messages, topics
+from jetserve.wire.mqtt import new_client, session_properties
 
 log = logging.getLogger(__name__)
 SESSION_EXPIRY_S = 24 * 3600
+SWEEP_EVERY_S = 0.5
+REBIRTH_EVERY_S = 30.0
+PARSERS = {
+    topics.STATE: messages.parse_state,
+    topics.HEALTH: lambda payload: messages.parse(messages.Health, payload),
+    topics.ALERT: lambda payload: messages.parse(messages.Alert, payload),
+}
 
 
 class Controller:
-    def __init__(self, args, registry):
-        self.args, self.registry, self.mqtt = args, registry, MqttOptions.from_args(args)
+    def __init__(self, mqtt_options, registry, client_id, fleet=None, share=None, silence_factor=3.0,
+                 stall_timeout=30.0):
+        self.mqtt, self.registry = mqtt_options, registry
+        self.fleet, self.share, self.silence_factor = fleet, share, silence_factor
+        self.liveness = Liveness(stall_timeout)
         self.connected = threading.Event()
-        self.client = new_client(args.client_id or "jetserve-fleet-%s" % socket.gethostname(), self.mqtt)
+        self._stopping = threading.Event()
+        self._rebirth_asked = {}  # (fleet, device) → when we last asked
+        self.client = new_client(client_id, mqtt_options)
         self.client.reconnect_delay_set(1, 10)
         self.client.on_connect = self._on_connect
         self.client.on_disconnect = self._on_disconnect
         self.client.on_message = self._on_message
         self.client.on_subscribe = lambda *_: log.info("subscribed; receiving the fleet's messages")
-
-    def start(self):
-        self.client.connect_async(self.mqtt.host, self.mqtt.port, keepalive=self.mqtt.keepalive,
-                                  clean_start=False, properties=session_properties(SESSION_EXPIRY_S))
-        self.client.loop_start()
-
-    def stop(self):
-        self.client.disconnect()
-        self.client.loop_stop()
+        self._ingest = threading.Thread(target=self.client.loop_forever, kwargs={"retry_first_connection": True},
+                                        name="ingest", daemon=True)
+        self._sweeper = threading.Thread(target=self._sweep_loop, name="sweep", daemon=True)
 
     def run(self, stop_event):
-        """Serve until `stop_event`, sweeping for silent devices twice a second."""
-        self.start()
+        """Ingest until `stop_event`; returns 0, or 1 when ingestion stopped on its own."""
+        self.client.connect_async(self.mqtt.host, self.mqtt.port, keepalive=self.mqtt.keepalive,
+                                  clean_start=False, properties=session_properties(SESSION_EXPIRY_S))
+        for thread in (self._ingest, self._sweeper):
+            self.liveness.watch(thread.name, thread)
+            thread.start()
+        notify.notify("READY=1", "STATUS=connecting to %s" % self.mqtt.address)
+        ping_every = notify.watchdog_period() or 1.0
         try:
-            while not stop_event.wait(0.5):
-                for fleet, device in self.registry.sweep(self.args.silence_factor):
-                    log.warning("%s/%s: offline (silent)", fleet, device)
+            while not stop_event.wait(min(ping_every, 1.0)):
+                problem = self.liveness.problem()
+                if problem:
+                    log.critical("ingestion stopped: %s; exiting so the service manager restarts us", problem)
+                    return 1
+                notify.notify("WATCHDOG=1")
+            notify.notify("STOPPING=1")
+            return 0
         finally:
-            self.stop()
+            self._stopping.set()
+            if not self.liveness.problem():  # a stuck thread would hold these up: leave it to exit
+                self.client.disconnect()
+                self._ingest.join(5)
+                self._sweeper.join(5)
+
+    # sweep thread
+
+    def _sweep_loop(self):
+        last_error = None
+        while not self._stopping.wait(SWEEP_EVERY_S):
+            with self.liveness.busy("sweep"):
+                try:
+                    for fleet, device in self.registry.sweep(self.silence_factor):
+                        log.warning("%s/%s: offline (silent)", fleet, device)
+                    last_error = None
+                except Exception as exc:  # the registry failed: say so once, try again next round
+                    if str(exc) != last_error:
+                        log.exception("sweeping the registry failed")
+                    last_error = str(exc)
+
+    # paho callbacks (ingest thread): none of them may raise
 
     def _on_connect(self, client, userdata, flags, reason_code, properties):
         if reason_code.is_failure:
             log.error("broker %s refused the controller: %s", self.mqtt.address, reason_code)
             return
-        client.subscribe([(topics.subscription(self.args.fleet, kind, self.args.share), 1)
-                          for kind in (topics.STATE, topics.HEALTH, topics.ALERT)])
+        client.subscribe([(topics.subscription(self.fleet, kind, self.share), 1) for kind in PARSERS])
         self.connected.set()
+        notify.status("connected to %s" % self.mqtt.address)
         log.info("controller connected to %s", self.mqtt.address)
 
     def _on_disconnect(self, client, userdata, flags, reason_code, properties):
         self.connected.clear()
-        log.warning("controller disconnected (%s)", reason_code)
+        if not self._stopping.is_set():
+            notify.status("disconnected from %s (%s); reconnecting" % (self.mqtt.address, reason_code))
+            log.warning("controller disconnected (%s)", reason_code)
 
     def _on_message(self, client, userdata, message):
-        parsed = topics.parse(message.topic)
-        try:
-            doc = json.loads(message.payload.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError):
-            doc = None
-        if parsed is None or not isinstance(doc, dict):
-            log.warning("ignoring a malformed message on %s", message.topic)
+        with self.liveness.busy("ingest"):
+            try:
+                self._handle(message.topic, message.payload)
+            except Exception:  # a registry failure or a bug: this message is lost, the thread is not
+                log.exception("handling a message on %s failed", message.topic[:200])
+
+    def _handle(self, topic, payload):
+        parsed = topics.parse(topic)
+        if parsed is None or parsed[2] not in PARSERS:
+            log.warning("ignoring a message on %s: not a jetserve topic", topic[:200])
             return
         fleet, device, kind = parsed
+        try:
+            message = PARSERS[kind](payload)
+        except messages.MessageError as exc:
+            self.registry.reject(fleet, device, kind, str(exc))
+            log.warning("%s/%s %s refused: %s", fleet, device, kind, exc)
+            return
         if kind == topics.STATE:
-            outcome = self.registry.state(fleet, device, doc)
+            outcome = self.registry.state(fleet, device, message.doc)
+            self._rebirth_asked.pop((fleet, device), None)
         else:
-            outcome = self.registry.data(fleet, device, kind, doc)
+            outcome = self.registry.data(fleet, device, kind, message.doc)
+            if self.registry.session(fleet, device) is None:
+                self._ask_rebirth(fleet, device)
         (log.debug if outcome in ("new", "birth") else log.info)(
-            "%s/%s %s n=%s: %s", fleet, device, kind, doc.get("n"), outcome)
+            "%s/%s %s n=%s: %s", fleet, device, kind, message.doc.get("n"), outcome)
+
+    def _ask_rebirth(self, fleet, device):
+        """Sparkplug's host rule: data from a node whose birth we lack → ask it to be born again."""
+        now = time.monotonic()
+        if now - self._rebirth_asked.get((fleet, device), -REBIRTH_EVERY_S) < REBIRTH_EVERY_S:
+            return
+        self._rebirth_asked[(fleet, device)] = now
+        request = {"id": "rebirth-" + uuid.uuid4().hex[:12], "command": "rebirth"}
+        self.client.publish(topics.topic(fleet, device, topics.CMD), json.dumps(request), qos=1)
+        log.info("%s/%s: no birth on record; asked for a rebirth", fleet, device)
+

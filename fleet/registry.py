@@ -17,6 +17,8 @@ import sqlite3
 import threading
 import time
 
+from jetserve.wire.messages import stored_interval
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS devices (
     fleet TEXT NOT NULL, device TEXT NOT NULL,
@@ -30,6 +32,11 @@ CREATE TABLE IF NOT EXISTS devices (
 CREATE TABLE IF NOT EXISTS seen (
     fleet TEXT NOT NULL, device TEXT NOT NULL, epoch TEXT, n INTEGER NOT NULL,
     PRIMARY KEY (fleet, device, epoch, n)
+);
+CREATE TABLE IF NOT EXISTS rejections (
+    fleet TEXT NOT NULL, device TEXT NOT NULL, kind TEXT NOT NULL, count INTEGER NOT NULL,
+    last_error TEXT NOT NULL, last_ts REAL NOT NULL,
+    PRIMARY KEY (fleet, device, kind)
 );
 CREATE TABLE IF NOT EXISTS alerts (
     id INTEGER PRIMARY KEY AUTOINCREMENT, ts REAL NOT NULL, fleet TEXT NOT NULL,
@@ -163,6 +170,33 @@ class Registry:
             self._alert(fleet, device, "controller", kind, found[kind], ts=now)
         return sorted(found)
 
+    def reject(self, fleet, device, kind, error, now=None):
+        """Count a message that failed its checks and flag the device: an alert when the error is
+        new for it (a device repeating one bad message does not flood the log)."""
+        now = now or time.time()
+        with self._write():
+            row = self._db.execute("SELECT last_error FROM rejections WHERE fleet = ? AND device = ? AND kind = ?",
+                                   (fleet, device, kind)).fetchone()
+            self._db.execute("INSERT INTO rejections VALUES (?, ?, ?, 1, ?, ?) ON CONFLICT (fleet, device, kind) "
+                             "DO UPDATE SET count = count + 1, last_error = excluded.last_error, "
+                             "last_ts = excluded.last_ts", (fleet, device, kind, error, now))
+            if row is None or row[0] != error:
+                self._alert(fleet, device, "controller", "bad-message", "%s refused: %s" % (kind, error), ts=now)
+
+    def rejections(self):
+        """Refused messages per device and kind: {fleet, device, kind, count, last_error, last_ts}."""
+        keys = ("fleet", "device", "kind", "count", "last_error", "last_ts")
+        with self._lock:
+            rows = self._db.execute("SELECT %s FROM rejections ORDER BY fleet, device, kind" % ", ".join(keys))
+            return [dict(zip(keys, row)) for row in rows.fetchall()]
+
+    def session(self, fleet, device):
+        """The bdSeq of the device's current session, or None when no birth was ever seen."""
+        with self._lock:
+            row = self._db.execute("SELECT bdseq FROM devices WHERE fleet = ? AND device = ?",
+                                   (fleet, device)).fetchone()
+        return row[0] if row else None
+
     def sweep(self, silence_factor, now=None):
         """Mark offline the online devices silent for `silence_factor` report intervals, and alert
         on holes still open a report interval after they appeared; returns the devices marked."""
@@ -172,7 +206,7 @@ class Registry:
             for fleet, device, online, last_seen, birth, gaps, alerted, since in self._db.execute(
                     "SELECT fleet, device, online, last_seen, birth, gaps, gaps_alerted, gap_since "
                     "FROM devices").fetchall():
-                interval = (json.loads(birth or "{}")).get("interval") or 10.0
+                interval = stored_interval(json.loads(birth or "{}"))
                 if online and last_seen is not None and now - last_seen > silence_factor * interval:
                     self._update(fleet, device, online=0, reason="silent")
                     self._alert(fleet, device, "controller", "offline",

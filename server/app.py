@@ -19,7 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from jetserve.server import notify
+from jetserve import notify
 from jetserve.server.auth import BearerTokenInterceptor
 from jetserve.server.errors import RpcError
 from jetserve.server.metrics import Metrics

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from jetserve.agent.commands import execute
 
 
@@ -19,15 +21,27 @@ def test_allowed_command_runs_and_echoes_the_id():
     assert calls == [("set-limits", {"max_num_seqs": 2})]
 
 
-def test_refusals_are_replies_not_executions():
-    for request, error in ((b"not json", "not JSON"), ([1], "JSON object"),
-                           ({"id": "x", "command": "rm -rf"}, "not allowed"),
-                           ({"command": "drain", "args": {"now": 1}}, "takes no arguments"),
-                           ({"command": "set-limits", "args": {"max_num_seqs": -1}}, "non-negative"),
-                           ({"command": "set-limits", "args": {"max_num_seqs": True}}, "non-negative"),
-                           ({"command": "set-limits"}, "set-limits takes")):
-        reply, calls = run(request)
-        assert reply["ok"] is False and error in reply["error"] and calls == []
+REFUSED = [
+    (b"not json", "not JSON"), ([1], "JSON object"), (b"\xff\xfe", "not UTF-8"),
+    (b"[" * 100000 + b"]" * 100000, "over the"),  # 200 kB: over the 16 kB command limit
+    (b"[" * 8000 + b"]" * 8000, "deeper than"),  # under the limit, far too deep
+    ({"id": "x", "command": "rm -rf"}, "not allowed"),
+    ({"id": {"a": 1}, "command": "drain"}, "id must be"),
+    ({"command": "drain", "args": {"now": 1}}, "takes no arguments"),
+    ({"command": "drain", "args": [1]}, "args must be an object"),
+    ({"command": "set-limits", "args": {"max_num_seqs": -1}}, "outside 1..256"),
+    ({"command": "set-limits", "args": {"max_num_seqs": True}}, "must be an integer"),
+    ({"command": "set-limits", "args": {"max_num_seqs": "4"}}, "must be an integer"),
+    ({"command": "set-limits", "args": {"num_speculative_tokens": 100000}}, "outside 0..8"),
+    ({"command": "set-limits", "args": {"max_num_seqs": 2 ** 70}}, "outside 1..256"),
+    ({"command": "set-limits"}, "set-limits takes"),
+]
+
+
+@pytest.mark.parametrize("request_, error", REFUSED, ids=[e for _, e in REFUSED])
+def test_refusals_are_replies_not_executions(request_, error):
+    reply, calls = run(request_)
+    assert reply["ok"] is False and error in reply["error"] and calls == []
 
 
 def test_a_failing_action_is_reported():

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from jetserve.server import notify
+from jetserve import notify
 
 
 @pytest.fixture(params=["path", "abstract"])

@@ -1,5 +1,7 @@
 """sd_notify, written out: systemd learns that we are ready, what we are doing, that we are alive.
 
+Shared by the inference service and the fleet controller (both `Type=notify` with a watchdog).
+
 The protocol is one datagram of `KEY=value` lines to the Unix socket named in $NOTIFY_SOCKET
 (a leading `@` means Linux's abstract namespace). It is small enough that a dependency on
 python-systemd would cost more than it saves. Outside systemd every call is a no-op.
