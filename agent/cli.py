@@ -73,6 +73,10 @@ def run_agent(args):
     try:
         check_name("fleet", args.fleet)
         check_name("device", args.device_id)
+        account = "%s/%s" % (args.fleet, args.device_id)
+        if args.mqtt_user and args.mqtt_user != account:
+            logging.warning("--mqtt-user %s is not %s: under deploy/'s ACL the broker will refuse every "
+                            "message this agent sends", args.mqtt_user, account)
         agent = Agent(args)
     except (ValueError, ProbeError, OutboxError, MqttConfigError) as exc:
         sys.exit("jetserve agent: %s" % exc)

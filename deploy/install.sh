@@ -45,7 +45,7 @@ device-id = "$device"
 mqtt-host = "$broker"
 mqtt-port = 8883
 mqtt-tls = true
-mqtt-user = "$device"
+mqtt-user = "$fleet/$device"   # the broker account: deploy/add-user.sh device $fleet $device
 mqtt-password-file = "/etc/jetserve/mqtt-password"
 TOML
 [ $service = 0 ] || install -m 0644 "$src/systemd/jetserve.service" /etc/systemd/system/
