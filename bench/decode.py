@@ -123,8 +123,8 @@ def _time_engine(args, model_dir, device, batches, enforce_eager, plain=False, a
     import torch
     from tqdm import tqdm
 
-    import jetserve.engine.attention as attention
-    import jetserve.engine.model as model_module
+    import jetserve.engine.model.attention as attention
+    import jetserve.engine.model.qwen3 as model_module
     from jetserve.bench.common import median
     from jetserve.engine.config import EngineArgs
     from jetserve.engine.llm_engine import LLMEngine

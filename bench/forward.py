@@ -39,7 +39,7 @@ def _compare(model_dir, hf, device, dtype_name, new_tokens) -> dict:
     import torch
 
     from jetserve.engine import LLM, SamplingParams
-    from jetserve.engine.attention import AttentionMetadata
+    from jetserve.engine.model.attention import AttentionMetadata
 
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, hf.config.vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENS]

@@ -21,7 +21,7 @@ def run(args) -> dict:
     from tqdm import tqdm
 
     from jetserve.bench.common import SHAPES, environment, read_bandwidth, write_results
-    from jetserve.engine import kernels
+    from jetserve.engine.model import kernels
 
     device = torch.device("cuda")
     dtype = torch.bfloat16

@@ -190,6 +190,6 @@ class AsyncLLM:
 def open_engine(args: EngineArgs, on_status=None):
     """The streaming engine for `args.backend` (blocking: loads the model)."""
     if args.backend == "tensorrt-llm":
-        from jetserve.engine.trtllm import TensorRTLLMEngine
+        from jetserve.engine.backends.trtllm import TensorRTLLMEngine
         return TensorRTLLMEngine(args, on_status)
     return AsyncLLM(args, on_status)

@@ -78,7 +78,7 @@ def _run(command):
 
 
 def _inspect(args):
-    from jetserve.engine.mtp_checkpoint import inspect
+    from jetserve.engine.offline.mtp_checkpoint import inspect
 
     report = inspect(args.dir)
     if args.json:
@@ -107,7 +107,7 @@ def _inspect(args):
 
 
 def _merge(args):
-    from jetserve.engine.mtp_checkpoint import merge
+    from jetserve.engine.offline.mtp_checkpoint import merge
 
     result = merge(args.base, args.mtp_src, args.out, max_shard_size=args.max_shard_size,
                    force=args.force, replace=args.replace)
@@ -118,7 +118,7 @@ def _merge(args):
 
 
 def _fit(args):
-    from jetserve.engine.mtp_fit import fit
+    from jetserve.engine.offline.mtp_fit import fit
 
     result = fit(args.model, args.data, args.out, num_layers=args.num_layers, steps=args.steps,
                  batch_size=args.batch_size, seq_len=args.seq_len, depth=args.depth, lr=args.lr,

@@ -6,7 +6,7 @@ import argparse
 import json
 from dataclasses import dataclass, fields
 
-from jetserve.engine.checkpoint import CheckpointError, num_mtp_layers
+from jetserve.engine.model.checkpoint import CheckpointError, num_mtp_layers
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
 

@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 from tqdm import tqdm
 
-from jetserve.engine.attention import AttentionMetadata
+from jetserve.engine.model.attention import AttentionMetadata
 
 log = logging.getLogger(__name__)
 

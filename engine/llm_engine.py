@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from jetserve.engine.block_manager import BlockManager
-from jetserve.engine.checkpoint import read_json
+from jetserve.engine.model.checkpoint import read_json
 from jetserve.engine.config import EngineArgs, ModelConfig
 from jetserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jetserve.engine.prompts import check_prompt

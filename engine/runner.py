@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from jetserve.engine.attention import HAS_TRITON, MAX_UNIFORM_Q, AttentionMetadata, to_device
+from jetserve.engine.model.attention import HAS_TRITON, MAX_UNIFORM_Q, AttentionMetadata, to_device
 from jetserve.engine.config import EngineArgs, ModelConfig
 from jetserve.engine.cuda_graphs import CUDAGraphs, capture_sizes, step_shapes
-from jetserve.engine.loader import load_model, torch_dtype
+from jetserve.engine.model.loader import load_model, torch_dtype
 from jetserve.engine.sampler import make_generator, sample
 from jetserve.engine.scheduler import ScheduledBatch
 from jetserve.engine.sequence import Sequence
@@ -53,7 +53,7 @@ class ModelRunner:
         self.model = load_model(args.model, self.dtype, self.device, max_model_len, progress)
         plan = self._graph_plan(args)
         if self.device.type == "cuda" and HAS_TRITON:  # the skinny matmul times its tiles in CUDA graphs
-            importlib.import_module("jetserve.engine.kernels").tile_timing = plan is not None
+            importlib.import_module("jetserve.engine.model.kernels").tile_timing = plan is not None
         self.num_blocks = args.num_kv_blocks or self._fit_num_blocks(args, max_model_len, plan)
         slots = (self.num_blocks + 1) * self.block_size
         self.kv_cache = torch.zeros(self.model.num_kv_layers, 2, slots, model_config.num_key_value_heads,

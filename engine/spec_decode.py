@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from jetserve.engine.attention import AttentionMetadata
+from jetserve.engine.model.attention import AttentionMetadata
 from jetserve.engine.sampler import exponential_noise, processed_probs
 from jetserve.engine.sampling_params import SamplingParams
 from jetserve.engine.sequence import Sequence

@@ -13,7 +13,7 @@ from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 
-from jetserve.engine.checkpoint import CheckpointError, read_json
+from jetserve.engine.model.checkpoint import CheckpointError, read_json
 
 # Special-token strings a chat template may read, as transformers passes them.
 _TEMPLATE_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")

@@ -7,8 +7,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from jetserve.engine import LLM, SamplingParams
-from jetserve.engine.attention import AttentionMetadata
-from jetserve.engine.loader import load_model
+from jetserve.engine.model.attention import AttentionMetadata
+from jetserve.engine.model.loader import load_model
 
 from tests.engine.builders import build_qwen3, hf_greedy
 

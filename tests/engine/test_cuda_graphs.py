@@ -62,7 +62,7 @@ def test_replay_equals_eager_logits(checkpoint, dtype):
     """The same step through the graph and eagerly. Not bit-identical: capture runs on a side
     stream, where cuBLAS may pick another kernel (seen on the H200 in fp32 at batch 1), and a
     padded batch runs its GEMMs with more rows; so only rounding may differ."""
-    from jetserve.engine.attention import AttentionMetadata
+    from jetserve.engine.model.attention import AttentionMetadata
 
     llm, _ = generate(checkpoint[0], PROMPTS[:3], dtype=dtype)
     runner = llm.engine.runner

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from jetserve.engine import kernels  # noqa: E402  (after the skip)
+from jetserve.engine.model import kernels  # noqa: E402  (after the skip)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -8,10 +8,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from jetserve.engine import LLM, AsyncLLM, EngineArgs, SamplingParams
-from jetserve.engine.checkpoint import CheckpointError
+from jetserve.engine.model.checkpoint import CheckpointError
 from jetserve.engine.errors import PromptTooLongError, QueueFullError
 from jetserve.engine.llm_engine import LLMEngine
-from jetserve.engine.mtp_checkpoint import merge
+from jetserve.engine.offline.mtp_checkpoint import merge
 from tests.engine.builders import CORPUS, build_qwen3, hf_greedy
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

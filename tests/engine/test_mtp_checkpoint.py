@@ -15,8 +15,8 @@ from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from jetserve.cli import main  # noqa: E402
-from jetserve.engine.checkpoint import Checkpoint, CheckpointError  # noqa: E402
-from jetserve.engine.mtp_checkpoint import inspect, merge, parse_size  # noqa: E402
+from jetserve.engine.model.checkpoint import Checkpoint, CheckpointError  # noqa: E402
+from jetserve.engine.offline.mtp_checkpoint import inspect, merge, parse_size  # noqa: E402
 
 HIDDEN, LAYERS = 32, 2
 

@@ -265,7 +265,7 @@ def test_mtp_fit_raises_acceptance_above_random_heads(tmp_path):
     import random
 
     from jetserve.cli import main
-    from jetserve.engine import demo
+    from jetserve.engine.offline import demo
 
     rng = random.Random(0)
     words = ["def", "return", "self", "value", "for", "in", "if", "else", "import", "class", "None", "True",

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from jetserve.engine.checkpoint import CheckpointError
+from jetserve.engine.model.checkpoint import CheckpointError
 from jetserve.engine.tokenizer import Detokenizer, NoChatTemplateError, StopStrings, Tokenizer
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

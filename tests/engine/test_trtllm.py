@@ -7,7 +7,7 @@ import pytest
 from jetserve.engine import EngineArgs, SamplingParams, open_engine
 from jetserve.engine.config import ModelConfig
 from jetserve.engine.errors import EngineError
-from jetserve.engine.trtllm import llm_kwargs, sampling_kwargs
+from jetserve.engine.backends.trtllm import llm_kwargs, sampling_kwargs
 from tests.engine.builders import TINY
 
 

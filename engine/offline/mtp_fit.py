@@ -28,11 +28,11 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from jetserve.engine.checkpoint import CheckpointError
-from jetserve.engine.export import mtp_tensors
-from jetserve.engine.loader import load_model, torch_dtype
-from jetserve.engine.model import MTPLayer, Qwen3ForCausalLM
-from jetserve.engine.mtp_checkpoint import merge
+from jetserve.engine.model.checkpoint import CheckpointError
+from jetserve.engine.offline.export import mtp_tensors
+from jetserve.engine.model.loader import load_model, torch_dtype
+from jetserve.engine.model.qwen3 import MTPLayer, Qwen3ForCausalLM
+from jetserve.engine.offline.mtp_checkpoint import merge
 from jetserve.engine.runner import resolve_device
 from jetserve.engine.tokenizer import Tokenizer
 

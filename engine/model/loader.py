@@ -12,9 +12,9 @@ from collections.abc import Callable
 import torch
 from tqdm import tqdm
 
-from jetserve.engine.checkpoint import Checkpoint, CheckpointError
+from jetserve.engine.model.checkpoint import Checkpoint, CheckpointError
 from jetserve.engine.config import ModelConfig
-from jetserve.engine.model import Qwen3ForCausalLM, RotaryEmbedding
+from jetserve.engine.model.qwen3 import Qwen3ForCausalLM, RotaryEmbedding
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from jetserve.engine.attention import HAS_TRITON, AttentionMetadata, causal_attention, paged_attention
+from jetserve.engine.model.attention import HAS_TRITON, AttentionMetadata, causal_attention, paged_attention
 from jetserve.engine.config import ModelConfig
 
-kernels = importlib.import_module("jetserve.engine.kernels") if HAS_TRITON else None
+kernels = importlib.import_module("jetserve.engine.model.kernels") if HAS_TRITON else None
 
 
 def _fused(x: torch.Tensor) -> bool:

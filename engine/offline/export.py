@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from jetserve.engine.loader import _block_sources
+from jetserve.engine.model.loader import _block_sources
 
 
 def _block_tensors(block: nn.Module, prefix: str) -> dict[str, torch.Tensor]:

@@ -18,7 +18,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from jetserve.engine.checkpoint import INDEX_FILE, Checkpoint, CheckpointError, is_mtp_tensor, num_mtp_layers, read_json
+from jetserve.engine.model.checkpoint import INDEX_FILE, Checkpoint, CheckpointError, is_mtp_tensor, num_mtp_layers, read_json
 
 QWEN3_NEXT, DEEPSEEK = "qwen3-next", "deepseek"
 LAYER_FIELD = {QWEN3_NEXT: "mtp_num_hidden_layers", DEEPSEEK: "num_nextn_predict_layers"}

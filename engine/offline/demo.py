@@ -1,4 +1,4 @@
-"""Train the bundled demo model: `python -m jetserve.engine.demo --out DIR`.
+"""Train the bundled demo model: `python -m jetserve.engine.offline.demo --out DIR`.
 
 A small Qwen3 (one MTP layer) trained on the CPython standard library sources of the machine
 it runs on, so a new user gets real, streaming, drafted text with no download. Steps:
@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from jetserve.engine.config import ModelConfig
-from jetserve.engine.export import model_tensors
-from jetserve.engine.model import Qwen3ForCausalLM
-from jetserve.engine.mtp_fit import fit
+from jetserve.engine.offline.export import model_tensors
+from jetserve.engine.model.qwen3 import Qwen3ForCausalLM
+from jetserve.engine.offline.mtp_fit import fit
 from jetserve.engine.runner import resolve_device
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -154,7 +154,7 @@ def save_base(model: Qwen3ForCausalLM, config: dict, out: Path) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m jetserve.engine.demo", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m jetserve.engine.offline.demo", description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="directory for the finished checkpoint")
     p.add_argument("--epochs", type=float, default=4,
                    help="base training passes over the corpus (more memorizes: the corpus is small)")
@@ -201,7 +201,7 @@ def main(argv=None) -> int:
         "train_tokens": len(train), "valid_tokens": len(valid), "vocab_size": tok.get_vocab_size(),
         "base": base, "mtp": {k: mtp[k] for k in ("steps", "final_kl", "final_agreement", "depth")},
         "size_bytes": sum(f.stat().st_size for f in out.iterdir()), "seed": args.seed,
-        "command": "python -m jetserve.engine.demo " + " ".join(argv if argv is not None else _argv()),
+        "command": "python -m jetserve.engine.offline.demo " + " ".join(argv if argv is not None else _argv()),
         "config": {k: config[k] for k in ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size")},
     }
     (out / "training.json").write_text(json.dumps(report, indent=2) + "\n")

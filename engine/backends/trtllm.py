@@ -15,7 +15,7 @@ import time
 import uuid
 from pathlib import Path
 
-from jetserve.engine.checkpoint import read_json
+from jetserve.engine.model.checkpoint import read_json
 from jetserve.engine.config import EngineArgs, ModelConfig
 from jetserve.engine.errors import EngineError
 from jetserve.engine.llm_engine import DEFAULT_CHUNK_BUDGET, DEFAULT_MAX_MODEL_LEN, EngineStats

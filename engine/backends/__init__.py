@@ -1,0 +1,1 @@
+"""Engines other than the torch one, fed from the same resolved EngineConfig."""
