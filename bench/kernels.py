@@ -29,6 +29,8 @@ def run(args) -> dict:
     result = {"env": environment(device), "dtype": "bfloat16", "read_bandwidth_GBps": round(read_bandwidth(device) / 1e9),
               "matmul": {}, "attention": {}}
 
+    tuned = kernels.FusedKernels(tile_timing=True)
+
     def bench(fn, weight=None):
         """µs a call takes on the GPU, replayed from a graph; with a weight, read cold as in a step."""
         copies = kernels._cold_copies(weight) if weight is not None else [None]
@@ -49,11 +51,11 @@ def run(args) -> dict:
                 x = torch.randn(m, 2 * k if prologue == kernels.SILU_MUL else k, dtype=dtype, device=device)
                 res = torch.randn(m, k, dtype=dtype, device=device)
                 extra = (res if prologue == kernels.ADD_NORM else None, norm_w, 1e-6)
-                kernels._skinny_matmul(prologue, x, w, *extra)  # tunes this shape
+                tuned.skinny_matmul(prologue, x, w, *extra)  # tunes this shape
                 key = (prologue, triton.next_power_of_2(m), n, k, dtype)
-                tile, tried = kernels._chosen[key], kernels.tuning_times[key]
+                tile, tried = tuned.chosen[key], tuned.tuning_times[key]
                 best_tile = min((t for t in tried if t), key=tried.get, default=None)
-                ours = bench(lambda w_: kernels._skinny_matmul(prologue, x, w_, *extra), w)
+                ours = bench(lambda w_: tuned.skinny_matmul(prologue, x, w_, *extra), w)
                 cublas = bench(lambda w_: kernels._run(None, prologue, x, w_, *extra), w)
                 gb = w.numel() * w.element_size() / 1e9
                 table.setdefault(name, {})[m] = {
@@ -68,17 +70,12 @@ def run(args) -> dict:
         q = torch.randn(1, heads, d, dtype=dtype, device=device)
         tables = torch.arange(cache_slots // 16, dtype=torch.int32, device=device)[None]
         att = result["attention"][shape] = {}
-        split = kernels._num_splits
         for ctx in CONTEXTS:
             lens = torch.tensor([ctx], dtype=torch.int32, device=device)
-            call = lambda _: kernels.paged_attention(q, k_cache, v_cache, tables, lens, 1, 16, d ** -0.5)  # noqa: E731
-            split_us = bench(call)
-            kernels._num_splits = lambda programs, device: 1
-            try:
-                one_us = bench(call)
-            finally:
-                kernels._num_splits = split
-            att[ctx] = {"splits": split(kv, device), "us": round(split_us, 2), "one_split_us": round(one_us, 2)}
+            split_us = bench(lambda _: kernels.paged_attention(q, k_cache, v_cache, tables, lens, 1, 16, d ** -0.5))
+            one_us = bench(lambda _: kernels.paged_attention(q, k_cache, v_cache, tables, lens, 1, 16, d ** -0.5,
+                                                             num_splits=1))
+            att[ctx] = {"splits": kernels._num_splits(kv, device), "us": round(split_us, 2), "one_split_us": round(one_us, 2)}
     print_summary(result)
     write_results(args.out, result, {"kernels": _plot(result)})
     return result

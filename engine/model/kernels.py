@@ -219,17 +219,18 @@ def _num_splits(programs: int, device: torch.device) -> int:
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, context_lens, q_len: int, block_size: int,
-                    scale: float) -> torch.Tensor:
+                    scale: float, num_splits: int | None = None) -> torch.Tensor:
     """Attention for steps where every sequence has `q_len` new tokens (decode: 1, verify: 1+k).
     q: [B * q_len, H, D]; caches: [slots, KVH, D]; block_tables: [B, W]; context_lens: [B]
     (after this step's tokens). Each program walks only its own sequence's blocks, up to its own
     length, or a slice of them when the batch is too small to fill the GPU (flash-decoding: the
     slices' results are combined by their log-sum-exp). No gathered copy of the batch's context,
-    and fixed launch shapes whatever the lengths, so the step can live in a CUDA graph."""
+    and fixed launch shapes whatever the lengths, so the step can live in a CUDA graph.
+    `num_splits` overrides the split count (benchmarks compare against one split)."""
     t, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
-    splits = _num_splits(t * num_kv_heads, q.device)
+    splits = num_splits or _num_splits(t * num_kv_heads, q.device)
     out = torch.empty_like(q)
     part = torch.empty(t, num_heads, splits, head_dim, dtype=torch.float32, device=q.device) if splits > 1 else out
     lse = torch.empty(t, num_heads, splits, dtype=torch.float32, device=q.device) if splits > 1 else out
@@ -334,12 +335,7 @@ _TILES = [(4, 1024, 4), (1, 4096, 4), (2, 2048, 4), (2, 4096, 4), (4, 2048, 4), 
           (4, 4096, 8), (8, 2048, 8), (16, 1024, 8),  # more bytes in flight a program, for big weights
           (2, 1024, 8), (4, 512, 8), (8, 256, 8)]  # small enough for 8 rows
 _UNTUNED_BYTES = 256 * 1024  # weights this small take the first tile that fits: nothing to gain from timing
-# Timing a tile captures CUDA graphs; where the engine runs without them (--enforce-eager, or a
-# JetPack too old for them) the runner turns this off and the first tile that fits serves.
-tile_timing = True
 _MAX_PRODUCTS_PER_THREAD = 64  # more spills registers
-_chosen: dict[tuple, tuple[int, int, int] | None] = {}
-tuning_times: dict[tuple, dict[tuple[int, int, int] | None, float]] = {}  # ms per candidate, per shape tuned
 
 
 def _torch_variant(prologue, x, weight, residual, norm_weight, eps):
@@ -399,51 +395,66 @@ def _cold_copies(weight: torch.Tensor) -> list[torch.Tensor]:
     return [weight] + [torch.empty_like(weight) for _ in range(max(0, extra))]
 
 
-def _skinny_matmul(prologue, x, weight, residual=None, norm_weight=None, eps=0.0):
-    """The fused kernel in the tile found fastest for this shape, or the separate kernels where
-    cuBLAS wins."""
-    x, residual = x.contiguous(), residual if residual is None else residual.contiguous()  # the kernel's layout
-    key = (prologue, triton.next_power_of_2(x.shape[0]), *weight.shape, x.dtype)
-    tile = _chosen[key] if key in _chosen else _choose_tile(key, prologue, x, weight, residual, norm_weight, eps)
-    return _run(tile, prologue, x, weight, residual, norm_weight, eps)
+class FusedKernels:
+    """The Triton kernels as one engine uses them. The runner makes one and hands it to the model:
+    the tile chosen for each skinny-matmul shape is this object's state, so two engines in one
+    process (tests, benchmarks) never share or clobber it. Timing a tile captures CUDA graphs;
+    where the engine runs without them (--enforce-eager, a JetPack too old for them) `tile_timing`
+    is off and the first tile that fits serves."""
 
+    SKINNY_MAX_ROWS = SKINNY_MAX_ROWS
+    rms_norm = staticmethod(rms_norm)
+    silu_mul = staticmethod(silu_mul)
+    qk_norm_rope_store = staticmethod(qk_norm_rope_store)
+    paged_attention = staticmethod(paged_attention)
 
-def _choose_tile(key, prologue, x, weight, residual, norm_weight, eps):
-    """A new shape's tile (None: cuBLAS). Timed on first use, which graph warm-up makes happen
-    before capture; a shape first seen during a capture takes cuBLAS this time, untimed."""
-    tiles = [None] + [t for t in _TILES if key[1] * t[0] * t[1] <= _MAX_PRODUCTS_PER_THREAD * 32 * t[2]]
-    if weight.numel() * weight.element_size() < _UNTUNED_BYTES:
-        _chosen[key] = tiles[1]
-        return tiles[1]
-    if not tile_timing:
-        return tiles[1]
-    if torch.cuda.is_current_stream_capturing():
-        return None
-    weights = _cold_copies(weight)
-    times = [graph_time([lambda w=w, t=t: _run(t, prologue, x, w, residual, norm_weight, eps) for w in weights])
-             for t in tiles]
-    _chosen[key] = tiles[times.index(min(times))]
-    tuning_times[key] = dict(zip(tiles, times))
-    log.debug("skinny matmul %s: %s (%.2f µs; cuBLAS %.2f µs)", key, _chosen[key] or "cuBLAS", min(times) * 1e3,
-              times[0] * 1e3)
-    return _chosen[key]
+    def __init__(self, tile_timing: bool):
+        self.tile_timing = tile_timing
+        self.chosen: dict[tuple, tuple[int, int, int] | None] = {}
+        self.tuning_times: dict[tuple, dict[tuple[int, int, int] | None, float]] = {}  # ms per candidate tile
 
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x [M, K] @ weight [N, K]^T for M <= SKINNY_MAX_ROWS. A decode step's products are
+        matrix-vector products, where cuBLAS reached about a third of the H200's bandwidth."""
+        return self.skinny_matmul(PLAIN, x, weight)
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T for M <= SKINNY_MAX_ROWS. A decode step's products are
-    matrix-vector products, where cuBLAS reached about a third of the H200's bandwidth."""
-    return _skinny_matmul(PLAIN, x, weight)
+    def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                    weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(RMSNorm(x + residual) @ weight^T, x + residual) in one launch: the norm before a
+        projection never makes a round trip through memory."""
+        if residual is None:
+            return self.skinny_matmul(NORM, x, weight, None, norm_weight, eps)
+        return self.skinny_matmul(ADD_NORM, x, weight, residual, norm_weight, eps)
 
+    def silu_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """(SiLU(gate) * up) @ weight^T in one launch (the MLP's down projection)."""
+        return self.skinny_matmul(SILU_MUL, gate_up, weight)
 
-def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(RMSNorm(x + residual) @ weight^T, x + residual) in one launch: the norm before a
-    projection never makes a round trip through memory."""
-    if residual is None:
-        return _skinny_matmul(NORM, x, weight, None, norm_weight, eps)
-    return _skinny_matmul(ADD_NORM, x, weight, residual, norm_weight, eps)
+    def skinny_matmul(self, prologue, x, weight, residual=None, norm_weight=None, eps=0.0):
+        """The fused kernel in the tile found fastest for this shape, or the separate kernels
+        where cuBLAS wins."""
+        x, residual = x.contiguous(), residual if residual is None else residual.contiguous()  # the kernel's layout
+        key = (prologue, triton.next_power_of_2(x.shape[0]), *weight.shape, x.dtype)
+        tile = self.chosen[key] if key in self.chosen else self._choose_tile(key, prologue, x, weight, residual,
+                                                                             norm_weight, eps)
+        return _run(tile, prologue, x, weight, residual, norm_weight, eps)
 
-
-def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """(SiLU(gate) * up) @ weight^T in one launch (the MLP's down projection)."""
-    return _skinny_matmul(SILU_MUL, gate_up, weight)
+    def _choose_tile(self, key, prologue, x, weight, residual, norm_weight, eps):
+        """A new shape's tile (None: cuBLAS). Timed on first use, which graph warm-up makes happen
+        before capture; a shape first seen during a capture takes cuBLAS this time, untimed."""
+        tiles = [None] + [t for t in _TILES if key[1] * t[0] * t[1] <= _MAX_PRODUCTS_PER_THREAD * 32 * t[2]]
+        if weight.numel() * weight.element_size() < _UNTUNED_BYTES:
+            self.chosen[key] = tiles[1]
+            return tiles[1]
+        if not self.tile_timing:
+            return tiles[1]
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        weights = _cold_copies(weight)
+        times = [graph_time([lambda w=w, t=t: _run(t, prologue, x, w, residual, norm_weight, eps) for w in weights])
+                 for t in tiles]
+        self.chosen[key] = tiles[times.index(min(times))]
+        self.tuning_times[key] = dict(zip(tiles, times))
+        log.debug("skinny matmul %s: %s (%.2f µs; cuBLAS %.2f µs)", key, self.chosen[key] or "cuBLAS",
+                  min(times) * 1e3, times[0] * 1e3)
+        return self.chosen[key]

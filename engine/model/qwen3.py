@@ -4,7 +4,7 @@ Numerics follow transformers' Qwen3 exactly where it decides logits: RMSNorm in 
 cast, q/k RMSNorm per head before RoPE, NeoX RoPE with cos/sin computed in fp32, head_dim from
 the config. Projections are fused (q|k|v, gate|up) so a step launches fewer kernels; the loader
 concatenates the checkpoint's separate tensors into them. On CUDA the elementwise chains run as
-Triton kernels (engine/kernels.py), and a step of a few rows (decode, verify) is six kernels a
+Triton kernels (model/kernels.py, handed in by the runner as `FusedKernels`), and a step of a few rows (decode, verify) is six kernels a
 layer: residual add + RMSNorm + qkv projection, q/k norm + RoPE + KV store, paged attention, o
 projection, residual add + RMSNorm + gate|up projection, SiLU·up + down projection. The CPU path
 is plain torch and exact.
@@ -12,30 +12,30 @@ is plain torch and exact.
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from jetserve.engine.model.attention import HAS_TRITON, AttentionMetadata, causal_attention, paged_attention
 from jetserve.engine.config import ModelConfig
-
-kernels = importlib.import_module("jetserve.engine.model.kernels") if HAS_TRITON else None
-
-
-def _fused(x: torch.Tensor) -> bool:
-    """Whether x takes the Triton kernels: on CUDA, and not training (they have no backward)."""
-    return x.is_cuda and kernels is not None and not torch.is_grad_enabled()
+from jetserve.engine.model.attention import AttentionMetadata, causal_attention, paged_attention
 
 
-def _skinny(x: torch.Tensor) -> bool:
-    """Whether x is a few rows (a decode or verify step), where each product streams its weight
-    once through a fused Triton kernel."""
-    return _fused(x) and x.dim() == 2 and x.shape[0] <= kernels.SKINNY_MAX_ROWS
+class _KernelUser(nn.Module):
+    """A module that takes the fused kernels when the model was given them (`use_kernels`)."""
+
+    kernels = None  # FusedKernels, or None: plain torch
+
+    def _fused(self, x: torch.Tensor) -> bool:
+        """Whether x takes the Triton kernels: on CUDA, and not training (they have no backward)."""
+        return self.kernels is not None and x.is_cuda and not torch.is_grad_enabled()
+
+    def _skinny(self, x: torch.Tensor) -> bool:
+        """Whether x is a few rows (a decode or verify step), where each product streams its
+        weight once through a fused Triton kernel."""
+        return self._fused(x) and x.dim() == 2 and x.shape[0] <= self.kernels.SKINNY_MAX_ROWS
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(_KernelUser):
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
@@ -43,8 +43,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x); with `residual`, (norm(x + residual), x + residual): the add fused in."""
-        if _fused(x):
-            return kernels.rms_norm(x, self.weight, self.eps, residual)
+        if self._fused(x):
+            return self.kernels.rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
         dtype = x.dtype
@@ -54,21 +54,21 @@ class RMSNorm(nn.Module):
         return y if residual is None else (y, x)
 
 
-class Linear(nn.Linear):
+class Linear(nn.Linear, _KernelUser):
     """nn.Linear without bias; a few rows on CUDA take the skinny Triton matmul."""
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__(in_features, out_features, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.linear(x, self.weight) if _skinny(x) else super().forward(x)
+        return self.kernels.linear(x, self.weight) if self._skinny(x) else super().forward(x)
 
 
 def norm_linear(norm: RMSNorm, linear: Linear, x: torch.Tensor, residual: torch.Tensor | None):
     """(linear(norm(x + residual)), x + residual); no residual: (linear(norm(x)), x). One kernel
     for a few rows on CUDA."""
-    if _skinny(x):
-        return kernels.norm_linear(x, residual, norm.weight, norm.eps, linear.weight)
+    if linear._skinny(x):
+        return linear.kernels.norm_linear(x, residual, norm.weight, norm.eps, linear.weight)
     if residual is None:
         return linear(norm(x)), x
     y, residual = norm(x, residual)
@@ -99,7 +99,7 @@ def apply_rope(x, cos, sin):
     return x * cos + _rotate_half(x) * sin
 
 
-class Attention(nn.Module):
+class Attention(_KernelUser):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -116,6 +116,7 @@ class Attention(nn.Module):
         """From the qkv projection of the normed input (the layer makes it, so that the norm fuses
         into the projection)."""
         if meta is not None and meta.block_tables is not None:  # uniform step on CUDA: two fused kernels
+            kernels = self.kernels
             q = kernels.qk_norm_rope_store(qkv, self.q_norm.weight, self.k_norm.weight, *rope,
                                            meta.slot_mapping, kv_cache[0], kv_cache[1], self.q_norm.eps,
                                            self.num_heads, self.num_kv_heads, self.head_dim)
@@ -136,7 +137,7 @@ class Attention(nn.Module):
         return self.o_proj(out.flatten(-2))
 
 
-class MLP(nn.Module):
+class MLP(_KernelUser):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
@@ -144,10 +145,10 @@ class MLP(nn.Module):
 
     def forward(self, gate_up):
         """From the gate|up projection of the normed input (made by the layer, like qkv)."""
-        if _skinny(gate_up):
-            return kernels.silu_linear(gate_up, self.down_proj.weight)
-        if _fused(gate_up):
-            return self.down_proj(kernels.silu_mul(gate_up))
+        if self._skinny(gate_up):
+            return self.kernels.silu_linear(gate_up, self.down_proj.weight)
+        if self._fused(gate_up):
+            return self.down_proj(self.kernels.silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -201,6 +202,12 @@ class Qwen3ForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.mtp = nn.ModuleList(MTPLayer(cfg) for _ in range(cfg.num_mtp_layers))
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, max_positions)
+
+    def use_kernels(self, kernels) -> None:
+        """Run on these fused kernels (a `FusedKernels`), or on plain torch (None)."""
+        for module in self.modules():
+            if isinstance(module, _KernelUser):
+                module.kernels = kernels
 
     @property
     def num_kv_layers(self) -> int:

@@ -93,12 +93,15 @@ def test_paged_attention_splits(monkeypatch, splits, q_len):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-def test_untimed_where_graphs_are_off(monkeypatch):
-    """Timing tiles captures CUDA graphs; with graphs off (the runner clears `tile_timing`) a big
-    weight takes the first tile that fits, untimed and not remembered for when graphs are on."""
-    monkeypatch.setattr(kernels, "tile_timing", False)
-    monkeypatch.setattr(kernels, "_chosen", {})
+def test_untimed_where_graphs_are_off():
+    """Timing tiles captures CUDA graphs; with graphs off (the runner makes its kernels without
+    `tile_timing`) a big weight takes the first tile that fits, untimed and not remembered; each
+    engine's choices are its own."""
+    untimed, other = kernels.FusedKernels(tile_timing=False), kernels.FusedKernels(tile_timing=False)
     x = torch.randn(2, 256, device=DEVICE)
     w = torch.randn(300, 256, device=DEVICE)  # 300 KB in fp32: past the untimed size
-    torch.testing.assert_close(kernels.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
-    assert kernels._chosen == {}
+    torch.testing.assert_close(untimed.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert untimed.chosen == {} and untimed.tuning_times == {}
+    small = torch.randn(8, 256, device=DEVICE)  # below the untimed size: the first tile, remembered
+    other.linear(x, small)
+    assert other.chosen and untimed.chosen == {}
