@@ -6,6 +6,9 @@ computed is remembered by its tokens and everything before them; a new request w
 starts the same way takes those blocks instead of computing them again (a kiosk's system prompt,
 a robot's tool preamble). A freed block keeps its contents until it is handed out again, oldest
 freed first, so recently used prefixes stay cached as long as memory allows.
+
+The scheduler owns the block manager; a sequence's `block_table` and `block_keys` are this
+class's state kept on the sequence, and nothing else writes them.
 """
 
 from __future__ import annotations
@@ -68,18 +71,13 @@ class BlockManager:
         return block
 
     def free(self, seq: Sequence) -> None:
-        """Let go of every block of `seq`; its computed tokens are forgotten."""
+        """Let go of every block of `seq` (the caller forgets its computed tokens)."""
         for block in reversed(seq.block_table):
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
                 self.free_blocks[block] = None
         seq.block_table.clear()
         seq.block_keys.clear()
-        seq.num_computed_tokens = 0
-
-    def slot(self, seq: Sequence, position: int) -> int:
-        """Index of `position`'s KV entry in the flat cache."""
-        return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
 
     # -- prefix caching -------------------------------------------------------------------
 
@@ -89,11 +87,12 @@ class BlockManager:
         tokens = tuple(seq.token_ids[index * self.block_size:(index + 1) * self.block_size])
         return (seq.block_keys[index - 1] if index else None, tokens)
 
-    def match_prefix(self, seq: Sequence) -> None:
-        """Start a sequence that has nothing computed on the cached blocks of its longest known
-        prefix. At least one token is left to compute: the step that computes it samples."""
+    def match_prefix(self, seq: Sequence) -> int:
+        """Give a sequence that has nothing computed the cached blocks of its longest known
+        prefix; returns how many of its tokens they hold. At least one token is left to compute:
+        the step that computes it samples."""
         if not self.prefix_caching or seq.block_table:
-            return
+            return 0
         self.prefix_queries += seq.num_tokens
         for index in range((seq.num_tokens - 1) // self.block_size):
             key = self._key(seq, index)
@@ -102,8 +101,9 @@ class BlockManager:
                 break
             seq.block_table.append(self.share(block))
             seq.block_keys.append(hash(key))
-        seq.num_computed_tokens = len(seq.block_table) * self.block_size
-        self.prefix_hits += seq.num_computed_tokens
+        hits = len(seq.block_table) * self.block_size
+        self.prefix_hits += hits
+        return hits
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """Remember the sequence's full blocks whose KV is computed and whose tokens are known."""

@@ -1,11 +1,17 @@
-"""Continuous batching with chunked prefill (Sarathi-Serve / vLLM v1 style).
+"""Continuous batching with chunked prefill (Sarathi-Serve / vLLM v1 style); the owner of
+every request's state.
 
 Each step has a budget of `max_num_batched_tokens`. Running sequences that decode go first
-(one token each), then prompts already part-way through prefill, then waiting prompts: each
-takes min(what it still needs, what is left of the budget), so a long prompt is split over
-steps and never stalls the streams around it. When KV blocks run out the most recently
-admitted running sequence is preempted and later recomputed from scratch (its tokens are
-kept, its KV is dropped).
+(one token each, plus their drafts), then prompts already part-way through prefill, then
+waiting prompts: each takes min(what it still needs, what is left of the budget), so a long
+prompt is split over steps and never stalls the streams around it. When KV blocks run out the
+most recently admitted running sequence is preempted and later recomputed from scratch (its
+tokens are kept, its KV is dropped).
+
+As in nano-vllm (`postprocess`) and vLLM v1 (`update_from_output`), the scheduler is the only
+writer of a sequence's state: `schedule()` picks the step, `update()` (or `launched()` and
+`receive()` with async scheduling) records what the step did, `finish()` retires a sequence.
+The engine decides when a request stops; the runner only reads.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from jetserve.engine.block_manager import BlockManager
+from jetserve.engine.config import EngineConfig
 from jetserve.engine.sequence import Sequence, SequenceStatus
 
 
@@ -28,35 +35,29 @@ class ScheduledBatch:
         self.seqs.append(seq)
         self.num_tokens.append(n)
 
-    @property
-    def total_tokens(self) -> int:
-        return sum(self.num_tokens)
-
     def __len__(self):
         return len(self.seqs)
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool):
-        self.blocks = block_manager
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.chunked = enable_chunked_prefill
+    def __init__(self, config: EngineConfig, num_blocks: int):
+        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.chunked = config.enable_chunked_prefill
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is preempted first
         self.num_preemptions = 0
-        # KV slots reserved past a sequence that samples this step: its MTP drafts are chained
-        # (and their draft-layer KV written) before the next step allocates for them.
-        self.num_lookahead_slots = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+    # -- choosing a step ------------------------------------------------------------------
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self, num_lookahead_slots: int = 0) -> ScheduledBatch:
+        """The next step. `num_lookahead_slots`: KV slots reserved past each sequence this step
+        samples, for the MTP drafts chained after it (their draft-layer KV is written before the
+        next step allocates for them)."""
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         # Decodes before partial prefills; each group keeps admission order.
@@ -68,19 +69,20 @@ class Scheduler:
             n = self._chunk(seq, budget)
             if n == 0:
                 continue
-            if not self._make_room(seq, n, batch):
+            if not self._make_room(seq, n, num_lookahead_slots, batch):
                 continue
             batch.add(seq, n)
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            self.blocks.match_prefix(seq)
+            seq.num_computed_tokens = self.blocks.match_prefix(seq)
             n = self._chunk(seq, budget)
-            if n == 0 or not self.blocks.can_allocate(seq, self._slots(seq, n)):
-                self.blocks.free(seq)  # a waiting sequence holds no blocks, cached ones neither
+            slots = self._slots(seq, n, num_lookahead_slots)
+            if n == 0 or not self.blocks.can_allocate(seq, slots):
+                self._release(seq)  # a waiting sequence holds no blocks, cached ones neither
                 break
             self.waiting.popleft()
-            self.blocks.allocate(seq, self._slots(seq, n))
+            self.blocks.allocate(seq, slots)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.add(seq, n)
@@ -101,14 +103,15 @@ class Scheduler:
             return need
         return budget if self.chunked and self._is_prefilling(seq) else 0
 
-    def _slots(self, seq: Sequence, n: int) -> int:
+    @staticmethod
+    def _slots(seq: Sequence, n: int, lookahead: int) -> int:
         """KV slots `seq` needs for `n` tokens: plus the lookahead when this step samples it."""
-        return n + self.num_lookahead_slots if seq.completes(n) else n
+        return n + lookahead if seq.sampled_after(n) else n
 
-    def _make_room(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
+    def _make_room(self, seq: Sequence, n: int, lookahead: int, batch: ScheduledBatch) -> bool:
         """Allocate blocks for `seq`, preempting later-admitted sequences; False if `seq` itself
         had to be preempted."""
-        slots = self._slots(seq, n)
+        slots = self._slots(seq, n, lookahead)
         while not self.blocks.can_allocate(seq, slots):
             victim = next((s for s in reversed(self.running) if s not in batch.seqs), None)
             self._preempt(victim)
@@ -119,20 +122,61 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.blocks.free(seq)
-        seq.spec_token_ids.clear()
+        self._release(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """Retire `seq` (finished or aborted) and return its blocks."""
+    def _release(self, seq: Sequence) -> None:
+        """Drop a sequence's KV: its blocks, its computed count and its drafts."""
+        self.blocks.free(seq)
+        seq.num_computed_tokens = 0
+        seq.spec_token_ids.clear()
+
+    # -- recording what a step did --------------------------------------------------------
+
+    def update(self, batch: ScheduledBatch, sampled: list[list[int] | None], drafts: list[list[int]]) -> None:
+        """After a step: each sequence's computed count advances by what it computed, less its
+        rejected drafts (their KV is stale and gets rewritten: that is the rollback); a sampled
+        one gains its tokens (accepted drafts + one) and keeps its next drafts."""
+        for seq, n, new, next_drafts in zip(batch.seqs, batch.num_tokens, sampled, drafts):
+            if new is None:  # a prefill chunk short of the prompt's end
+                seq.num_computed_tokens += n
+            else:
+                rejected = len(seq.spec_token_ids) - (len(new) - 1)
+                seq.num_computed_tokens += n - rejected
+                seq.token_ids.extend(new)
+                seq.spec_token_ids = next_drafts
+            self.blocks.cache_computed_blocks(seq)  # before a finish frees the blocks
+
+    def launched(self, batch: ScheduledBatch, sampled: list[Sequence]) -> None:
+        """Async scheduling: a step is on the device. Its tokens count as computed now; each
+        sampled sequence has one token pending, which `receive` delivers a step later."""
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            seq.num_computed_tokens += n
+            self.blocks.cache_computed_blocks(seq)
+        for seq in sampled:
+            seq.num_pending += 1
+
+    def receive(self, seq: Sequence, token: int) -> bool:
+        """Async scheduling: a pending token reaches the host; False if `seq` ended meanwhile
+        (the token was wasted work, dropped here)."""
+        seq.num_pending -= 1
+        if seq.status is SequenceStatus.FINISHED:
+            return False
+        seq.token_ids.append(token)
+        return True
+
+    def finish(self, seq: Sequence, reason: str, num_output_tokens: int | None = None) -> None:
+        """Retire `seq` (finished or aborted) and return its blocks. `num_output_tokens` cuts
+        tokens that a stop inside an accepted run of drafts made moot."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.blocks.free(seq)
-        seq.spec_token_ids.clear()
+        self._release(seq)
+        if num_output_tokens is not None:
+            del seq.token_ids[seq.num_prompt_tokens + num_output_tokens:]
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 

@@ -17,7 +17,10 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     """One request. `token_ids` holds prompt + output; the KV cache holds the first
     `num_computed_tokens` of them. Whatever lies between is what the next step must compute,
-    so a fresh prompt, a decode and a recompute after preemption are all the same case."""
+    so a fresh prompt, a decode and a recompute after preemption are all the same case.
+
+    The scheduler is the one writer of this state (the block manager, which it owns, keeps
+    `block_table`/`block_keys`); the runner only reads it."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  arrival_time: float | None = None):
@@ -26,13 +29,12 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        self.first_token_time: float | None = None
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
         self.block_keys: list[int] = []  # prefix-cache digests of the leading full, computed blocks
         self.finish_reason: str | None = None
-        self.generator = None  # torch.Generator for seeded sampling, made by the sampler
+        self.generator = None  # torch.Generator for seeded sampling: the runner's, made on first use
         self.spec_token_ids: list[int] = []  # draft tokens awaiting verification (MTP)
         self.num_pending = 0  # sampled on the device, not yet seen by the host (async scheduling)
 
@@ -45,10 +47,6 @@ class Sequence:
         return self.token_ids[:self.num_prompt_tokens]
 
     @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
-
-    @property
     def num_output_tokens(self) -> int:
         return self.num_tokens - self.num_prompt_tokens
 
@@ -56,14 +54,11 @@ class Sequence:
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens + self.num_pending - self.num_computed_tokens
 
-    def completes(self, n: int) -> bool:
-        """Whether computing `n` more tokens reaches the end (pending drafts included), so the
-        step that does it samples this sequence's next token."""
+    def sampled_after(self, n: int) -> bool:
+        """Whether a step that computes `n` more of its tokens (pending drafts included) brings
+        the sequence up to date, and so samples its next token; a prefill chunk short of the
+        end does not."""
         return n == self.num_uncomputed_tokens + len(self.spec_token_ids)
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
 
     def __repr__(self):
         return (f"Sequence({self.request_id!r}, tokens={self.num_tokens}, "

@@ -38,12 +38,12 @@ def test_cached_blocks_are_evicted_oldest_first_when_memory_is_needed():
     blocks.free(first)
     assert blocks.num_free == 4
     again = Sequence("b", [1, 2, 3, 4, 9], SamplingParams())
-    blocks.match_prefix(again)
+    again.num_computed_tokens = blocks.match_prefix(again)  # the scheduler records what it returns
     assert again.num_computed_tokens == 4 and blocks.num_used == 2
     blocks.free(again)
     other = Sequence("c", [7] * 8, SamplingParams())
     blocks.allocate(other, 8)  # needs every block: the cached ones are handed out too
     blocks.free(other)
     late = Sequence("d", [1, 2, 3, 4, 9], SamplingParams())
-    blocks.match_prefix(late)
+    late.num_computed_tokens = blocks.match_prefix(late)
     assert late.num_computed_tokens == 0, "evicted contents are not found again"
