@@ -26,28 +26,10 @@ from collections.abc import Callable
 import torch
 from tqdm import tqdm
 
-from jetserve.engine.model.attention import AttentionMetadata
+from jetserve.engine.config import CUDAGraphConfig
+from jetserve.engine.model.attention import AttentionMetadata, slot_mapping
 
 log = logging.getLogger(__name__)
-
-
-def capture_sizes(sizes: list[int] | None, max_size: int | None, max_num_seqs: int) -> list[int]:
-    """Batch buckets: the given sizes, or 1, 2, 4, 8 and every 8 after up to the max (vLLM's
-    default), all capped by max_num_seqs."""
-    limit = min(max_size or max_num_seqs, max_num_seqs)
-    sizes = sizes or [1, 2, 4, *range(8, limit + 1, 8), limit]
-    return sorted({s for s in sizes if 1 <= s <= limit})
-
-
-def step_shapes(num_speculative_tokens: int, num_mtp_layers: int) -> list[tuple[int | None, int]]:
-    """(MTP layer, or None for the main model; tokens per sequence) of each step to capture.
-    With k drafts a step verifies 1..k+1 tokens a sequence (the draft length adapts), the MTP
-    pass runs layer 0 over the same rows, and drafting chains 1-token steps through the layers."""
-    k = num_speculative_tokens
-    if not k:
-        return [(None, 1)]
-    shapes = {(None, q) for q in range(1, k + 2)} | {(0, q) for q in range(1, k + 2)}
-    return sorted(shapes | {(j % num_mtp_layers, 1) for j in range(1, k)}, key=lambda s: (s[0] is not None, s))
 
 
 def _name(layer: int | None, q_len: int) -> str:
@@ -56,10 +38,10 @@ def _name(layer: int | None, q_len: int) -> str:
 
 
 class CUDAGraphs:
-    def __init__(self, model, kv_cache: torch.Tensor, sizes: list[int], shapes: list[tuple[int | None, int]],
-                 max_model_len: int, block_size: int, scratch_block: int, num_warmup: int):
+    def __init__(self, model, kv_cache: torch.Tensor, config: CUDAGraphConfig, max_model_len: int, block_size: int,
+                 scratch_block: int):
         self.model, self.kv_cache = model, kv_cache
-        self.sizes, self.shapes, self.num_warmup = sizes, shapes, num_warmup
+        self.sizes, self.shapes, self.num_warmup = config.capture_sizes, config.step_shapes, config.num_warmup
         self.block_size, self.scratch_block = block_size, scratch_block
         self.scratch_slot = scratch_block * block_size
         max_q = max(q for _, q in shapes)
@@ -157,7 +139,7 @@ class CUDAGraphs:
         host_ids, host_positions, slots, context_lens, block_tables = self._host[turn]
         host_ids[:n] = ids
         host_positions[:n] = positions
-        slots[:n] = [t[p // bs] * bs + p % bs for t, c in zip(tables, ctx_lens) for p in range(c - q_len, c)]
+        slots[:n] = slot_mapping(tables, ctx_lens, [q_len] * batch, bs)
         slots[n:bucket * q_len] = self.scratch_slot
         context_lens[:batch] = ctx_lens
         context_lens[batch:bucket] = 1

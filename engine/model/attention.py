@@ -12,14 +12,12 @@ paged Triton kernel that walks only each sequence's own blocks; its shapes depen
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None  # the fused CUDA path needs it
 # The general path on CUDA: the memory-efficient kernel (masks), not cuDNN's, which plans anew
 # for every context length (a prefill chunk brings a new one each step), nor the slow math one.
 _GENERAL_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -84,24 +82,23 @@ class AttentionMetadata:
 
     @staticmethod
     def build(q_lens: list[int], ctx_lens: list[int], block_tables: list[list[int]], block_size: int,
-              device: torch.device) -> AttentionMetadata:
-        """Describe a step; `ctx_lens` count the context after this step's tokens are added."""
-        if device.type == "cuda" and HAS_TRITON and len(set(q_lens)) == 1 and q_lens[0] <= MAX_UNIFORM_Q:
+              device: torch.device, fused: bool = False) -> AttentionMetadata:
+        """Describe a step; `ctx_lens` count the context after this step's tokens are added.
+        `fused`: the model runs the Triton kernels, so a uniform step takes the paged kernel."""
+        if fused and len(set(q_lens)) == 1 and q_lens[0] <= MAX_UNIFORM_Q:
             return AttentionMetadata._uniform(q_lens[0], ctx_lens, block_tables, block_size, device)
         short = [i for i, q in enumerate(q_lens) if q <= MAX_UNIFORM_Q]
         members = ([short] if short else []) + [[i] for i, q in enumerate(q_lens) if q > MAX_UNIFORM_Q]
         starts = [0]
         for q in q_lens:
             starts.append(starts[-1] + q)
-        groups, order, slots = [], [], []
+        groups, order = [], []
         for group in members:
             g, rows = SdpaGroup.build([starts[i] for i in group], [q_lens[i] for i in group],
                                       [ctx_lens[i] for i in group], [block_tables[i] for i in group], block_size)
             groups.append(g)
             order.extend(rows)
-        for i, (q, c) in enumerate(zip(q_lens, ctx_lens)):
-            table = block_tables[i]
-            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(c - q, c))
+        slots = slot_mapping(block_tables, ctx_lens, q_lens, block_size)
         output_index = torch.empty(len(order), dtype=torch.long)
         output_index[torch.tensor(order)] = torch.arange(len(order))
         return AttentionMetadata(slot_mapping=to_device(torch.tensor(slots), device),
@@ -112,8 +109,7 @@ class AttentionMetadata:
     def _uniform(q_len: int, ctx_lens: list[int], block_tables: list[list[int]], block_size: int,
                  device: torch.device) -> AttentionMetadata:
         width = max(len(t) for t in block_tables)
-        slots = [t[p // block_size] * block_size + p % block_size
-                 for t, c in zip(block_tables, ctx_lens) for p in range(c - q_len, c)]
+        slots = slot_mapping(block_tables, ctx_lens, [q_len] * len(ctx_lens), block_size)
         tables = [t + [0] * (width - len(t)) for t in block_tables]
         # One host-to-device copy for all three.
         packed = to_device(torch.tensor(slots + ctx_lens + [x for t in tables for x in t], dtype=torch.int32), device)
@@ -121,6 +117,13 @@ class AttentionMetadata:
         return AttentionMetadata(slot_mapping=packed[:n], context_lens=packed[n:n + b],
                                  block_tables=packed[n + b:].view(b, width), q_len=q_len,
                                  block_size=block_size)
+
+
+def slot_mapping(block_tables: list[list[int]], ctx_lens: list[int], q_lens: list[int], block_size: int) -> list[int]:
+    """Flat KV-cache index of each of a step's tokens: the last `q` positions of each sequence's
+    context, through its block table."""
+    return [table[p // block_size] * block_size + p % block_size
+            for table, c, q in zip(block_tables, ctx_lens, q_lens) for p in range(c - q, c)]
 
 
 def causal_attention(q, k, v, scale: float):
