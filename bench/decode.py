@@ -118,58 +118,54 @@ def _mib(n):
 
 def _time_engine(args, model_dir, device, batches, enforce_eager, plain=False, async_scheduling=False) -> dict:
     """TPOT (median engine step, ms) for each batch size; with graphs also the graph replay alone."""
+    import dataclasses
     import time
 
     import torch
     from tqdm import tqdm
 
-    import jetserve.engine.model.attention as attention
-    import jetserve.engine.model.qwen3 as model_module
     from jetserve.bench.common import median
     from jetserve.engine.config import EngineArgs
     from jetserve.engine.llm_engine import LLMEngine
     from jetserve.engine.sampling_params import SamplingParams
 
-    saved = attention.HAS_TRITON, model_module.kernels
+    max_batch, length = max(batches), args.prompt_len + args.steps + 16
+    config = EngineArgs(
+        model=model_dir, device=str(device), max_num_seqs=max_batch, max_model_len=length,
+        num_kv_blocks=max_batch * -(-length // 16) + 1, enforce_eager=enforce_eager,
+        async_scheduling=async_scheduling, max_num_batched_tokens=max(2048, max_batch)).resolve()
     if plain:  # the plain torch path on the GPU: what the step costs without the fused kernels
-        attention.HAS_TRITON, model_module.kernels = False, None
-    try:
-        max_batch, length = max(batches), args.prompt_len + args.steps + 16
-        engine = LLMEngine(EngineArgs(
-            model=model_dir, device=str(device), max_num_seqs=max_batch, max_model_len=length,
-            num_kv_blocks=max_batch * -(-length // 16) + 1, enforce_eager=enforce_eager,
-            async_scheduling=async_scheduling, max_num_batched_tokens=max(2048, max_batch)))
-        rng = torch.Generator().manual_seed(0)
-        vocab = engine.model_config.vocab_size
-        tpot, replay = {}, {}
-        label = "plain torch" if plain else "eager" if enforce_eager else "graphs, async" if async_scheduling \
-            else "graphs"
-        for batch in tqdm(batches, desc=f"[decode] ours, {label}", unit="batch size"):
-            params = SamplingParams(temperature=0, max_tokens=args.steps + 2, ignore_eos=True)
-            for i in range(batch):
-                ids = torch.randint(0, vocab, (args.prompt_len,), generator=rng).tolist()
-                engine.add_request(f"{batch}-{i}", {"prompt_token_ids": ids}, params)
-            started = set()
-            while len(started) < batch:  # prefill (chunked) until every sequence decodes
-                started.update(o.request_id for o in engine.step())
-            times = []
-            for _ in range(args.steps):
-                start = time.perf_counter()
-                engine.step()
-                times.append(time.perf_counter() - start)
-            while engine.has_unfinished_requests():
-                engine.step()
-            tpot[batch] = round(median(times) * 1e3, 4)
-            graphs = engine.runner.graphs
-            if graphs:
-                replay[batch] = _replay_ms(graphs, batch)
-        del engine
-        if not replay:
-            return tpot
-        overhead = {b: round(tpot[b] - ms, 4) for b, ms in replay.items() if ms is not None}
-        return {**tpot, "graph_replay_ms": replay, "step_overhead_ms": overhead}
-    finally:
-        attention.HAS_TRITON, model_module.kernels = saved
+        config = dataclasses.replace(config, fused_kernels=False, cuda_graphs=None)
+    engine = LLMEngine(config)
+    rng = torch.Generator().manual_seed(0)
+    vocab = config.model_config.vocab_size
+    tpot, replay = {}, {}
+    label = "plain torch" if plain else "eager" if enforce_eager else "graphs, async" if async_scheduling \
+        else "graphs"
+    for batch in tqdm(batches, desc=f"[decode] ours, {label}", unit="batch size"):
+        params = SamplingParams(temperature=0, max_tokens=args.steps + 2, ignore_eos=True)
+        for i in range(batch):
+            ids = torch.randint(0, vocab, (args.prompt_len,), generator=rng).tolist()
+            engine.add_request(f"{batch}-{i}", {"prompt_token_ids": ids}, params)
+        started = set()
+        while len(started) < batch:  # prefill (chunked) until every sequence decodes
+            started.update(o.request_id for o in engine.step())
+        times = []
+        for _ in range(args.steps):
+            start = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - start)
+        while engine.has_unfinished_requests():
+            engine.step()
+        tpot[batch] = round(median(times) * 1e3, 4)
+        graphs = engine.runner.graphs
+        if graphs:
+            replay[batch] = _replay_ms(graphs, batch)
+    del engine
+    if not replay:
+        return tpot
+    overhead = {b: round(tpot[b] - ms, 4) for b, ms in replay.items() if ms is not None}
+    return {**tpot, "graph_replay_ms": replay, "step_overhead_ms": overhead}
 
 
 def _replay_ms(graphs, batch) -> float | None:

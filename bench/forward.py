@@ -60,7 +60,7 @@ def _compare(model_dir, hf, device, dtype_name, new_tokens) -> dict:
         got = runner.model.compute_logits(hidden).float()
     agree = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(ours, theirs)]
     return {
-        "cuda_graphs": llm.engine.model_info["cuda_graphs"],
+        "cuda_graphs": llm.engine.model_info.cuda_graphs,
         "greedy_tokens_equal": ours == theirs,
         "agreeing_prefix_per_prompt": agree,
         "ours_first_prompt": ours[0], "transformers_first_prompt": theirs[0],

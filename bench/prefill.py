@@ -68,9 +68,9 @@ def _measure(args, model_dir, device, budget, long_len) -> dict:
     engine = LLMEngine(EngineArgs(
         model=model_dir, device=str(device), max_model_len=length, max_num_seqs=args.streams + 1,
         enable_chunked_prefill=budget is not None, max_num_batched_tokens=budget or length,
-        num_kv_blocks=(args.streams + 1) * -(-length // 16) + 1))
+        num_kv_blocks=(args.streams + 1) * -(-length // 16) + 1).resolve())
     rng = torch.Generator().manual_seed(0)
-    vocab = engine.model_config.vocab_size
+    vocab = engine.config.model_config.vocab_size
     stream = SamplingParams(temperature=0, max_tokens=10**6, ignore_eos=True)
     for i in range(args.streams):
         engine.add_request(f"s{i}", {"prompt_token_ids": torch.randint(0, vocab, (args.stream_prompt_len,),

@@ -61,7 +61,7 @@ def _profile(args, model_dir, device, eager):
     from jetserve.engine.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineArgs(model=model_dir, device=str(device), max_num_seqs=max(args.batch, 1),
-                                  max_model_len=512, num_kv_blocks=args.batch * 32 + 1, enforce_eager=eager))
+                                  max_model_len=512, num_kv_blocks=args.batch * 32 + 1, enforce_eager=eager).resolve())
     params = SamplingParams(temperature=0, max_tokens=3 * args.steps + 10, ignore_eos=True)
     for i in range(args.batch):
         engine.add_request(str(i), {"prompt_token_ids": list(range(1, 129))}, params)

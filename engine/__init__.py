@@ -6,9 +6,10 @@ Exports load lazily, so `jetserve.engine.cli` (and `jetserve --help`) import no 
 import importlib
 
 _EXPORTS = {
-    "AsyncLLM": "async_llm", "CompletionOutput": "outputs", "EngineArgs": "config",
-    "EngineStats": "llm_engine", "LLM": "llm", "LLMEngine": "llm_engine",
-    "RequestOutput": "outputs", "SamplingParams": "sampling_params", "open_engine": "async_llm",
+    "AsyncLLM": "async_llm", "CompletionOutput": "outputs", "EngineArgs": "config", "EngineClient": "protocol",
+    "EngineConfig": "config", "EngineStats": "protocol", "LLM": "llm", "LLMEngine": "llm_engine",
+    "ModelInfo": "protocol", "RequestOutput": "outputs", "SamplingParams": "sampling_params",
+    "open_engine": "async_llm",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -16,10 +16,11 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from jetserve.engine.config import EngineArgs
+from jetserve.engine.config import EngineConfig
 from jetserve.engine.errors import EngineError, QueueFullError
-from jetserve.engine.llm_engine import EngineStats, LLMEngine
+from jetserve.engine.llm_engine import LLMEngine
 from jetserve.engine.outputs import RequestOutput
+from jetserve.engine.protocol import EngineClient, EngineStats, ModelInfo
 from jetserve.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -28,9 +29,9 @@ IDLE_TICK = 0.5
 
 
 class AsyncLLM:
-    def __init__(self, args: EngineArgs, on_status=None):
-        self.engine = LLMEngine(args, on_status=on_status)
-        self.max_waiting = args.max_waiting
+    def __init__(self, config: EngineConfig, on_status=None):
+        self.engine = LLMEngine(config, on_status=on_status)
+        self.max_waiting = config.max_waiting
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -46,7 +47,7 @@ class AsyncLLM:
         return self.engine.tokenizer
 
     @property
-    def model_info(self) -> dict:
+    def model_info(self) -> ModelInfo:
         return self.engine.model_info
 
     def start(self) -> None:
@@ -69,7 +70,8 @@ class AsyncLLM:
             raise EngineError(f"engine is not running: {self._error or 'shut down'}")
         request_id = request_id or uuid.uuid4().hex
         params = sampling_params or SamplingParams()
-        self.engine.tokenize_prompt(prompt)  # bad prompts fail here, in the caller's frame
+        text, ids = self.engine.tokenize_prompt(prompt)  # bad prompts fail here, in the caller's frame
+        prompt = {"prompt": text, "prompt_token_ids": ids}  # tokenized once: the engine only checks the ids
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already streaming")
@@ -187,9 +189,9 @@ class AsyncLLM:
             loop.call_soon_threadsafe(stream.put_nowait, exc)
 
 
-def open_engine(args: EngineArgs, on_status=None):
-    """The streaming engine for `args.backend` (blocking: loads the model)."""
-    if args.backend == "tensorrt-llm":
+def open_engine(config: EngineConfig, on_status=None) -> EngineClient:
+    """The streaming engine for `config.backend` (blocking: loads the model)."""
+    if config.backend == "tensorrt-llm":
         from jetserve.engine.backends.trtllm import TensorRTLLMEngine
-        return TensorRTLLMEngine(args, on_status)
-    return AsyncLLM(args, on_status)
+        return TensorRTLLMEngine(config, on_status)
+    return AsyncLLM(config, on_status)

@@ -1,12 +1,25 @@
-"""Engine configuration: the model's shape (from config.json) and the engine's knobs (vLLM's names)."""
+"""Engine configuration: `EngineArgs` (what a user sets, vLLM's names) resolved once into `EngineConfig`.
+
+As vLLM hands every part one `VllmConfig`, `EngineArgs.resolve()` reads the checkpoint's
+config.json, applies every default and cross-field rule, and returns one frozen `EngineConfig`
+that the engine, scheduler, runner and the TensorRT-LLM mapping all receive: no part derives a
+budget, a draft length or a graph size from the raw arguments again. Importing this module
+imports no torch (`jetserve --help` stays fast); `resolve()` asks torch only about the device.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 from dataclasses import dataclass, fields
+from pathlib import Path
 
-from jetserve.engine.model.checkpoint import CheckpointError, num_mtp_layers
+from jetserve.engine.model.checkpoint import CheckpointError, num_mtp_layers, read_json
+
+DEFAULT_MAX_MODEL_LEN = 4096  # when the model allows more: KV for a longer default rarely fits a Jetson
+DEFAULT_CHUNK_BUDGET = 512  # tokens a step with chunked prefill computes at most (see README: chunked prefill)
+HAS_TRITON = importlib.util.find_spec("triton") is not None  # the fused CUDA kernels and the graphs need it
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
 
@@ -80,6 +93,108 @@ def _int_list(text):
         raise argparse.ArgumentTypeError(f"expected integers, got {text!r}") from None
 
 
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """`speculative_config` (vLLM's name and keys), plus the adaptive draft length's knobs."""
+
+    method: str = "mtp"
+    num_speculative_tokens: int = 1
+    adaptive: bool = True  # lower k (down to 0) when drafts stop paying, raise it when they do again
+    acceptance_threshold: float = 0.3  # draft position j while P(accepted length >= j) stays above this
+    acceptance_window: int = 128  # verifications (sequence-steps) the estimate looks back over
+    probe_interval: int = 8  # every N-th step draft one position more than k, to see whether it pays
+    min_samples: int = 16  # verifications of a position needed before k moves past it
+
+    @classmethod
+    def from_dict(cls, config: dict, num_mtp_layers: int) -> SpeculativeConfig:
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(config) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {unknown}; known: {sorted(known)}")
+        spec = cls(**config)
+        if spec.method != "mtp":
+            raise ValueError(f"speculative_config.method must be 'mtp', got {spec.method!r}")
+        k = spec.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"speculative_config.num_speculative_tokens must be an integer >= 1, got {k!r}")
+        if not 0 <= spec.acceptance_threshold <= 1:
+            raise ValueError(f"speculative_config.acceptance_threshold must be in [0, 1], "
+                             f"got {spec.acceptance_threshold!r}")
+        for name in ("acceptance_window", "probe_interval", "min_samples"):
+            value = getattr(spec, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"speculative_config.{name} must be an integer >= 1, got {value!r}")
+        if num_mtp_layers == 0:
+            raise ValueError("speculative_config: method 'mtp' needs MTP heads, and this checkpoint has none; "
+                             "merge shipped heads with `jetserve mtp merge BASE HEADS OUT` or train them with "
+                             "`jetserve mtp fit --model BASE --data FILES... --out OUT`")
+        return spec
+
+
+@dataclass(frozen=True)
+class CUDAGraphConfig:
+    """What the runner captures: batch buckets x step shapes (see cuda_graphs.py)."""
+
+    capture_sizes: tuple[int, ...]
+    step_shapes: tuple[tuple[int | None, int], ...]  # (MTP layer or None for the main model, tokens a sequence)
+    num_warmup: int
+
+
+def capture_sizes(sizes: list[int] | None, max_size: int | None, max_num_seqs: int) -> list[int]:
+    """Batch buckets: the given sizes, or 1, 2, 4, 8 and every 8 after up to the max (vLLM's
+    default), all capped by max_num_seqs."""
+    limit = min(max_size or max_num_seqs, max_num_seqs)
+    sizes = sizes or [1, 2, 4, *range(8, limit + 1, 8), limit]
+    return sorted({s for s in sizes if 1 <= s <= limit})
+
+
+def step_shapes(num_speculative_tokens: int, num_mtp_layers: int) -> list[tuple[int | None, int]]:
+    """(MTP layer, or None for the main model; tokens per sequence) of each step to capture.
+    With k drafts a step verifies 1..k+1 tokens a sequence (the draft length adapts), the MTP
+    pass runs layer 0 over the same rows, and drafting chains 1-token steps through the layers."""
+    k = num_speculative_tokens
+    if not k:
+        return [(None, 1)]
+    shapes = {(None, q) for q in range(1, k + 2)} | {(0, q) for q in range(1, k + 2)}
+    return sorted(shapes | {(j % num_mtp_layers, 1) for j in range(1, k)}, key=lambda s: (s[0] is not None, s))
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Every engine setting, resolved once (see the module docstring). Built by `EngineArgs.resolve()`."""
+
+    model: str
+    model_config: ModelConfig
+    backend: str
+    device: str  # "cpu", "cuda", "cuda:N": never "auto"
+    dtype: str  # torch dtype name, e.g. "bfloat16": never "auto"
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int  # the step budget the scheduler spends and the KV plan reserves for
+    enable_chunked_prefill: bool
+    enable_prefix_caching: bool
+    gpu_memory_utilization: float
+    block_size: int
+    num_kv_blocks: int | None  # None: sized by the runner from memory
+    max_waiting: int
+    seed: int
+    async_scheduling: bool
+    speculative: SpeculativeConfig | None
+    cuda_graphs: CUDAGraphConfig | None  # None: every step eager
+    fused_kernels: bool  # the Triton kernels (CUDA with Triton); else plain torch
+    has_tokenizer: bool
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """The most draft tokens a step verifies a sequence (the KV lookahead it reserves)."""
+        return self.speculative.num_speculative_tokens if self.speculative else 0
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        """KV blocks one sequence of max_model_len needs, with its draft slots."""
+        return -(-(self.max_model_len + self.num_speculative_tokens) // self.block_size)
+
+
 @dataclass
 class EngineArgs:
     """Everything that shapes an engine; the CLI flags are these fields with dashes (vLLM's names)."""
@@ -145,3 +260,77 @@ class EngineArgs:
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+    def resolve(self) -> EngineConfig:
+        """Check every field and apply every default, once; errors name the field."""
+        if not self.model:
+            raise ValueError("model must name a checkpoint directory")
+        for name in ("max_num_seqs", "block_size", "max_waiting"):
+            _positive(name, getattr(self, name))
+        for name in ("max_model_len", "max_num_batched_tokens", "num_kv_blocks"):
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name))
+        if self.backend not in ("torch", "tensorrt-llm"):
+            raise ValueError(f"backend must be 'torch' or 'tensorrt-llm', got {self.backend!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        model_config = ModelConfig.from_dict(read_json(Path(self.model) / "config.json"))
+        limit = model_config.max_position_embeddings
+        if self.max_model_len and self.max_model_len > limit:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings={limit}")
+        max_model_len = self.max_model_len or min(limit, DEFAULT_MAX_MODEL_LEN)
+        budget = self.max_num_batched_tokens or (
+            DEFAULT_CHUNK_BUDGET if self.enable_chunked_prefill else max_model_len)
+        if not self.enable_chunked_prefill and budget < max_model_len:
+            raise ValueError(f"max_num_batched_tokens={budget} is below max_model_len={max_model_len}: "
+                             "without chunked prefill a whole prompt must fit in one step")
+        if self.speculative_config and self.async_scheduling:
+            raise ValueError("async_scheduling does not combine with speculative_config yet: "
+                             "drafts depend on the tokens the host has not seen")
+        spec = (SpeculativeConfig.from_dict(self.speculative_config, model_config.num_mtp_layers)
+                if self.speculative_config else None)
+        device = self._device()
+        fused = self.backend == "torch" and device.startswith("cuda") and HAS_TRITON
+        graphs = None
+        if not self.enforce_eager and (fused or self.backend == "tensorrt-llm"):
+            k = spec.num_speculative_tokens if spec else 0
+            graphs = CUDAGraphConfig(
+                tuple(capture_sizes(self.cudagraph_capture_sizes, self.max_cudagraph_capture_size, self.max_num_seqs)),
+                tuple(step_shapes(k, model_config.num_mtp_layers)), self.cuda_graph_num_warmup_steps)
+        return EngineConfig(
+            model=str(self.model), model_config=model_config, backend=self.backend, device=device,
+            dtype=self._dtype(model_config, device), max_model_len=max_model_len, max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=budget, enable_chunked_prefill=self.enable_chunked_prefill,
+            enable_prefix_caching=self.enable_prefix_caching, gpu_memory_utilization=self.gpu_memory_utilization,
+            block_size=self.block_size, num_kv_blocks=self.num_kv_blocks, max_waiting=self.max_waiting,
+            seed=self.seed, async_scheduling=self.async_scheduling, speculative=spec, cuda_graphs=graphs,
+            fused_kernels=fused, has_tokenizer=(Path(self.model) / "tokenizer.json").exists())
+
+    def _device(self) -> str:
+        return "cuda" if self.backend == "tensorrt-llm" else resolve_device(self.device)
+
+    def _dtype(self, model_config: ModelConfig, device: str) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        # CPUs rarely do half precision fast; GPUs run the checkpoint's own dtype.
+        return "float32" if device == "cpu" else model_config.dtype
+
+
+def resolve_device(name: str) -> str:
+    """"auto" → "cuda" when torch sees a GPU, else "cpu"; other names are checked."""
+    import torch  # only here: the CLI and the config file need no torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {name!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} asked for, but torch sees no CUDA GPU")
+    return str(device)
+
+
+def _positive(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

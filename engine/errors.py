@@ -11,3 +11,7 @@ class QueueFullError(RuntimeError):
 
 class PromptTooLongError(ValueError):
     """The prompt does not fit in max_model_len (with room for at least one new token)."""
+
+
+class NoChatTemplateError(ValueError):
+    """The model ships no chat template, so chat messages cannot become a prompt."""

@@ -14,7 +14,7 @@ from jetserve.engine.sampling_params import SamplingParams
 
 class LLM:
     def __init__(self, model: str, **kwargs):
-        self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
+        self.engine = LLMEngine(EngineArgs(model=model, **kwargs).resolve())
         self._ids = itertools.count()
 
     def get_tokenizer(self):

@@ -7,16 +7,15 @@ where padded tokens of a fixed-shape (graphed) step write without touching real 
 
 from __future__ import annotations
 
-import importlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from jetserve.engine.model.attention import HAS_TRITON, MAX_UNIFORM_Q, AttentionMetadata, to_device
-from jetserve.engine.config import EngineArgs, ModelConfig
-from jetserve.engine.cuda_graphs import CUDAGraphs, capture_sizes, step_shapes
+from jetserve.engine.config import EngineConfig
+from jetserve.engine.cuda_graphs import CUDAGraphs
+from jetserve.engine.model.attention import MAX_UNIFORM_Q, AttentionMetadata, to_device
 from jetserve.engine.model.loader import load_model, torch_dtype
 from jetserve.engine.sampler import make_generator, sample
 from jetserve.engine.scheduler import ScheduledBatch
@@ -26,85 +25,76 @@ from jetserve.engine.spec_decode import MTPProposer
 log = logging.getLogger(__name__)
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} asked for, but torch sees no CUDA GPU")
-    return device
-
-
-def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) -> torch.dtype:
-    if name != "auto":
-        return torch_dtype(name)
-    # CPUs rarely do half precision fast; GPUs run the checkpoint's own dtype.
-    return torch.float32 if device.type == "cpu" else torch_dtype(model_config.dtype)
+def kv_reserve(config: EngineConfig, measure: Callable[[int, int], int]) -> int:
+    """Bytes the KV cache must leave free: the activations of the largest step the scheduler may
+    run (its whole token budget, with logits of up to max_num_seqs rows), plus, with CUDA graphs,
+    those of the largest captured step (logits of every row). `measure(tokens, logit_rows)` is a
+    dry run's peak."""
+    n = config.max_num_batched_tokens
+    reserve = measure(n, min(n, config.max_num_seqs))
+    if config.cuda_graphs:
+        rows = max(config.cuda_graphs.capture_sizes) * max(q for _, q in config.cuda_graphs.step_shapes)
+        reserve += measure(rows, rows)
+    return reserve
 
 
 class ModelRunner:
-    def __init__(self, args: EngineArgs, model_config: ModelConfig, max_model_len: int,
-                 progress: Callable[[str], None] | None = None):
-        self.device = resolve_device(args.device)
-        self.dtype = resolve_dtype(args.dtype, model_config, self.device)
-        self.block_size = args.block_size
-        self.config = model_config
-        torch.manual_seed(args.seed)
-        self.model = load_model(args.model, self.dtype, self.device, max_model_len, progress)
-        plan = self._graph_plan(args)
-        if self.device.type == "cuda" and HAS_TRITON:  # the skinny matmul times its tiles in CUDA graphs
-            importlib.import_module("jetserve.engine.model.kernels").tile_timing = plan is not None
-        self.num_blocks = args.num_kv_blocks or self._fit_num_blocks(args, max_model_len, plan)
+    def __init__(self, config: EngineConfig, progress: Callable[[str], None] | None = None):
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = torch_dtype(config.dtype)
+        self.block_size = config.block_size
+        torch.manual_seed(config.seed)
+        self.model = load_model(config.model, self.dtype, self.device, config.max_model_len, progress)
+        if config.fused_kernels:
+            # Chosen here, once, and handed down: two engines in one process (tests, benchmarks)
+            # each keep their own tile choices; tiles are timed only where graphs are captured.
+            from jetserve.engine.model.kernels import FusedKernels  # needs Triton
+
+            self.model.use_kernels(FusedKernels(tile_timing=config.cuda_graphs is not None))
+        self.num_blocks = config.num_kv_blocks or self._fit_num_blocks()
+        if self.num_blocks < config.max_blocks_per_seq:
+            raise ValueError(f"num_kv_blocks={self.num_blocks} of {config.block_size} tokens cannot hold one "
+                             f"sequence of max_model_len={config.max_model_len}"
+                             + (f" plus {config.num_speculative_tokens} draft slots"
+                                if config.num_speculative_tokens else ""))
         slots = (self.num_blocks + 1) * self.block_size
-        self.kv_cache = torch.zeros(self.model.num_kv_layers, 2, slots, model_config.num_key_value_heads,
-                                    model_config.head_dim, dtype=self.dtype, device=self.device)
-        self.proposer = MTPProposer(max_model_len, self.block_size, self.device) if args.speculative_config else None
+        mc = config.model_config
+        self.kv_cache = torch.zeros(self.model.num_kv_layers, 2, slots, mc.num_key_value_heads,
+                                    mc.head_dim, dtype=self.dtype, device=self.device)
+        self.proposer = (MTPProposer(config.max_model_len, self.block_size, self.device, config.fused_kernels)
+                         if config.speculative else None)
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB) on %s, %s", self.num_blocks, self.block_size,
                  self.kv_cache.numel() * self.kv_cache.element_size() / 2**20, self.device, self.dtype)
         self._last_sampled: tuple[torch.Tensor, dict[Sequence, int]] | None = None  # see launch()
         self.graphs = None
-        if plan:
-            self.graphs = CUDAGraphs(self.model, self.kv_cache, *plan, max_model_len, self.block_size,
-                                     scratch_block=self.num_blocks, num_warmup=args.cuda_graph_num_warmup_steps)
+        if config.cuda_graphs:
+            self.graphs = CUDAGraphs(self.model, self.kv_cache, config.cuda_graphs, config.max_model_len,
+                                     self.block_size, scratch_block=self.num_blocks)
             self.graphs.capture(progress)
-
-    def _graph_plan(self, args: EngineArgs) -> tuple[list[int], list[tuple[int | None, int]]] | None:
-        """Batch buckets and step shapes to capture; None runs every step eagerly (CPU, enforce_eager)."""
-        if self.device.type != "cuda" or args.enforce_eager:
-            return None
-        if not HAS_TRITON:
-            log.warning("CUDA graphs need Triton (the fused decode path), which is not installed: running eagerly")
-            return None
-        spec = args.speculative_config
-        k = spec.get("num_speculative_tokens", 1) if spec else 0
-        return (capture_sizes(args.cudagraph_capture_sizes, args.max_cudagraph_capture_size, args.max_num_seqs),
-                step_shapes(k, self.config.num_mtp_layers))
 
     @property
     def block_bytes(self) -> int:
-        c = self.config
+        c = self.config.model_config
         per_token = 2 * self.model.num_kv_layers * c.num_key_value_heads * c.head_dim
         return per_token * self.block_size * torch.finfo(self.dtype).bits // 8
 
-    def _fit_num_blocks(self, args: EngineArgs, max_model_len: int, graph_plan) -> int:
-        """Enough for every sequence at full length; on a GPU no more than memory allows, after
-        the activations of the largest step and the CUDA graphs' pool (measured by dry runs)."""
-        wanted = args.max_num_seqs * -(-max_model_len // self.block_size)
+    def _fit_num_blocks(self) -> int:
+        """Enough for every sequence at full length (with its draft slots); on a GPU no more
+        than memory allows, after the activations of the largest step the scheduler may run
+        (its token budget: max_model_len when chunking is off) and of the CUDA graphs' largest
+        step (measured by dry runs)."""
+        config = self.config
+        wanted = config.max_num_seqs * config.max_blocks_per_seq
         if self.device.type != "cuda":
             return wanted
         free, total = torch.cuda.mem_get_info(self.device)
-        used = total - free
-        n = args.max_num_batched_tokens or 512
-        reserve = self._activation_peak(n, min(n, args.max_num_seqs))
-        if graph_plan:  # main-model graphs take logits of every row
-            sizes, shapes = graph_plan
-            rows = max(sizes) * max(q for _, q in shapes)
-            reserve += self._activation_peak(rows, rows)
-        budget = int(total * args.gpu_memory_utilization) - used - reserve
+        reserve = kv_reserve(config, self._activation_peak)
+        budget = int(total * config.gpu_memory_utilization) - (total - free) - reserve
         fits = budget // self.block_bytes - 1  # the scratch block
-        if fits < -(-max_model_len // self.block_size):
-            raise ValueError(f"gpu_memory_utilization={args.gpu_memory_utilization} leaves room for {fits} KV "
-                             f"blocks, fewer than one sequence of max_model_len={max_model_len} needs")
+        if fits < config.max_blocks_per_seq:
+            raise ValueError(f"gpu_memory_utilization={config.gpu_memory_utilization} leaves room for {fits} KV "
+                             f"blocks, fewer than one sequence of max_model_len={config.max_model_len} needs")
         return min(wanted, fits)
 
     def _activation_peak(self, n: int, n_logits: int) -> int:
@@ -112,11 +102,11 @@ class ModelRunner:
         (one dry run)."""
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        c = self.config
+        c = self.config.model_config
         cache = torch.zeros(self.model.num_kv_layers, 2, n + self.block_size, c.num_key_value_heads,
                             c.head_dim, dtype=self.dtype, device=self.device)
         table = list(range(-(-n // self.block_size)))
-        meta = AttentionMetadata.build([n], [n], [table], self.block_size, self.device)
+        meta = AttentionMetadata.build([n], [n], [table], self.block_size, self.device, self.config.fused_kernels)
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         with torch.inference_mode():
             positions = torch.arange(n, device=self.device) % self.model.rotary.cos.shape[0]  # n may pass max_model_len
@@ -136,9 +126,9 @@ class ModelRunner:
         one still part-way through its prompt; and the drafts (up to `num_drafts`) each one
         proposes for the next step."""
         step = self._run(batch)
-        sampled = [seq for seq, d in zip(batch.seqs, step.done) if d]
+        sampled = [seq for seq, d in zip(batch.seqs, step.sampled) if d]
         tokens = iter(self._sample(step, sampled) if sampled else [])
-        emitted = [next(tokens) if d else None for d in step.done]
+        emitted = [next(tokens) if d else None for d in step.sampled]
         if self.proposer is None:
             return emitted, [[] for _ in batch.seqs]
         drafts = self.proposer.propose(self._draft_forward, self.model.compute_logits, batch.seqs,
@@ -151,7 +141,7 @@ class ModelRunner:
         sampled tokens stay on the device, where the next step reads its inputs, and reach the
         host later through `Launch.tokens()`, while the device computes that next step."""
         step = self._run(batch)
-        sampled = [seq for seq, d in zip(batch.seqs, step.done) if d]
+        sampled = [seq for seq, d in zip(batch.seqs, step.sampled) if d]
         if not sampled:
             return Launch(sampled, None, None)
         tokens = self._sample_tensor(step, sampled)
@@ -167,7 +157,7 @@ class ModelRunner:
     def _run(self, batch: ScheduledBatch) -> _Step:
         """The forward of a step: a graph replay fed by one copy when a captured graph fits the
         step, else eager."""
-        ids, positions, q_lens, ctx_lens, tables, sample_at, done = [], [], [], [], [], [], []
+        ids, positions, q_lens, ctx_lens, tables, sample_at, sampled = [], [], [], [], [], [], []
         pending = []  # (index in ids, sequence): a token the last launch left on the device
         for seq, n in zip(batch.seqs, batch.num_tokens):
             start = seq.num_computed_tokens
@@ -180,8 +170,8 @@ class ModelRunner:
             q_lens.append(n)
             ctx_lens.append(start + n)
             tables.append(seq.block_table)
-            done.append(seq.completes(n))
-            if done[-1]:
+            sampled.append(seq.sampled_after(n))
+            if sampled[-1]:
                 sample_at.extend(range(len(ids) - 1 - len(seq.spec_token_ids), len(ids)))
         key = self._graph_key(q_lens, tables)
         if key is not None:
@@ -190,16 +180,17 @@ class ModelRunner:
             if pending:  # after the copy into the static ids, before the replay: stream order
                 self._fill_pending(graphs.ids, pending)
             hidden, logits, greedy = graphs.replay(key, len(ids))
-            step = _Step(hidden, graphs.positions[:len(ids)], graphs.meta(key[1], len(q_lens)), sample_at, done)
+            step = _Step(hidden, graphs.positions[:len(ids)], graphs.meta(key[1], len(q_lens)), sample_at, sampled)
             if sample_at == list(range(len(ids))):  # every row sampled: the graph's logits are the sampled ones
                 step.logits, step.greedy = logits, greedy
             return step
-        meta = AttentionMetadata.build(q_lens, ctx_lens, tables, self.block_size, self.device)
+        meta = AttentionMetadata.build(q_lens, ctx_lens, tables, self.block_size, self.device,
+                                       self.config.fused_kernels)
         ids_t = to_device(torch.tensor(ids), self.device)
         if pending:
             self._fill_pending(ids_t, pending)
         positions_t = to_device(torch.tensor(positions), self.device)
-        return _Step(self.model(ids_t, positions_t, self.kv_cache, meta), positions_t, meta, sample_at, done)
+        return _Step(self.model(ids_t, positions_t, self.kv_cache, meta), positions_t, meta, sample_at, sampled)
 
     def _graph_key(self, q_lens: list[int], tables: list[list[int]]) -> tuple[None, int, int] | None:
         """The main-model graph that fits a step (every sequence the same few tokens, a captured
@@ -259,7 +250,7 @@ class _Step:
     positions: torch.Tensor
     meta: AttentionMetadata
     sample_at: list[int]  # the rows to sample
-    done: list[bool]  # per sequence: whether this step samples it
+    sampled: list[bool]  # per sequence: whether this step samples it
     logits: torch.Tensor | None = None  # [len(sample_at), vocab] fp32, when the graph computed them
     greedy: torch.Tensor | None = None  # their argmax
 

@@ -5,7 +5,7 @@ A step with speculation, per decoding sequence whose last token is x_t and draft
 1. The main model computes x_t, d_1..d_k in one forward (batched with everything else).
 2. `verify` accepts a prefix of the drafts and emits one more token (the correction, or the
    bonus when all k were accepted): greedy requests by exact match with the argmax, sampled
-   ones by rejection sampling, so the output is exactly the model's (engine.md).
+   ones by rejection sampling, so the output is exactly the model's distribution.
 3. The MTP pass runs MTP layer 0 over the same rows, fed the main hidden state at position p
    and the token at p+1: the tokens now known, i.e. the prompt, accepted drafts and the new
    token. Prefill chunks go through it too, so the MTP layer's KV cache holds the whole context
@@ -26,48 +26,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from jetserve.engine.config import SpeculativeConfig
 from jetserve.engine.model.attention import AttentionMetadata
 from jetserve.engine.sampler import exponential_noise, processed_probs
 from jetserve.engine.sampling_params import SamplingParams
 from jetserve.engine.sequence import Sequence
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """`speculative_config` (vLLM's name and keys), plus the adaptive draft length's knobs."""
-
-    method: str = "mtp"
-    num_speculative_tokens: int = 1
-    adaptive: bool = True  # lower k (down to 0) when drafts stop paying, raise it when they do again
-    acceptance_threshold: float = 0.3  # draft position j while P(accepted length >= j) stays above this
-    acceptance_window: int = 128  # verifications (sequence-steps) the estimate looks back over
-    probe_interval: int = 8  # every N-th step draft one position more than k, to see whether it pays
-    min_samples: int = 16  # verifications of a position needed before k moves past it
-
-    @classmethod
-    def from_dict(cls, config: dict, num_mtp_layers: int) -> SpeculativeConfig:
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(config) - known)
-        if unknown:
-            raise ValueError(f"speculative_config: unknown key(s) {unknown}; known: {sorted(known)}")
-        spec = cls(**config)
-        if spec.method != "mtp":
-            raise ValueError(f"speculative_config.method must be 'mtp', got {spec.method!r}")
-        k = spec.num_speculative_tokens
-        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-            raise ValueError(f"speculative_config.num_speculative_tokens must be an integer >= 1, got {k!r}")
-        if not 0 <= spec.acceptance_threshold <= 1:
-            raise ValueError(f"speculative_config.acceptance_threshold must be in [0, 1], "
-                             f"got {spec.acceptance_threshold!r}")
-        for name in ("acceptance_window", "probe_interval", "min_samples"):
-            value = getattr(spec, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"speculative_config.{name} must be an integer >= 1, got {value!r}")
-        if num_mtp_layers == 0:
-            raise ValueError("speculative_config: method 'mtp' needs MTP heads, and this checkpoint has none; "
-                             "merge shipped heads with `jetserve mtp merge BASE HEADS OUT` or train them with "
-                             "`jetserve mtp fit --model BASE --data FILES... --out OUT`")
-        return spec
 
 
 def verify(logits: torch.Tensor, drafts: list[list[int]], params: list[SamplingParams],
@@ -114,10 +77,12 @@ Verify = Callable[[torch.Tensor, list[list[int]], list[SamplingParams], list[tor
 class MTPProposer:
     """The MTP pass and the drafting chain of one step (steps 3 and 4 above)."""
 
-    def __init__(self, max_model_len: int, block_size: int, device: torch.device, verify: Verify = verify):
+    def __init__(self, max_model_len: int, block_size: int, device: torch.device, fused: bool,
+                 verify: Verify = verify):
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.device = device
+        self.fused = fused  # the model runs the Triton kernels: uniform steps take the paged kernel
         self.verify = verify  # the acceptance rule; a parameter so a test can prove a wrong one is caught
 
     def num_drafts(self, seq: Sequence, emitted: list[int], k: int) -> int:
@@ -154,7 +119,7 @@ class MTPProposer:
                 pos = [p + step for p in last]
                 step_meta = AttentionMetadata.build([1] * len(active), [p + 1 for p in pos],
                                                     [seqs[i].block_table for i in active], self.block_size,
-                                                    self.device)
+                                                    self.device, self.fused)
                 h = draft_forward(step, ids, torch.tensor(pos, device=self.device), h, step_meta)
             tokens = compute_logits(h).argmax(dim=-1).tolist()
             for i, t in zip(active, tokens):

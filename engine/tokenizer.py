@@ -13,6 +13,7 @@ from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 
+from jetserve.engine.errors import NoChatTemplateError
 from jetserve.engine.model.checkpoint import CheckpointError, read_json
 
 # Special-token strings a chat template may read, as transformers passes them.
@@ -21,10 +22,6 @@ _TEMPLATE_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
 # enough for decoders that change a token's text by what precedes it (leading spaces).
 _CONTEXT_TOKENS = 5
 _REPLACEMENT = "\ufffd"
-
-
-class NoChatTemplateError(ValueError):
-    """The model ships no chat template, so chat messages cannot become a prompt."""
 
 
 def _token_string(value) -> str | None:

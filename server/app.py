@@ -167,7 +167,7 @@ class JetServer:
         self.engine = engine
         self.engine_alive = True
         await self._update_health()
-        model = engine.model_info["model"]
+        model = engine.model_info.model
         notify.notify("READY=1", "STATUS=serving %s on %s" % (model, self.address))
         log.info("serving %s", model)
         self._heartbeat = asyncio.create_task(self._follow_heartbeat(engine))

@@ -122,7 +122,7 @@ def run_serve(args):
         host=args.host, port=args.port, unix_socket=args.unix_socket, metrics_port=args.metrics_port,
         api_key=read_token(args.api_key, args.api_key_file), tls_cert=args.tls_cert, tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca, drain_grace_period=args.drain_grace_period)
-    return asyncio.run(serve(lambda on_status: open_engine(engine_args, on_status=on_status), options))
+    return asyncio.run(serve(lambda on_status: open_engine(engine_args.resolve(), on_status=on_status), options))
 
 
 def apply_compat_gate(engine_args, sysroot="/"):

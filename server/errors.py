@@ -7,8 +7,7 @@ import logging
 
 import grpc
 
-from jetserve.engine.errors import EngineError, PromptTooLongError, QueueFullError
-from jetserve.engine.tokenizer import NoChatTemplateError
+from jetserve.engine.errors import EngineError, NoChatTemplateError, PromptTooLongError, QueueFullError
 
 log = logging.getLogger(__name__)
 

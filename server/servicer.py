@@ -59,7 +59,7 @@ def chat_prompt(request: pb.ChatRequest, engine) -> str:
     if engine.tokenizer is None:
         raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
                        "messages: model %s has no tokenizer, so no chat template; use Generate with token_ids"
-                       % engine.model_info["model"])
+                       % engine.model_info.model)
     return engine.tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in request.messages])
 
 
@@ -133,11 +133,11 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         info = engine.model_info
         tokenizer = engine.tokenizer
         return pb.GetModelInfoResponse(
-            model=str(info["model"]), architecture=info["architecture"], dtype=str(info["dtype"]),
-            device=str(info["device"]), max_model_len=info["max_model_len"], vocab_size=info["vocab_size"],
+            model=str(info.model), architecture=info.architecture, dtype=str(info.dtype),
+            device=str(info.device), max_model_len=info.max_model_len, vocab_size=info.vocab_size,
             has_chat_template=tokenizer is not None and tokenizer.chat_template is not None,
-            num_mtp_layers=info["num_mtp_layers"], num_speculative_tokens=engine.stats().num_speculative_tokens,
-            cuda_graphs=info["cuda_graphs"], backend=info["backend"], version=__version__)
+            num_mtp_layers=info.num_mtp_layers, num_speculative_tokens=engine.stats().num_speculative_tokens,
+            cuda_graphs=info.cuda_graphs, backend=info.backend, version=__version__)
 
     @answers_with_status
     async def GetStats(self, request, context):

@@ -1,4 +1,4 @@
-"""TensorRT-LLM backend: the same EngineArgs, run by TensorRT-LLM's LLM API where NVIDIA ships it.
+"""TensorRT-LLM backend: the same resolved EngineConfig, run by TensorRT-LLM's LLM API where NVIDIA ships it.
 
 TRT-LLM brings the same three optimizations (CUDA graphs, chunked prefill, MTP) in its own
 kernels. This module only translates: our config into its `LLM(...)` arguments, its streamed
@@ -13,44 +13,36 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from pathlib import Path
 
-from jetserve.engine.model.checkpoint import read_json
-from jetserve.engine.config import EngineArgs, ModelConfig
+from jetserve.engine.config import EngineConfig
 from jetserve.engine.errors import EngineError
-from jetserve.engine.llm_engine import DEFAULT_CHUNK_BUDGET, DEFAULT_MAX_MODEL_LEN, EngineStats
 from jetserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jetserve.engine.prompts import check_prompt
+from jetserve.engine.protocol import EngineStats, ModelInfo
 from jetserve.engine.sampling_params import SamplingParams
 from jetserve.engine.tokenizer import Tokenizer
 
 _FINISH = {"stop": "stop", "length": "length", "cancelled": "abort", "timeout": "abort"}
 
 
-def llm_kwargs(args: EngineArgs, model_config: ModelConfig) -> dict:
+def llm_kwargs(config: EngineConfig) -> dict:
     """`tensorrt_llm.LLM` keyword arguments; config objects as (llmapi class name, kwargs)."""
-    max_model_len = args.max_model_len or min(model_config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
     graphs = None
-    if not args.enforce_eager:
-        graphs = ("CudaGraphConfig", {"enable_padding": True, "max_batch_size": args.max_cudagraph_capture_size
-                                      or args.max_num_seqs, **({"batch_sizes": args.cudagraph_capture_sizes}
-                                                               if args.cudagraph_capture_sizes else {})})
-    spec = args.speculative_config
-    if spec and spec.get("method") != "mtp":
-        raise ValueError(f"speculative_config.method {spec.get('method')!r}: the TensorRT-LLM backend drafts with mtp")
+    if config.cuda_graphs:
+        graphs = ("CudaGraphConfig", {"enable_padding": True, "max_batch_size": max(config.cuda_graphs.capture_sizes),
+                                      "batch_sizes": list(config.cuda_graphs.capture_sizes)})
+    spec = config.speculative
     return {
-        "model": args.model,
-        "dtype": args.dtype,
-        "max_batch_size": args.max_num_seqs,
-        "max_seq_len": max_model_len,
-        "max_num_tokens": args.max_num_batched_tokens or (
-            DEFAULT_CHUNK_BUDGET if args.enable_chunked_prefill else max_model_len),
-        "enable_chunked_prefill": args.enable_chunked_prefill,
-        "kv_cache_config": ("KvCacheConfig", {"free_gpu_memory_fraction": args.gpu_memory_utilization,
+        "model": config.model,
+        "dtype": config.dtype,
+        "max_batch_size": config.max_num_seqs,
+        "max_seq_len": config.max_model_len,
+        "max_num_tokens": config.max_num_batched_tokens,
+        "enable_chunked_prefill": config.enable_chunked_prefill,
+        "kv_cache_config": ("KvCacheConfig", {"free_gpu_memory_fraction": config.gpu_memory_utilization,
                                               "enable_block_reuse": True}),
         "cuda_graph_config": graphs,
-        "speculative_config": ("MTPDecodingConfig", {"max_draft_len": spec["num_speculative_tokens"]})
-        if spec else None,
+        "speculative_config": ("MTPDecodingConfig", {"max_draft_len": spec.num_speculative_tokens}) if spec else None,
         "enable_iter_perf_stats": True,
     }
 
@@ -74,7 +66,7 @@ class TensorRTLLMEngine:
 
     STATS_INTERVAL = 0.5
 
-    def __init__(self, args: EngineArgs, on_status=None):
+    def __init__(self, config: EngineConfig, on_status=None):
         try:
             import tensorrt_llm
             from tensorrt_llm import llmapi
@@ -82,30 +74,29 @@ class TensorRTLLMEngine:
             raise EngineError(f"backend tensorrt-llm: TensorRT-LLM is not installed here ({exc.name}); "
                               "on Jetson only the v0.12.0-jetson branch exists (AGX Orin, JetPack 6.1): "
                               "use --backend torch") from None
-        self.model_config = ModelConfig.from_dict(read_json(Path(args.model) / "config.json"))
-        kwargs = llm_kwargs(args, self.model_config)
+        self.config = config
+        self.model_config = config.model_config
+        kwargs = llm_kwargs(config)
         built = {k: getattr(llmapi, v[0])(**v[1]) if isinstance(v, tuple) else v for k, v in kwargs.items()}
         if on_status:
             on_status("building the TensorRT-LLM executor")
         self._trt = tensorrt_llm
         self.llm = tensorrt_llm.LLM(**built)
-        self.max_model_len = kwargs["max_seq_len"]
-        self.tokenizer = Tokenizer.from_pretrained(args.model) if (Path(args.model) / "tokenizer.json").exists() \
-            else None
-        self.args = args
-        self._stats = EngineStats(max_num_seqs=args.max_num_seqs)
+        self.max_model_len = config.max_model_len
+        self.tokenizer = Tokenizer.from_pretrained(config.model) if config.has_tokenizer else None
+        self._stats = EngineStats(max_num_seqs=config.max_num_seqs)
         self._results: dict[str, object] = {}
         self._stopping = threading.Event()
         self.last_heartbeat = time.monotonic()
 
     @property
-    def model_info(self) -> dict:
-        spec = self.args.speculative_config or {}
-        return {"model": str(self.args.model), "architecture": self.model_config.architecture,
-                "dtype": self.args.dtype, "device": "cuda", "max_model_len": self.max_model_len,
-                "vocab_size": self.model_config.vocab_size, "num_mtp_layers": self.model_config.num_mtp_layers,
-                "num_speculative_tokens": spec.get("num_speculative_tokens", 0),
-                "cuda_graphs": not self.args.enforce_eager, "backend": "tensorrt-llm"}
+    def model_info(self) -> ModelInfo:
+        c = self.config
+        return ModelInfo(model=c.model, architecture=c.model_config.architecture, dtype=c.dtype, device="cuda",
+                         max_model_len=c.max_model_len, vocab_size=c.model_config.vocab_size,
+                         num_mtp_layers=c.model_config.num_mtp_layers,
+                         num_speculative_tokens=c.num_speculative_tokens, cuda_graphs=c.cuda_graphs is not None,
+                         backend="tensorrt-llm")
 
     def start(self) -> None:
         threading.Thread(target=self._poll_stats, name="jetserve-trtllm-stats", daemon=True).start()
@@ -131,7 +122,7 @@ class TensorRTLLMEngine:
                     num_draft_tokens=s.num_draft_tokens + drafted, num_accepted_tokens=s.num_accepted_tokens + accepted,
                     acceptance_rate=(s.num_accepted_tokens + accepted) / max(s.num_draft_tokens + drafted, 1),
                     mean_accepted_length=spec.get("acceptanceLength", s.mean_accepted_length),
-                    num_speculative_tokens=self.model_info["num_speculative_tokens"])
+                    num_speculative_tokens=self.config.num_speculative_tokens)
             self.last_heartbeat = time.monotonic()
 
     async def generate(self, prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None):

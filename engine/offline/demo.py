@@ -22,11 +22,10 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from jetserve.engine.config import ModelConfig
+from jetserve.engine.config import ModelConfig, resolve_device
 from jetserve.engine.offline.export import model_tensors
 from jetserve.engine.model.qwen3 import Qwen3ForCausalLM
 from jetserve.engine.offline.mtp_fit import fit
-from jetserve.engine.runner import resolve_device
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
@@ -170,7 +169,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    device = resolve_device(args.device)
+    device = torch.device(resolve_device(args.device))
     torch.backends.cuda.matmul.allow_tf32 = True
     out = Path(args.out)
 

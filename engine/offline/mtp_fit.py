@@ -28,12 +28,12 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
+from jetserve.engine.config import resolve_device
 from jetserve.engine.model.checkpoint import CheckpointError
 from jetserve.engine.offline.export import mtp_tensors
 from jetserve.engine.model.loader import load_model, torch_dtype
 from jetserve.engine.model.qwen3 import MTPLayer, Qwen3ForCausalLM
 from jetserve.engine.offline.mtp_checkpoint import merge
-from jetserve.engine.runner import resolve_device
 from jetserve.engine.tokenizer import Tokenizer
 
 
@@ -132,7 +132,7 @@ def fit(model_dir, data_files, out_dir, *, num_layers: int = 1, steps: int = 100
     if num_layers < 1 or depth < 1 or steps < 1:
         raise ValueError("num_layers, depth and steps must be >= 1")
     torch.manual_seed(seed)
-    dev = resolve_device(device)
+    dev = torch.device(resolve_device(device))
     model = load_model(str(model_dir), torch_dtype("float32") if dev.type == "cpu" else torch.bfloat16, dev,
                        seq_len + depth + 1)
     if len(model.mtp):

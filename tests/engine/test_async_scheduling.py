@@ -25,7 +25,7 @@ def test_greedy_matches_transformers(checkpoint, budget):
     llm = LLM(str(path), max_num_seqs=8, max_num_batched_tokens=budget, block_size=4, async_scheduling=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == reference
-    assert llm.engine.blocks.num_used == 0
+    assert llm.engine.scheduler.blocks.num_used == 0
 
 
 def test_preemption_is_exact(checkpoint):
@@ -35,7 +35,7 @@ def test_preemption_is_exact(checkpoint):
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outputs] == reference
-    assert llm.engine.blocks.num_used == 0
+    assert llm.engine.scheduler.blocks.num_used == 0
 
 
 def test_same_text_stops_and_seeds_as_synchronous(tiny):
@@ -49,32 +49,32 @@ def test_same_text_stops_and_seeds_as_synchronous(tiny):
         llm = LLM(str(path), max_num_seqs=4, max_num_batched_tokens=32, async_scheduling=async_scheduling)
         results.append([(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason)
                         for o in llm.generate(prompts, params, use_tqdm=False)])
-        assert llm.engine.blocks.num_used == 0
+        assert llm.engine.scheduler.blocks.num_used == 0
     assert results[0] == results[1]
     assert {reason for _, _, reason in results[1]} >= {"stop", "length"}
 
 
 def test_abort_while_a_step_is_in_flight(checkpoint):
     path, _ = checkpoint
-    engine = LLMEngine(EngineArgs(model=str(path), async_scheduling=True))
+    engine = LLMEngine(EngineArgs(model=str(path), async_scheduling=True).resolve())
     engine.add_request("a", {"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=50, ignore_eos=True))
     engine.add_request("b", {"prompt_token_ids": PROMPTS[1]}, SamplingParams(max_tokens=50, ignore_eos=True))
     for _ in range(3):
         engine.step()
-    assert engine._in_flight is not None and engine.blocks.num_used > 0
+    assert engine._in_flight is not None and engine.scheduler.blocks.num_used > 0
     engine.abort("a")
     outputs = engine.step()
     assert all(o.request_id == "b" for o in outputs)
     engine.abort("b")
     engine.step()  # drains the step launched before the abort; its tokens are dropped
-    assert engine.blocks.num_used == 0 and not engine.has_unfinished_requests()
+    assert engine.scheduler.blocks.num_used == 0 and not engine.has_unfinished_requests()
 
 
 def test_streams_through_the_async_engine(checkpoint):
     path, reference = checkpoint
 
     async def main():
-        engine = AsyncLLM(EngineArgs(model=str(path), async_scheduling=True))
+        engine = AsyncLLM(EngineArgs(model=str(path), async_scheduling=True).resolve())
         engine.start()
         try:
             async def one(prompt):

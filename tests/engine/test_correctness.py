@@ -35,7 +35,7 @@ def checkpoint(request, tmp_path_factory):
 def generate(path, **kwargs):
     llm = LLM(str(path), max_num_seqs=8, **kwargs)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
-    assert llm.engine.blocks.num_used == 0
+    assert llm.engine.scheduler.blocks.num_used == 0
     return [o.outputs[0].token_ids for o in outputs]
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from jetserve.engine import LLM, SamplingParams
-from jetserve.engine.cuda_graphs import capture_sizes, step_shapes
+from jetserve.engine.config import capture_sizes, step_shapes
 
 from tests.engine.builders import build_drafting_model, build_qwen3, hf_greedy
 
@@ -69,7 +69,8 @@ def test_replay_equals_eager_logits(checkpoint, dtype):
     for batch in (1, 3, 8):  # 3 pads to bucket 4
         ctx = [10 + 3 * b for b in range(batch)]
         tables = [[2 * b, 2 * b + 1] for b in range(batch)]  # block_size 16: two blocks each
-        meta = AttentionMetadata.build([1] * batch, ctx, tables, runner.block_size, runner.device)
+        meta = AttentionMetadata.build([1] * batch, ctx, tables, runner.block_size, runner.device,
+                                       runner.config.fused_kernels)
         ids = torch.randint(0, 300, (batch,), device="cuda")
         pos = torch.tensor([c - 1 for c in ctx], device="cuda")
         graphed = runner.graphs.run(None, ids, pos, meta)
@@ -93,7 +94,7 @@ def test_greedy_graphs_equal_eager_and_transformers(checkpoint):
         outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:n]], GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outputs] == reference[:n], n
         assert bool(calls) == (n <= 4), n  # above the largest bucket every step runs eagerly
-    assert llm.engine.model_info["cuda_graphs"] is True
+    assert llm.engine.model_info.cuda_graphs is True
 
 
 @gpu
@@ -138,7 +139,7 @@ def test_async_scheduling_with_graphs_equals_transformers(checkpoint):
         fill(ids, pending)
     runner._fill_pending = spy
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outputs] == reference and llm.engine.blocks.num_used == 0
+    assert [o.outputs[0].token_ids for o in outputs] == reference and llm.engine.scheduler.blocks.num_used == 0
     assert any(filled)  # pending tokens went into a replayed graph's inputs
 
 
@@ -174,7 +175,7 @@ def test_failing_bucket_falls_back_to_eager(checkpoint, caplog, monkeypatch):
 @pytest.mark.gpu
 def test_enforce_eager_captures_nothing(checkpoint):
     llm, _ = generate(checkpoint[0], PROMPTS[:1], enforce_eager=True)
-    assert llm.engine.runner.graphs is None and llm.engine.model_info["cuda_graphs"] is False
+    assert llm.engine.runner.graphs is None and llm.engine.model_info.cuda_graphs is False
 
 
 @gpu

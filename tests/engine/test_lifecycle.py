@@ -18,7 +18,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
 def engine(path, **kwargs):
-    return LLMEngine(EngineArgs(model=str(path), **kwargs))
+    return LLMEngine(EngineArgs(model=str(path), **kwargs).resolve())
 
 
 def run_until(eng, predicate, limit=500):
@@ -37,11 +37,11 @@ def test_abort_mid_prefill_and_mid_decode_frees_every_block(tiny):
     seqs = {r: eng.requests[r].seq for r in ("prefill", "decode")}
     run_until(eng, lambda: seqs["decode"].num_output_tokens >= 2)
     assert 0 < seqs["prefill"].num_computed_tokens < 30, "the long prompt is part-way through prefill"
-    assert eng.blocks.num_used > 0
+    assert eng.scheduler.blocks.num_used > 0
     final = eng.abort("prefill")
     assert final.finished and final.outputs[0].finish_reason == "abort"
     eng.abort("decode")
-    assert eng.blocks.num_used == 0 and not eng.has_unfinished_requests()
+    assert eng.scheduler.blocks.num_used == 0 and not eng.has_unfinished_requests()
     assert eng.abort("decode") is None  # a second abort is harmless
 
 
@@ -52,7 +52,7 @@ def test_preemption_under_a_tiny_kv_pool_is_exact(tiny):
     llm = LLM(str(path), num_kv_blocks=8, block_size=4, max_model_len=32, max_num_batched_tokens=16)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0
-    assert llm.engine.blocks.num_used == 0
+    assert llm.engine.scheduler.blocks.num_used == 0
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(model, p, 12) for p in prompts]
 
 
@@ -82,7 +82,7 @@ def test_bad_prompts_and_engine_args_are_clear_errors(tiny):
         llm.generate("", GREEDY)
     with pytest.raises(ValueError, match="not a token id"):
         llm.generate({"prompt_token_ids": [1, 10**6]}, GREEDY)
-    assert llm.engine.blocks.num_used == 0 and not llm.engine.has_unfinished_requests()
+    assert llm.engine.scheduler.blocks.num_used == 0 and not llm.engine.has_unfinished_requests()
     with pytest.raises(ValueError, match="max_num_seqs"):
         LLM(str(path), max_num_seqs=0)
     with pytest.raises(ValueError, match="max_model_len"):
@@ -201,7 +201,7 @@ def test_streamed_cjk_and_emoji_text_never_has_replacement_chars(tiny):
         return pieces, ids, out
 
     async def main():
-        engine = AsyncLLM(EngineArgs(model=str(path), max_num_seqs=8))
+        engine = AsyncLLM(EngineArgs(model=str(path), max_num_seqs=8).resolve())
         engine.start()
         try:
             params = [SamplingParams(temperature=1.0, seed=s, max_tokens=40, ignore_eos=True) for s in range(6)]
@@ -231,7 +231,7 @@ def test_stop_strings_end_the_stream_before_the_stop_text(tiny):
     stopped = llm.generate(CORPUS[0], SamplingParams(**params, stop=stop), use_tqdm=False)[0].outputs[0]
     assert stopped.finish_reason == "stop" and stopped.stop_reason == stop
     assert stopped.text == text[:text.index(stop)]
-    assert llm.engine.blocks.num_used == 0
+    assert llm.engine.scheduler.blocks.num_used == 0
 
 
 def test_async_queue_bound_and_cancel(tiny):
@@ -240,7 +240,7 @@ def test_async_queue_bound_and_cancel(tiny):
     long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
 
     async def main():
-        engine = AsyncLLM(EngineArgs(model=str(path), max_num_seqs=1, max_waiting=2))
+        engine = AsyncLLM(EngineArgs(model=str(path), max_num_seqs=1, max_waiting=2).resolve())
         engine.start()
         received = []
 

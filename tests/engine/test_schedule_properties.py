@@ -22,7 +22,7 @@ def model(tmp_path_factory):
 def reference(model):
     """Greedy tokens of one prompt alone: no chunking, no drafting, a pool that never runs out."""
     engine = LLMEngine(EngineArgs(model=model, max_model_len=MAX_MODEL_LEN, enable_chunked_prefill=False,
-                                  enable_prefix_caching=False))
+                                  enable_prefix_caching=False).resolve())
     cache = {}
 
     def greedy(prompt, max_tokens):
@@ -57,7 +57,7 @@ def test_random_workloads_keep_tokens_and_blocks(model, reference, w):
     engine = LLMEngine(EngineArgs(model=model, max_model_len=MAX_MODEL_LEN, block_size=BLOCK, max_num_seqs=4,
                                   max_num_batched_tokens=w["budget"], num_kv_blocks=w["blocks"],
                                   async_scheduling=w["mode"] == "async", speculative_config=spec,
-                                  enable_prefix_caching=w["prefix_caching"]))
+                                  enable_prefix_caching=w["prefix_caching"]).resolve())
     prompts = [((w["prefixes"][p % len(w["prefixes"])] + own) or (0,), max_tokens)
                for p, own, max_tokens in w["prompts"]]
     for i, (prompt, max_tokens) in enumerate(prompts):
@@ -83,6 +83,6 @@ def test_random_workloads_keep_tokens_and_blocks(model, reference, w):
             assert tokens[str(i)] == want[:len(tokens[str(i)])]
         else:
             assert (tokens[str(i)], reasons[str(i)]) == (want, "length")
-    assert engine.blocks.num_used == 0
-    assert engine.blocks.num_free == engine.blocks.num_blocks and sorted(engine.blocks.free_blocks) == list(
-        range(engine.blocks.num_blocks))
+    assert engine.scheduler.blocks.num_used == 0
+    assert engine.scheduler.blocks.num_free == engine.scheduler.blocks.num_blocks and sorted(engine.scheduler.blocks.free_blocks) == list(
+        range(engine.scheduler.blocks.num_blocks))

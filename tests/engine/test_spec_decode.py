@@ -16,7 +16,8 @@ import torch
 
 from jetserve.engine import LLM, SamplingParams
 from jetserve.engine.sampler import sample
-from jetserve.engine.spec_decode import DraftLength, SpeculativeConfig, verify
+from jetserve.engine.config import SpeculativeConfig
+from jetserve.engine.spec_decode import DraftLength, verify
 from tests.engine.builders import build_drafting_model
 
 
@@ -217,7 +218,7 @@ def test_abort_during_speculation_leaves_no_blocks(model):
     assert any(s.spec_token_ids for s in seqs)
     for i in range(len(PROMPTS)):
         llm.engine.abort(str(i))
-    assert llm.engine.blocks.num_used == 0 and not any(s.spec_token_ids for s in seqs)
+    assert llm.engine.scheduler.blocks.num_used == 0 and not any(s.spec_token_ids for s in seqs)
 
 
 def test_preemption_during_speculation_is_lossless(model, reference):
@@ -225,7 +226,7 @@ def test_preemption_during_speculation_is_lossless(model, reference):
     dropped and recomputed later; the output is still the plain greedy one."""
     llm = engine(model, 3, num_kv_blocks=34, max_num_batched_tokens=64)
     assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == reference
-    assert llm.engine.stats().num_preemptions > 0 and llm.engine.blocks.num_used == 0
+    assert llm.engine.stats().num_preemptions > 0 and llm.engine.scheduler.blocks.num_used == 0
 
 
 def test_speculative_config_is_validated(model, tmp_path):

@@ -5,8 +5,9 @@ import random
 
 import pytest
 
+from jetserve.engine.errors import NoChatTemplateError
 from jetserve.engine.model.checkpoint import CheckpointError
-from jetserve.engine.tokenizer import Detokenizer, NoChatTemplateError, StopStrings, Tokenizer
+from jetserve.engine.tokenizer import Detokenizer, StopStrings, Tokenizer
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [

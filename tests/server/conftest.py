@@ -79,8 +79,8 @@ def engine_factory(model, **overrides):
     """`make_engine` for JetServer: the real AsyncLLM on the CPU with a small, fixed KV pool."""
     from jetserve.engine import AsyncLLM, EngineArgs
 
-    args = EngineArgs(model=str(model), device="cpu", num_kv_blocks=256, **overrides)
-    return lambda on_status: AsyncLLM(args, on_status=on_status)
+    config = EngineArgs(model=str(model), device="cpu", num_kv_blocks=256, **overrides).resolve()
+    return lambda on_status: AsyncLLM(config, on_status=on_status)
 
 
 class LiveServer:

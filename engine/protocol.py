@@ -1,0 +1,81 @@
+"""The seam between the service and an engine: what a front end (gRPC, HTTP) may rely on.
+
+Both the torch engine (`AsyncLLM`) and the TensorRT-LLM backend implement `EngineClient`, so the
+servers depend on this contract, not on either engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from jetserve.engine.outputs import RequestOutput
+    from jetserve.engine.sampling_params import SamplingParams
+    from jetserve.engine.tokenizer import Tokenizer
+
+
+@dataclass
+class EngineStats:
+    """A snapshot of an engine's state and counters (GetStats, metrics, the agent's health)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    max_num_seqs: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    kv_usage: float = 0.0
+    num_preemptions: int = 0
+    num_requests_finished: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, found (their KV reused, not computed)
+    # Speculative decoding (MTP); zeros when drafting is off.
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    acceptance_rate: float = 0.0
+    mean_accepted_length: float = 0.0
+    num_speculative_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a client may ask about the loaded model (GetModelInfo, /v1/models, metrics labels)."""
+
+    model: str
+    architecture: str
+    dtype: str
+    device: str
+    max_model_len: int
+    vocab_size: int
+    num_mtp_layers: int
+    num_speculative_tokens: int  # the draft length in use now (0: drafting off)
+    cuda_graphs: bool
+    backend: str
+
+
+class EngineClient(Protocol):
+    """A loaded engine as a server sees it. `generate` streams deltas; leaving it early aborts."""
+
+    tokenizer: Tokenizer | None
+    last_heartbeat: float  # time.monotonic() of the engine loop's last turn: stale means wedged
+
+    @property
+    def model_info(self) -> ModelInfo: ...
+
+    def start(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+    def generate(self, prompt, sampling_params: SamplingParams | None = None,
+                 request_id: str | None = None) -> AsyncIterator[RequestOutput]: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def set_max_num_seqs(self, n: int) -> None: ...
+
+    def set_num_speculative_tokens(self, k: int) -> None: ...
+
+    def stats(self) -> EngineStats: ...

@@ -1,0 +1,67 @@
+"""EngineArgs resolve once into the EngineConfig every part receives; the parts size from it."""
+
+import dataclasses
+
+import pytest
+
+from jetserve.engine import LLM, EngineArgs, SamplingParams
+from jetserve.engine.config import DEFAULT_CHUNK_BUDGET
+from jetserve.engine.runner import kv_reserve
+from tests.engine.builders import build_drafting_model
+
+
+@pytest.fixture(scope="module")
+def model_with_heads(tmp_path_factory):
+    return build_drafting_model(tmp_path_factory.mktemp("heads"))
+
+
+def test_defaults_are_resolved_once(tiny):
+    path, _ = tiny
+    config = EngineArgs(model=str(path)).resolve()
+    assert (config.device, config.dtype) == ("cpu", "float32")  # never "auto" past resolve()
+    assert config.max_model_len == 256  # the model's max_position_embeddings, below the default cap
+    assert config.max_num_batched_tokens == DEFAULT_CHUNK_BUDGET and config.speculative is None
+    assert config.cuda_graphs is None and not config.fused_kernels  # CPU: eager, plain torch
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.max_num_seqs = 2
+    unchunked = EngineArgs(model=str(path), enable_chunked_prefill=False, max_model_len=200).resolve()
+    assert unchunked.max_num_batched_tokens == 200  # a whole prompt in one step
+
+
+def test_kv_reserve_covers_the_largest_step_the_scheduler_runs(tiny):
+    """With chunking off a step may carry max_model_len tokens: the KV plan must leave room for
+    that step's activations, not for a 512-token chunk (it once reserved 512 regardless)."""
+    path, _ = tiny
+    measured = []
+
+    def measure(tokens, logit_rows):
+        measured.append((tokens, logit_rows))
+        return tokens
+
+    config = EngineArgs(model=str(path), enable_chunked_prefill=False, max_model_len=256, max_num_seqs=4).resolve()
+    assert kv_reserve(config, measure) == 256 and measured == [(256, 4)]
+    measured.clear()
+    chunked = EngineArgs(model=str(path), max_num_batched_tokens=64).resolve()
+    kv_reserve(chunked, measure)
+    assert measured == [(64, 16)]
+
+
+def test_bad_values_name_the_field(tiny):
+    path, _ = tiny
+    for kwargs, field in [({"max_num_seqs": 0}, "max_num_seqs"), ({"max_model_len": 10**6}, "max_model_len"),
+                          ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+                          ({"speculative_config": {"method": "mtp"}}, "needs MTP heads"),
+                          ({"enable_chunked_prefill": False, "max_num_batched_tokens": 8}, "max_num_batched_tokens")]:
+        with pytest.raises(ValueError, match=field):
+            EngineArgs(model=str(path), **kwargs).resolve()
+
+
+def test_one_sequence_with_drafts_fits_its_own_kv_plan(model_with_heads):
+    """max_num_seqs=1 with k=3 (the single-stream robot case) sizes the KV for the draft slots too;
+    it was refused: the pool held one sequence of max_model_len but not its lookahead."""
+    llm = LLM(model_with_heads, max_num_seqs=1, max_model_len=64,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+    assert llm.engine.runner.num_blocks * llm.engine.config.block_size >= 64 + 3
+    out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0, max_tokens=61,
+                                                                         ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 61 and llm.engine.scheduler.blocks.num_used == 0
