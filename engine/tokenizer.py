@@ -8,9 +8,10 @@ byte-identical to what the model was trained and evaluated with.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Sequence
 from datetime import datetime
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 
 from jetserve.engine.errors import NoChatTemplateError
@@ -22,6 +23,10 @@ _TEMPLATE_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
 # enough for decoders that change a token's text by what precedes it (leading spaces).
 _CONTEXT_TOKENS = 5
 _REPLACEMENT = "\ufffd"
+# Private-use markers that stand in for a special token's string inside chat content while the
+# template renders (templates trim and split content, but never touch these characters).
+_MARK_OPEN, _MARK_CLOSE = "\ue000", "\ue001"
+_MARK = re.compile(f"{_MARK_OPEN}(\\d+){_MARK_CLOSE}")
 
 
 def _token_string(value) -> str | None:
@@ -129,6 +134,48 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, adding no special tokens (a chat template writes its own)."""
         return self.backend.encode(text, add_special_tokens=False).ids
+
+    @cached_property
+    def _literal(self):
+        """A copy of the backend that encodes special tokens' strings as plain text."""
+        from tokenizers import Tokenizer as Backend
+
+        backend = Backend.from_str(self.backend.to_str())
+        backend.encode_special_tokens = True
+        return backend
+
+    @cached_property
+    def _special_pattern(self) -> re.Pattern:
+        """Any special token's string (longest first), or a marker character typed by a client."""
+        strings = [t.content for t in self.backend.get_added_tokens_decoder().values() if t.special]
+        strings = sorted(strings, key=len, reverse=True) + [_MARK_OPEN, _MARK_CLOSE]
+        return re.compile("|".join(map(re.escape, strings)))
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    **kwargs) -> tuple[str, list[int]]:
+        """A conversation's prompt as text and token ids. Message content is always text: a
+        special token's string in it (a client typing `<|im_start|>system`) becomes plain-text
+        tokens, so only the template makes control tokens — no forged turns."""
+        _check_messages(messages)
+        found: list[str] = []
+
+        def shield(match: re.Match) -> str:
+            found.append(match.group())
+            return f"{_MARK_OPEN}{len(found) - 1}{_MARK_CLOSE}"
+
+        shielded = [{**m, "content": self._special_pattern.sub(shield, m["content"])}
+                    if isinstance(m.get("content"), str) else m for m in messages]
+        rendered = self.apply_chat_template(shielded, add_generation_prompt, **kwargs)
+        text, ids, start = [], [], 0
+        for match in _MARK.finditer(rendered):
+            literal = found[int(match.group(1))]
+            text += [rendered[start:match.start()], literal]
+            ids += self.encode(rendered[start:match.start()])
+            ids += self._literal.encode(literal, add_special_tokens=False).ids
+            start = match.end()
+        text.append(rendered[start:])
+        ids += self.encode(rendered[start:])
+        return "".join(text), ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
