@@ -13,8 +13,7 @@ def execute(payload, actions):
     try:
         request = messages.parse(messages.Command, payload, limit=messages.MAX_COMMAND)
     except messages.MessageError as exc:
-        request_id, command = _best_effort_id(payload)
-        return {"id": request_id, "command": command, "ok": False, "error": str(exc)}
+        return refuse(payload, str(exc))
     reply = {"id": request.id, "command": request.command}
     try:
         reply.update(ok=True, error=None, result=actions[request.command](request.args))
@@ -23,11 +22,12 @@ def execute(payload, actions):
     return reply
 
 
-def _best_effort_id(payload):
-    """The id and command of a refused request, when they can be read at all."""
+def refuse(payload, error):
+    """The reply to a request that is not run: its id and command when they can be read at all."""
     try:
         doc = messages.decode(payload, messages.MAX_COMMAND)
     except messages.MessageError:
-        return None, None
+        doc = {}
     command = doc.get("command")
-    return messages.request_id(doc), command if isinstance(command, str) and len(command) <= 64 else None
+    return {"id": messages.request_id(doc), "command": command if isinstance(command, str) and len(command) <= 64
+            else None, "ok": False, "error": error}

@@ -39,12 +39,13 @@ class Agent:
                              limit=args.outbox_limit)
         self.mqtt = MqttOptions.from_args(args)
         self.publisher = Publisher(self.mqtt, args.fleet, args.device_id, self.outbox, self._birth(first),
-                                   self.inbox.put, reconnect_max=args.reconnect_max)
+                                   lambda *command: self.inbox.put(command), reconnect_max=args.reconnect_max)
         self.actions = {
             "drain": lambda _: self._manual(self.service.drain, True),
             "resume": lambda _: self._manual(self.service.resume, False),
             "set-limits": lambda a: self.service.set_limits(**a),
             "report-now": lambda _: {"n": self.report()},
+            "rebirth": lambda _: self.publisher.rebirth(),
         }
 
     def _open_jtop(self):
@@ -113,10 +114,16 @@ class Agent:
                     self.report()
                     next_report = time.monotonic() + self.args.interval
                 try:
-                    payload = self.inbox.get(timeout=max(0.0, min(0.2, next_report - time.monotonic())))
+                    payload, response_topic, correlation = self.inbox.get(
+                        timeout=max(0.0, min(0.2, next_report - time.monotonic())))
                 except queue.Empty:
                     continue
-                self.publisher.reply(commands.execute(payload, self.actions))
+                if response_topic is None or self.publisher.may_reply_to(response_topic):
+                    reply = commands.execute(payload, self.actions)
+                else:
+                    reply = commands.refuse(payload, "response topic %r is not under %s"
+                                            % (response_topic[:200], self.publisher.topic("cmd/reply")))
+                self.publisher.reply(reply, response_topic, correlation)
             return 0
         finally:
             self.publisher.stop()

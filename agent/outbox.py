@@ -3,7 +3,7 @@
 Every data message goes through here, connected or not, so one path keeps the order. A message's
 identity is (epoch, n): `n` is the row id (AUTOINCREMENT never reuses one) and `epoch` is drawn
 once when the file is created, so ids stay unique across agent restarts and the controller can
-drop replays; `seq` = n mod 256 is the Sparkplug-style counter. When full, the oldest health goes
+drop replays (Sparkplug's per-session `seq` is the publisher's business). When full, the oldest health goes
 first and alerts only when nothing else is left; each drop is counted.
 """
 
@@ -85,16 +85,11 @@ class Outbox:
         self._bump("dropped_" + row[1])
 
     def pending(self, after=0, limit=100):
-        """Queued messages with n > after, oldest first, as (n, topic, payload bytes)."""
+        """Queued messages with n > after, oldest first, as (n, topic, doc with epoch and n)."""
         with self._lock:
             rows = self._db.execute("SELECT n, topic, body FROM messages WHERE n > ? ORDER BY n LIMIT ?",
                                     (after, limit)).fetchall()
-        return [(n, topic, self._payload(n, body)) for n, topic, body in rows]
-
-    def _payload(self, n, body):
-        doc = json.loads(body)
-        doc.update(epoch=self.epoch, n=n, seq=n % 256)
-        return json.dumps(doc, sort_keys=True).encode()
+        return [(n, topic, dict(json.loads(body), epoch=self.epoch, n=n)) for n, topic, body in rows]
 
     def ack(self, n):
         """The broker has the message (PUBACK): forget it."""

@@ -1,10 +1,17 @@
-"""The agent's MQTT session: birth and death with bdSeq, the outbox flushed in order, commands in.
+"""The agent's MQTT session, with Sparkplug B's rules: birth and death by bdSeq, seq per session,
+rebirth on request; the outbox flushed in order; commands in, replies out (MQTT v5 request/response).
 
-Sparkplug-style session awareness: every connect takes the next bdSeq, puts it in the Will
-(`{online: false, bdSeq}`, retained, the death certificate) and in the retained birth, so a late
-death from an old session cannot be mistaken for the current one. Data only leaves through the
-outbox and is forgotten on PUBACK. paho re-sends what it had in flight when a connection dropped;
-new rows wait until those are acknowledged, so the broker sees every message in order.
+Every connect takes the next bdSeq (0-255, on disk) and puts it in the Will (`{online: false,
+bdSeq}`, QoS 1, not retained: the death certificate) and in the birth that follows (QoS 1, not
+retained, `seq` 0), so a late death from an old session cannot be mistaken for the current one.
+Each later data message of the session carries `seq` +1 mod 256; a rebirth (asked for by the
+controller) publishes the birth again, same bdSeq, seq back to 0. The Will is written at connect,
+so it carries no time: the controller stamps it on arrival. A clean stop publishes the death
+itself first, stamped with the time of the disconnect.
+
+Data only leaves through the outbox and is forgotten on PUBACK. paho re-sends what it had in flight
+when a connection dropped (with the seq it was first sent with); new rows wait until those are
+acknowledged, so the broker sees every message in order.
 """
 
 import collections
@@ -14,6 +21,8 @@ import threading
 import time
 
 import paho.mqtt.client as mqtt
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
 
 from jetserve.wire import topics
 from jetserve.wire.mqtt import new_client
@@ -27,6 +36,8 @@ class Publisher:
         self.fleet, self.device, self.mqtt = fleet, device, mqtt_options
         self.outbox, self.birth, self.on_command = outbox, birth, on_command
         self.bdseq = None
+        self._seq = 0  # Sparkplug seq of the last message of this session (the birth's is 0)
+        self._seq_lock = threading.Lock()  # seq order = publish order, across paho's thread and ours
         self.connected = threading.Event()
         self._wake = threading.Event()
         self._acks = collections.deque()  # mids acknowledged by the broker, for the flusher
@@ -59,8 +70,28 @@ class Publisher:
         self._wake.set()
         return n
 
-    def reply(self, doc):
-        self.client.publish(self.topic(topics.REPLY), json.dumps(doc), qos=1)
+    def may_reply_to(self, response_topic):
+        """A request's Response Topic is honoured when it is our reply topic or below it (where the
+        ACL lets us write); anything else would be refused by the broker or name another device."""
+        own = self.topic(topics.REPLY)
+        below = response_topic.startswith(own + "/") and len(response_topic) <= 512
+        return response_topic == own or (below and not any(c in response_topic for c in "+#\0"))
+
+    def reply(self, doc, response_topic=None, correlation_data=None):
+        """Answer a command: to its Response Topic with its Correlation Data (MQTT v5), else on
+        `cmd/reply`."""
+        properties = Properties(PacketTypes.PUBLISH)
+        if correlation_data is not None:
+            properties.CorrelationData = correlation_data
+        topic = response_topic if response_topic and self.may_reply_to(response_topic) else self.topic(topics.REPLY)
+        self.client.publish(topic, json.dumps(doc), qos=1, properties=properties)
+
+    def rebirth(self):
+        """Publish the birth again (same session, same bdSeq); seq starts over at 0."""
+        if not self.connected.is_set():
+            raise RuntimeError("not connected: the next connect publishes a birth anyway")
+        self._publish_birth(self.client)
+        return {"bdSeq": self.bdseq}
 
     def wait_flushed(self, timeout):
         """True once the outbox is empty (everything acknowledged by the broker)."""
@@ -76,7 +107,8 @@ class Publisher:
         self._stopping = True
         self._wake.set()
         if self.connected.is_set():
-            info = self.client.publish(self.topic(topics.STATE), self._state(False), qos=1, retain=True)
+            death = dict(self._death(), ts=time.time())  # the moment of the disconnect
+            info = self.client.publish(self.topic(topics.STATE), json.dumps(death, sort_keys=True), qos=1)
             try:
                 info.wait_for_publish(timeout)
             except (RuntimeError, ValueError):
@@ -85,16 +117,25 @@ class Publisher:
         self.client.loop_stop()
         self._flusher.join(timeout)
 
-    def _state(self, online):
-        doc = dict(self.birth, online=True, bdSeq=self.bdseq, ts=time.time()) if online else \
-            {"online": False, "bdSeq": self.bdseq, "ts": time.time()}
-        return json.dumps(doc, sort_keys=True)
+    def _death(self):
+        return {"online": False, "bdSeq": self.bdseq}
+
+    def _publish_birth(self, client):
+        with self._seq_lock:
+            self._seq = 0
+            birth = dict(self.birth, online=True, bdSeq=self.bdseq, seq=0, ts=time.time())
+            client.publish(self.topic(topics.STATE), json.dumps(birth, sort_keys=True), qos=1)
+
+    def _publish_data(self, topic, doc):
+        with self._seq_lock:
+            self._seq = (self._seq + 1) % 256
+            return self.client.publish(topic, json.dumps(dict(doc, seq=self._seq), sort_keys=True), qos=1)
 
     # paho callbacks (network thread)
 
     def _on_pre_connect(self, client, userdata):
         self.bdseq = self.outbox.next_bdseq()
-        client.will_set(self.topic(topics.STATE), self._state(False), qos=1, retain=True)
+        client.will_set(self.topic(topics.STATE), json.dumps(self._death(), sort_keys=True), qos=1, retain=False)
 
     def _on_connect(self, client, userdata, flags, reason_code, properties):
         if reason_code.is_failure:
@@ -104,7 +145,7 @@ class Publisher:
             return
         self._refused = None
         log.info("connected to %s, bdSeq %d", self.mqtt.address, self.bdseq)
-        client.publish(self.topic(topics.STATE), self._state(True), qos=1, retain=True)
+        self._publish_birth(client)
         client.subscribe(self.topic(topics.CMD), qos=1)
         self._generation += 1
         self.connected.set()
@@ -123,7 +164,9 @@ class Publisher:
         self._wake.set()
 
     def _on_message(self, client, userdata, message):
-        self.on_command(message.payload)
+        properties = message.properties
+        self.on_command(message.payload, getattr(properties, "ResponseTopic", None),
+                        getattr(properties, "CorrelationData", None))
 
     # flusher thread
 
@@ -140,8 +183,8 @@ class Publisher:
             generation = self._generation
             if any(gen < generation for _, gen in self._inflight.values()):
                 continue  # paho is re-sending the previous connection's messages first
-            for n, topic, payload in self.outbox.pending(self._last_handed, WINDOW - len(self._inflight)):
-                info = self.client.publish(topic, payload, qos=1)
+            for n, topic, doc in self.outbox.pending(self._last_handed, WINDOW - len(self._inflight)):
+                info = self._publish_data(topic, doc)
                 if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):  # NO_CONN: queued
                     log.error("publish failed: %s", mqtt.error_string(info.rc))
                     break

@@ -1,8 +1,16 @@
-"""`jetserve fleet send`: publish one command to a device and wait for its reply on `/cmd/reply`."""
+"""`jetserve fleet send`: publish one command to a device and wait for its reply.
+
+MQTT v5 request/response: the request names a Response Topic of its own under the device's
+`cmd/reply` (where the ACL lets the device write) and carries the request id as Correlation Data;
+the device answers there with the same data, so concurrent senders never see each other's replies.
+"""
 
 import json
 import threading
 import uuid
+
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
 
 from jetserve.wire import topics
 from jetserve.wire.mqtt import new_client
@@ -11,19 +19,22 @@ from jetserve.wire.mqtt import new_client
 def send(mqtt_options, fleet, device, command, command_args, timeout):
     """The device's reply dict; raises TimeoutError when the broker or the device does not answer."""
     request_id = uuid.uuid4().hex
+    response_topic = "%s/%s" % (topics.topic(fleet, device, topics.REPLY), request_id)
     subscribed, answered = threading.Event(), threading.Event()
     reply = {}
 
     def on_connect(client, userdata, flags, reason_code, properties):
         if not reason_code.is_failure:
-            client.subscribe(topics.topic(fleet, device, topics.REPLY), qos=1)
+            client.subscribe(response_topic, qos=1)
 
     def on_message(client, userdata, message):
+        if getattr(message.properties, "CorrelationData", None) != request_id.encode():
+            return
         try:
             doc = json.loads(message.payload.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError):
+        except (UnicodeDecodeError, ValueError, RecursionError):
             return
-        if isinstance(doc, dict) and doc.get("id") == request_id:
+        if isinstance(doc, dict):
             reply.update(doc)
             answered.set()
 
@@ -37,8 +48,11 @@ def send(mqtt_options, fleet, device, command, command_args, timeout):
         if not subscribed.wait(timeout):
             raise TimeoutError("broker %s not reachable (or refused us) within %ss"
                                % (mqtt_options.address, timeout))
+        properties = Properties(PacketTypes.PUBLISH)
+        properties.ResponseTopic = response_topic
+        properties.CorrelationData = request_id.encode()
         request = {"id": request_id, "command": command, "args": command_args}
-        client.publish(topics.topic(fleet, device, topics.CMD), json.dumps(request), qos=1)
+        client.publish(topics.topic(fleet, device, topics.CMD), json.dumps(request), qos=1, properties=properties)
         if not answered.wait(timeout):
             raise TimeoutError("no reply from %s/%s within %ss" % (fleet, device, timeout))
         return reply

@@ -1,6 +1,6 @@
 """MQTT topic layout shared by the agent and the fleet controller.
 
-`jetserve/v1/<fleet>/<device>/{state,health,alert,cmd,cmd/reply}`: one prefix per device, so the
+`jetserve/v1/<fleet>/<device>/{state,health,alert,cmd,cmd/reply[/<request>]}`: one prefix per device, so the
 broker's ACL can confine a device to its own subtree.
 """
 

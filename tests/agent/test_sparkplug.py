@@ -1,0 +1,132 @@
+"""Sparkplug B session rules and MQTT v5 request/response, watched by a third-party client
+(mosquitto_sub -V mqttv5) rather than by our own controller."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.agent.conftest import REPO, SYSROOTS, agent_args, wait_for
+
+pytestmark = pytest.mark.skipif(not shutil.which("mosquitto_sub"), reason="mosquitto-clients is not installed")
+
+
+class Watcher:
+    """mosquitto_sub printing retain flag, QoS, topic, correlation data and payload per message."""
+
+    def __init__(self, broker, tmp_path, topic_filter, *extra):
+        self.path = str(tmp_path / ("sub-%d.out" % time.monotonic_ns()))
+        self._out = open(self.path, "wb")
+        self.proc = subprocess.Popen(["mosquitto_sub", "-V", "mqttv5", "-p", str(broker.port), "-q", "1",
+                                      "-t", topic_filter, "-F", "%r %q %t %D|%p"] + list(extra),
+                                     stdout=self._out, stderr=subprocess.STDOUT)
+        time.sleep(0.5)  # mosquitto_sub has no "subscribed" signal; a new agent's birth comes later anyway
+
+    def lines(self):
+        with open(self.path, "rb") as f:
+            return [line.decode() for line in f.read().splitlines()]
+
+    def messages(self):
+        """[(retain, qos, topic, correlation, doc)] for every JSON message so far."""
+        found = []
+        for line in self.lines():
+            head, _, payload = line.partition("|")
+            retain, qos, topic, *correlation = head.split(" ")
+            found.append((int(retain), int(qos), topic, " ".join(correlation), json.loads(payload)))
+        return found
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(10)
+        self._out.close()
+
+
+def sessions(watched):
+    """Split the device's messages at each birth: [(state doc, [data docs])]."""
+    found = []
+    for retain, qos, topic, _, doc in watched:
+        if topic.endswith("/state") and doc["online"]:
+            found.append((doc, []))
+        elif topic.endswith(("/health", "/alert")) and found:
+            found[-1][1].append(doc)
+    return found
+
+
+def send(broker, command):
+    out = subprocess.run([sys.executable, "-m", "jetserve.cli", "fleet", "send", "lab/dev1", command,
+                          "--mqtt-port", str(broker.port), "--timeout", "20"], cwd=REPO,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=60)
+    return out.returncode, json.loads(out.stdout.decode())
+
+
+def test_birth_death_seq_and_rebirth_follow_sparkplug(broker, spawn, service, tmp_path):
+    watcher = Watcher(broker, tmp_path, "jetserve/v1/lab/dev1/#")
+    args = agent_args(broker, os.path.join(SYSROOTS, "agx-orin-jp62"), tmp_path / "state", "dev1", service.address,
+                      "--interval", "0.2", "--keepalive", "2")
+    try:
+        first = spawn("agent", *args)
+        wait_for(lambda: len(sessions(watcher.messages())) == 1 and len(sessions(watcher.messages())[0][1]) >= 5,
+                 30, what="a birth and five reports")
+        first.proc.send_signal(signal.SIGKILL)  # the broker publishes the Will
+        first.proc.wait(10)
+        wait_for(lambda: any(t.endswith("/state") and not d["online"] for _, _, t, _, d in watcher.messages()),
+                 20, what="the Will")
+        second = spawn("agent", *args)
+        wait_for(lambda: len(sessions(watcher.messages())) == 2 and len(sessions(watcher.messages())[1][1]) >= 3,
+                 30, what="a second birth and three reports")
+        rc, reply = send(broker, "rebirth")
+        assert rc == 0 and reply["ok"], reply
+        wait_for(lambda: len(sessions(watcher.messages())) == 3 and len(sessions(watcher.messages())[2][1]) >= 3,
+                 30, what="the rebirth and three reports")
+        stopping = time.time()
+        assert second.stop() == 0
+        wait_for(lambda: watcher.messages()[-1][4].get("online") is False, 20, what="the clean stop's death")
+    finally:
+        watcher.stop()
+    watched = watcher.messages()
+    states = [(retain, qos, doc) for retain, qos, topic, _, doc in watched if topic.endswith("/state")]
+    births, deaths = [d for _, _, d in states if d["online"]], [d for _, _, d in states if not d["online"]]
+    assert {(retain, qos) for retain, qos, _ in states} == {(0, 1)}, "births and deaths: QoS 1, never retained"
+    b0 = births[0]["bdSeq"]
+    assert [(b["bdSeq"], b["seq"]) for b in births] == [(b0, 0), ((b0 + 1) % 256, 0), ((b0 + 1) % 256, 0)], \
+        "bdSeq +1 per connect, the same on a rebirth; every birth is seq 0"
+    assert reply["result"] == {"bdSeq": (b0 + 1) % 256}
+    will, clean = deaths
+    assert will == {"online": False, "bdSeq": b0}, "the Will: this session's bdSeq, no time (written at connect)"
+    assert clean["bdSeq"] == (b0 + 1) % 256 and stopping <= clean["ts"] <= time.time(), "stamped at disconnect"
+    for birth, data in sessions(watched):
+        assert [d["seq"] for d in data] == [(i + 1) % 256 for i in range(len(data))], "seq +1 from the birth"
+    ns = [d["n"] for _, data in sessions(watched) for d in data]
+    assert ns == sorted(set(ns)), "n (the outbox id) goes on across sessions, seq does not"
+    retained = subprocess.run(["mosquitto_sub", "-V", "mqttv5", "-p", str(broker.port), "-t", "jetserve/v1/#",
+                               "--retained-only", "-W", "2", "-v"], stdout=subprocess.PIPE, timeout=30)
+    assert retained.stdout == b"", "nothing is left retained at the broker"
+
+
+def test_command_replies_honour_response_topic_and_correlation_data(broker, spawn, service, tmp_path):
+    agent = spawn("agent", *agent_args(broker, os.path.join(SYSROOTS, "agx-orin-jp62"), tmp_path / "state", "dev1",
+                                       service.address, "--interval", "30"))
+    wait_for(lambda: "listening for commands" in agent.output(), 20, what="the agent's subscription")
+    watcher = Watcher(broker, tmp_path, "jetserve/v1/lab/dev1/cmd/reply/#")
+
+    def request(doc, response_topic, correlation):
+        subprocess.run(["mosquitto_pub", "-V", "mqttv5", "-p", str(broker.port), "-q", "1",
+                        "-t", "jetserve/v1/lab/dev1/cmd", "-m", json.dumps(doc),
+                        "-D", "PUBLISH", "response-topic", response_topic,
+                        "-D", "PUBLISH", "correlation-data", correlation], check=True, timeout=30)
+    try:
+        request({"id": "r1", "command": "report-now"}, "jetserve/v1/lab/dev1/cmd/reply/op-7", "corr-42")
+        request({"id": "r2", "command": "drain"}, "jetserve/v1/lab/dev2/cmd/reply", "corr-43")  # another's topic
+        wait_for(lambda: len(watcher.lines()) >= 2, 20, what="two replies")
+    finally:
+        watcher.stop()
+    (r1, r2) = sorted(watcher.messages(), key=lambda m: m[4]["id"])
+    assert r1[2:4] == ("jetserve/v1/lab/dev1/cmd/reply/op-7", "corr-42") and r1[4]["ok"] and r1[4]["result"]["n"] >= 2
+    assert r2[2:4] == ("jetserve/v1/lab/dev1/cmd/reply", "corr-43"), "refused on its own reply topic, data kept"
+    assert not r2[4]["ok"] and "response topic" in r2[4]["error"]
+    assert service.control_calls() == [], "the refused drain never ran"
