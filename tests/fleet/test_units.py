@@ -1,4 +1,4 @@
-"""systemd/: the agent and fleet units verify."""
+"""systemd/: the agent and fleet units verify, and are sandboxed (`systemd-analyze security` <= 4.5)."""
 
 import os
 import re
@@ -36,3 +36,32 @@ def test_systemd_verify_catches_a_broken_unit(tmp_path):
     out = subprocess.run([analyze, "verify", str(tmp_path / "broken.service")], stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, timeout=60)
     assert out.returncode != 0 or b"broken.service" in out.stdout
+
+
+MAX_EXPOSURE = 4.5
+
+
+def exposure(path):
+    """`systemd-analyze security --offline=true`'s overall exposure (0 = locked down, 10 = exposed)."""
+    out = subprocess.run([shutil.which("systemd-analyze"), "security", "--offline=true", str(path)],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=60).stdout.decode()
+    match = re.search(r"Overall exposure level for \S+: (\d+\.\d+)", out)
+    assert match, out
+    return float(match.group(1))
+
+
+@pytest.mark.parametrize("unit", ["jetserve-agent.service", "jetserve-fleet.service"])
+def test_systemd_units_are_sandboxed(unit, tmp_path):
+    if shutil.which("systemd-analyze") is None:
+        pytest.skip("systemd-analyze is not installed")
+    score = exposure(os.path.join(REPO, "systemd", unit))
+    print("%s: exposure %.1f" % (unit, score))
+    assert score <= MAX_EXPOSURE
+    (tmp_path / unit).write_text("[Service]\nExecStart=/usr/local/bin/jetserve agent\n")
+    assert exposure(tmp_path / unit) > MAX_EXPOSURE, "an unsandboxed unit scores above the bound"
+
+
+def test_the_fleet_unit_is_notify_with_a_watchdog():
+    with open(os.path.join(REPO, "systemd", "jetserve-fleet.service")) as f:
+        settings = dict(line.split("=", 1) for line in f.read().splitlines() if "=" in line and line[0] != "#")
+    assert (settings["Type"], settings["WatchdogSec"], settings["Restart"]) == ("notify", "60", "on-failure")
