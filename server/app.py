@@ -11,6 +11,7 @@ import logging
 import signal
 import threading
 import time
+from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -93,14 +94,16 @@ class JetServer:
         self.engine_alive = False  # its heartbeat is fresh
         self.draining = False
         self.stopping = False
-        self.metrics = Metrics(lambda: self.engine.stats() if self.engine is not None else None)
+        self.metrics = Metrics(lambda: self.engine)
         self.port: int | None = None
         self.address: str | None = None  # host:port once listening
         self.metrics_port: int | None = None
         self.loading: asyncio.Task | None = None
         self._make_engine = make_engine
         self._health = health.aio.HealthServicer()
-        self._inference = InferenceServicer(self)
+        self._open = 0  # streams between admission and their last delta, on every front end
+        self._idle = asyncio.Event()
+        self._idle.set()
         self._grpc: grpc.aio.Server | None = None
         self._metrics_http = None
         self._heartbeat: asyncio.Task | None = None
@@ -118,6 +121,34 @@ class JetServer:
             raise RpcError(grpc.StatusCode.UNAVAILABLE, "server is draining: not accepting new streams")
         return self.loaded()
 
+    async def stream(self, prompt, params, request_id: str):
+        """One request's deltas, for every front end: admission (refused while draining), the open
+        streams the drain waits for, metrics, and an abort in the engine if the consumer leaves early."""
+        engine = self.admit()
+        timer = self.metrics.request(params)
+        self._open += 1
+        self._idle.clear()
+        try:
+            async with aclosing(engine.generate(prompt, params, request_id)) as outputs:
+                async for out in outputs:
+                    timer.observe(out)
+                    yield out
+        except (GeneratorExit, asyncio.CancelledError):
+            timer.abandoned()
+            raise
+        finally:
+            self._open -= 1
+            if not self._open:
+                self._idle.set()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until no stream is open; False if some still are after `timeout` seconds."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
     async def set_draining(self, draining: bool) -> None:
         if not draining and self.stopping:
             raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "server is shutting down; it cannot resume")
@@ -131,7 +162,7 @@ class JetServer:
         opts = self.options
         token_check = [BearerTokenInterceptor(opts.api_key)] if opts.api_key else []
         self._grpc = grpc.aio.server(interceptors=token_check)
-        pb_grpc.add_InferenceServiceServicer_to_server(self._inference, self._grpc)
+        pb_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(self), self._grpc)
         pb_grpc.add_ControlServiceServicer_to_server(ControlServicer(self), self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         reflection.enable_server_reflection(SERVICES + (health.SERVICE_NAME, reflection.SERVICE_NAME), self._grpc)
@@ -164,6 +195,7 @@ class JetServer:
         on_status("loading the model")
         engine = await _load_in_thread(self._make_engine, on_status)
         engine.start()
+        self.metrics.bind(engine.model_info["model"], engine.model_info["max_model_len"])
         self.engine = engine
         self.engine_alive = True
         await self._update_health()
@@ -203,7 +235,7 @@ class JetServer:
         await self.set_draining(True)
         notify.notify("STOPPING=1", "STATUS=draining")
         grace = self.options.drain_grace_period
-        idle = await self._inference.wait_idle(grace)
+        idle = await self.wait_idle(grace)
         if not idle:
             log.warning("streams still open after the %g s grace period: cancelling them", grace)
         await self._health.enter_graceful_shutdown()

@@ -1,8 +1,13 @@
-"""Prometheus metrics with vLLM's names under a `jetserve:` prefix, and GetStats percentiles.
+"""Prometheus metrics with vLLM's names under a `jetserve_` prefix, and GetStats percentiles.
 
-Per-request latencies are measured here, where the client's stream is written, so they include
-queueing and the event loop. Engine state (queue, KV usage, speculative counters) is read from
-`engine.stats()` at scrape time instead of being copied into gauges on every step.
+Names use underscores only: a colon is reserved for recording rules, and a scraper that
+negotiates OpenMetrics would otherwise see names rewritten. Every series carries vLLM's
+`model_name` label, which dashboards built for vLLM filter on.
+
+Per-request latencies are measured where the client's stream is written, so they include
+queueing and the event loop; the phases inside the engine (queue, prefill, decode, inference)
+come from the engine's own timestamps. Engine state (queue, KV usage, speculative counters) is
+read from `engine.stats()` at scrape time instead of being copied into gauges on every step.
 """
 
 from __future__ import annotations
@@ -15,42 +20,86 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+PREFIX = "jetserve_"
+LABELS = ("model_name",)
 # vLLM's buckets, so dashboards built for it read ours the same way.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                10.0, 20.0, 40.0, 80.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                   120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+N_BUCKETS = (1, 2, 5, 10, 20)
 # GetStats percentiles cover this many recent samples.
 WINDOW = 2048
 
 
-class Metrics:
-    """One server's metrics, in its own registry (several servers may share a test process)."""
+def buckets_1_2_5(limit: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, … up to `limit` (vLLM's buckets for token counts)."""
+    out, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > limit:
+                return out
+            out.append(mantissa * scale)
+        scale *= 10
 
-    def __init__(self, engine_stats: Callable[[], object | None]):
+
+class Metrics:
+    """One server's metrics, in its own registry (several servers may share a test process).
+
+    The request metrics exist once the model is known (`bind`): their label is its name and the
+    token-count buckets reach its max_model_len.
+    """
+
+    def __init__(self, engine: Callable[[], object | None]):
         self.registry = CollectorRegistry()
-        reg = self.registry
-        self.ttft = Histogram("jetserve:time_to_first_token_seconds",
-                              "Time from request arrival to its first token.",
-                              buckets=TTFT_BUCKETS, registry=reg)
-        self.itl = Histogram("jetserve:inter_token_latency_seconds",
-                             "Time between tokens of one stream (a multi-token step counts per token).",
-                             buckets=ITL_BUCKETS, registry=reg)
-        self.e2e = Histogram("jetserve:e2e_request_latency_seconds",
-                             "Time from request arrival to its last token.",
-                             buckets=E2E_BUCKETS, registry=reg)
-        self.prompt_tokens = Counter("jetserve:prompt_tokens", "Prefilled prompt tokens.", registry=reg)
-        self.generation_tokens = Counter("jetserve:generation_tokens", "Generated tokens.", registry=reg)
-        self.request_success = Counter("jetserve:request_success", "Finished streams by finish reason.",
-                                       ["finished_reason"], registry=reg)
-        reg.register(_EngineCollector(engine_stats))
+        self.model_name: str | None = None
+        self._engine = engine
+        self.registry.register(_EngineCollector(self))
         self.recent_ttft: deque[float] = deque(maxlen=WINDOW)
         self.recent_itl: deque[float] = deque(maxlen=WINDOW)
 
-    def request(self) -> "RequestTimer":
-        return RequestTimer(self)
+    def bind(self, model_name: str, max_model_len: int) -> None:
+        self.model_name = model_name
+        reg, tokens = self.registry, buckets_1_2_5(max_model_len)
+
+        def histogram(name, help_text, buckets):
+            return Histogram(PREFIX + name, help_text, LABELS, buckets=buckets, registry=reg).labels(model_name)
+
+        def counter(name, help_text):
+            return Counter(PREFIX + name, help_text, LABELS, registry=reg).labels(model_name)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Time from request arrival to its first token.",
+                              TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds",
+                             "Time between two engine steps that gave one stream tokens.", ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Time from request arrival to its last token.",
+                             REQUEST_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds",
+                                    "Time a request waited before it was first scheduled.", REQUEST_BUCKETS)
+        self.prefill_time = histogram("request_prefill_time_seconds",
+                                      "Time from first scheduled to first token.", REQUEST_BUCKETS)
+        self.decode_time = histogram("request_decode_time_seconds", "Time from first token to last token.",
+                                     REQUEST_BUCKETS)
+        self.inference_time = histogram("request_inference_time_seconds",
+                                        "Time from first scheduled to last token.", REQUEST_BUCKETS)
+        self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens of a finished request.",
+                                               tokens)
+        self.request_generation_tokens = histogram("request_generation_tokens",
+                                                   "Generated tokens of a finished request.", tokens)
+        self.request_max_tokens = histogram("request_params_max_tokens", "The max_tokens a request asked for.",
+                                            tokens)
+        self.request_n = histogram("request_params_n", "The n (completions) a request asked for.", N_BUCKETS)
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.request_success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
+                                       LABELS + ("finished_reason",), registry=reg)
+        for reason in ("stop", "length", "abort"):  # present from the start, so rates start at zero
+            self.request_success.labels(model_name, reason)
+
+    def request(self, params) -> "RequestTimer":
+        return RequestTimer(self, params)
 
     def serve_http(self, host: str, port: int):
         """Start the scrape endpoint in a thread; returns the HTTP server (its port, its shutdown)."""
@@ -59,39 +108,61 @@ class Metrics:
 
 
 class RequestTimer:
-    """Timestamps of one stream: feeds the histograms and the final Timing message."""
+    """One request's stream: feeds the histograms as its deltas pass."""
 
-    def __init__(self, metrics: Metrics):
+    def __init__(self, metrics: Metrics, params):
         self._m = metrics
+        self._params = params
         self.start = time.monotonic()
         self.first: float | None = None
         self._last = self.start
         self.completion_tokens = 0
+        self.done = False
 
-    def tokens(self, n: int) -> None:
-        if n <= 0:
-            return
-        now = time.monotonic()
-        if self.first is None:
-            self.first = now
-            self._m.ttft.observe(now - self.start)
-            self._m.recent_ttft.append(now - self.start)
-        else:
-            gap = (now - self._last) / n  # a multi-token (speculative) step spreads over its tokens
-            for _ in range(n):
-                self._m.itl.observe(gap)
-                self._m.recent_itl.append(gap)
-        self._last = now
-        self.completion_tokens += n
-        self._m.generation_tokens.inc(n)
+    def observe(self, out) -> None:
+        """One delta (one engine step for this request); the last one finishes the request."""
+        n = sum(len(o.token_ids) for o in out.outputs)
+        if n:
+            now = time.monotonic()
+            if self.first is None:
+                self.first = now
+                self._m.ttft.observe(now - self.start)
+                self._m.recent_ttft.append(now - self.start)
+            else:  # per step, as vLLM: several tokens from one step (drafts) are one interval
+                self._m.itl.observe(now - self._last)
+                self._m.recent_itl.append(now - self._last)
+            self._last = now
+            self.completion_tokens += n
+            self._m.generation_tokens.inc(n)
+        if out.finished:
+            self._finish(out)
 
-    def finished(self, prompt_tokens: int, reason: str) -> tuple[float, float]:
-        """Record the end; returns (time to first token, total) in seconds."""
+    def _finish(self, out) -> None:
+        m, self.done = self._m, True
         total = time.monotonic() - self.start
-        self._m.e2e.observe(total)
-        self._m.prompt_tokens.inc(prompt_tokens)
-        self._m.request_success.labels(reason).inc()
-        return (self.first - self.start if self.first is not None else total), total
+        prompt_tokens = len(out.prompt_token_ids)
+        m.e2e.observe(total)
+        m.prompt_tokens.inc(prompt_tokens)
+        m.request_prompt_tokens.observe(prompt_tokens)
+        m.request_generation_tokens.observe(self.completion_tokens)
+        m.request_success.labels(m.model_name, out.outputs[0].finish_reason).inc()
+        if self._params.max_tokens is not None:
+            m.request_max_tokens.observe(self._params.max_tokens)
+        m.request_n.observe(getattr(self._params, "n", 1))
+        t = out.metrics
+        scheduled = getattr(t, "first_scheduled_time", None)
+        if scheduled is not None:  # engine phases, on the engine's clock
+            m.queue_time.observe(scheduled - t.arrival_time)
+            if t.first_token_time is not None:
+                m.prefill_time.observe(t.first_token_time - scheduled)
+                m.decode_time.observe(t.finished_time - t.first_token_time)
+            m.inference_time.observe(t.finished_time - scheduled)
+
+    def abandoned(self) -> None:
+        """The client left (or the server cancelled the stream) before the end: an abort."""
+        if not self.done:
+            self.done = True
+            self._m.request_success.labels(self._m.model_name, "abort").inc()
 
 
 def percentiles(samples) -> tuple[float, float, float]:
@@ -102,7 +173,7 @@ def percentiles(samples) -> tuple[float, float, float]:
     return tuple(ordered[min(len(ordered) - 1, int(q * len(ordered)))] for q in (0.5, 0.9, 0.99))
 
 
-# (metric family, name under jetserve:, help, EngineStats field), read at scrape time.
+# (metric family, name after jetserve_, help, EngineStats field), read at scrape time.
 _ENGINE_METRICS = (
     (GaugeMetricFamily, "num_requests_running", "Sequences in the running batch.", "num_running"),
     (GaugeMetricFamily, "num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting"),
@@ -120,17 +191,21 @@ _ENGINE_METRICS = (
 class _EngineCollector(Collector):
     """Reads engine.stats() at scrape time; yields nothing while the model is still loading."""
 
-    def __init__(self, engine_stats):
-        self._engine_stats = engine_stats
+    def __init__(self, metrics: Metrics):
+        self._metrics = metrics
 
     def collect(self):
-        s = self._engine_stats()
-        if s is None:
+        engine, model = self._metrics._engine(), self._metrics.model_name
+        if engine is None or model is None:
             return
+        s = engine.stats()
         for family, name, help_text, field in _ENGINE_METRICS:
-            yield family("jetserve:" + name, help_text, value=getattr(s, field))
-        per_pos = CounterMetricFamily("jetserve:spec_decode_num_accepted_tokens_per_pos",
-                                      "Draft tokens accepted, by position in the draft.", labels=["position"])
+            metric = family(PREFIX + name, help_text, labels=LABELS)
+            metric.add_metric([model], getattr(s, field))
+            yield metric
+        per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted, by position in the draft.",
+                                      labels=LABELS + ("position",))
         for position, count in enumerate(s.accepted_per_position):
-            per_pos.add_metric([str(position)], count)
+            per_pos.add_metric([model, str(position)], count)
         yield per_pos

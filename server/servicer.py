@@ -6,7 +6,6 @@ import asyncio
 import functools
 import math
 import uuid
-from contextlib import aclosing
 
 import grpc
 
@@ -64,21 +63,10 @@ def chat_prompt(request: pb.ChatRequest, engine) -> str:
 
 
 class InferenceServicer(pb_grpc.InferenceServiceServicer):
-    """`server` is the JetServer: its `engine` (None while loading), `draining` and `metrics`."""
+    """`server` is the JetServer: its `engine` (None while loading), `stream` and `metrics`."""
 
     def __init__(self, server):
         self._server = server
-        self._open = 0  # streams between admission and their last message
-        self._idle = asyncio.Event()
-        self._idle.set()
-
-    async def wait_idle(self, timeout: float) -> bool:
-        """Wait until no stream is open; False if some still are after `timeout` seconds."""
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
-        except asyncio.TimeoutError:
-            return False
-        return True
 
     async def Generate(self, request, context):
         async for reply in self._stream(context, request.request_id, request.sampling,
@@ -96,36 +84,24 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             request_id = request_id or uuid.uuid4().hex
             prompt = make_prompt(engine)
             params = sampling_params(sampling)
-            timer = self._server.metrics.request()
-            self._open += 1
-            self._idle.clear()
-            try:
-                async with aclosing(engine.generate(prompt, params, request_id)) as outputs:
-                    async for out in outputs:
-                        yield self._reply(response_type, request_id, out, timer)
-            finally:
-                self._open -= 1
-                if not self._open:
-                    self._idle.set()
+            completion_tokens = 0
+            async for out in self._server.stream(prompt, params, request_id):
+                delta = out.outputs[0]
+                completion_tokens += len(delta.token_ids)
+                reply = response_type(request_id=request_id, text=delta.text, token_ids=delta.token_ids)
+                if out.finished:
+                    t = out.metrics
+                    reply.finish_reason = FINISH_REASONS[delta.finish_reason]
+                    reply.usage.prompt_tokens = len(out.prompt_token_ids)
+                    reply.usage.completion_tokens = completion_tokens
+                    reply.timing.total_s = t.finished_time - t.arrival_time
+                    reply.timing.time_to_first_token_s = (
+                        t.first_token_time - t.arrival_time if t.first_token_time is not None else reply.timing.total_s)
+                yield reply
             return
         except Exception as exc:  # noqa: BLE001 - status_for logs the unexpected ones
             code, message = status_for(exc)
         await context.abort(code, message)
-
-    @staticmethod
-    def _reply(response_type, request_id, out, timer):
-        """A GenerateResponse or ChatResponse (the same fields) for one delta."""
-        delta = out.outputs[0]
-        timer.tokens(len(delta.token_ids))
-        reply = response_type(request_id=request_id, text=delta.text, token_ids=delta.token_ids)
-        if out.finished:
-            ttft, total = timer.finished(len(out.prompt_token_ids), delta.finish_reason)
-            reply.finish_reason = FINISH_REASONS[delta.finish_reason]
-            reply.usage.prompt_tokens = len(out.prompt_token_ids)
-            reply.usage.completion_tokens = timer.completion_tokens
-            reply.timing.time_to_first_token_s = ttft
-            reply.timing.total_s = total
-        return reply
 
     @answers_with_status
     async def GetModelInfo(self, request, context):

@@ -123,18 +123,24 @@ def test_reflection_lists_the_services(live):
 
 
 def scrape(server):
+    """{(sample name, labels other than model_name): value}; every sample names the served model."""
     url = "http://127.0.0.1:%d/metrics" % server.server.metrics_port
     with urllib.request.urlopen(url, timeout=10) as response:
         text = response.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = dict(s.labels)
+            assert labels.pop("model_name") == server.engine.model_info["model"], s
+            samples[(s.name, tuple(sorted(labels.items())))] = s.value
+    return samples
 
 
 def test_a_metrics_scrape_shows_the_counters_moving(stubs, live):
     inference, _ = stubs
     before = scrape(live)
-    for name in ("jetserve:num_requests_running", "jetserve:num_requests_waiting", "jetserve:kv_cache_usage_perc",
-                 "jetserve:spec_decode_num_draft_tokens_total", "jetserve:spec_decode_num_accepted_tokens_total"):
+    for name in ("jetserve_num_requests_running", "jetserve_num_requests_waiting", "jetserve_kv_cache_usage_perc",
+                 "jetserve_spec_decode_num_draft_tokens_total", "jetserve_spec_decode_num_accepted_tokens_total"):
         assert (name, ()) in before, name
 
     messages = list(inference.Generate(pb.GenerateRequest(text="The kiosk", sampling=greedy(5, ignore_eos=True))))
@@ -144,13 +150,13 @@ def test_a_metrics_scrape_shows_the_counters_moving(stubs, live):
     def moved(name, labels=()):
         return after[(name, labels)] - before.get((name, labels), 0)
 
-    assert moved("jetserve:generation_tokens_total") == 5
-    assert moved("jetserve:prompt_tokens_total") == messages[-1].usage.prompt_tokens > 0
-    assert moved("jetserve:request_success_total", (("finished_reason", "length"),)) == 1
-    assert moved("jetserve:time_to_first_token_seconds_count") == 1
-    assert moved("jetserve:inter_token_latency_seconds_count") == 4
-    assert moved("jetserve:e2e_request_latency_seconds_count") == 1
-    assert after[("jetserve:kv_cache_usage_perc", ())] == 0.0  # all blocks back
+    assert moved("jetserve_generation_tokens_total") == 5
+    assert moved("jetserve_prompt_tokens_total") == messages[-1].usage.prompt_tokens > 0
+    assert moved("jetserve_request_success_total", (("finished_reason", "length"),)) == 1
+    assert moved("jetserve_time_to_first_token_seconds_count") == 1
+    assert moved("jetserve_inter_token_latency_seconds_count") == 4
+    assert moved("jetserve_e2e_request_latency_seconds_count") == 1
+    assert after[("jetserve_kv_cache_usage_perc", ())] == 0.0  # all blocks back
 
 
 def test_get_stats_reports_the_engine_and_latency_percentiles(stubs, live):
@@ -182,10 +188,10 @@ def test_speculative_counters_move_per_position():
             assert sum(len(m.token_ids) for m in messages) == 48
             wait_for_free_blocks(server.engine)
             metrics = scrape(server)
-            drafted = metrics[("jetserve:spec_decode_num_draft_tokens_total", ())]
-            accepted = metrics[("jetserve:spec_decode_num_accepted_tokens_total", ())]
+            drafted = metrics[("jetserve_spec_decode_num_draft_tokens_total", ())]
+            accepted = metrics[("jetserve_spec_decode_num_accepted_tokens_total", ())]
             per_position = {dict(labels)["position"]: value for (name, labels), value in metrics.items()
-                            if name == "jetserve:spec_decode_num_accepted_tokens_per_pos_total"}
+                            if name == "jetserve_spec_decode_num_accepted_tokens_per_pos_total"}
             assert drafted > 0 and 0 < accepted <= drafted
             assert set(per_position) == {"0", "1"} and sum(per_position.values()) == accepted
             assert any(len(m.token_ids) > 1 for m in messages)  # accepted drafts arrive together
