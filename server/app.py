@@ -44,6 +44,7 @@ class ServeOptions:
     port: int = 50051  # 0: pick a free one (JetServer.port tells which)
     unix_socket: str | None = None
     metrics_port: int = 9400  # 0: no metrics endpoint
+    openai_port: int = 8000  # OpenAI-compatible HTTP API; 0: off
     api_key: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -98,6 +99,8 @@ class JetServer:
         self.port: int | None = None
         self.address: str | None = None  # host:port once listening
         self.metrics_port: int | None = None
+        self.openai_port: int | None = None
+        self.started_at = time.time()
         self.loading: asyncio.Task | None = None
         self._make_engine = make_engine
         self._health = health.aio.HealthServicer()
@@ -106,9 +109,16 @@ class JetServer:
         self._idle.set()
         self._grpc: grpc.aio.Server | None = None
         self._metrics_http = None
+        self._openai_http = None  # uvicorn.Server
+        self._openai_task: asyncio.Task | None = None
         self._heartbeat: asyncio.Task | None = None
 
-    # -- what the servicers ask --------------------------------------------------------------
+    # -- what the front ends ask -------------------------------------------------------------
+
+    @property
+    def model_name(self) -> str | None:
+        """The name clients and metrics use for the served model (None while loading)."""
+        return self.metrics.model_name
 
     def loaded(self):
         if self.engine is None:
@@ -185,7 +195,18 @@ class JetServer:
             self._metrics_http = self.metrics.serve_http(opts.host, opts.metrics_port)
             self.metrics_port = self._metrics_http.server_port
             log.info("metrics on http://%s:%d/metrics", host, self.metrics_port)
+        if opts.openai_port:
+            await self._start_openai(host)
         self.loading = asyncio.create_task(self._load())
+
+    async def _start_openai(self, host: str) -> None:
+        from jetserve.server.openai_api import create_app, make_http_server
+
+        self._openai_http, sock = make_http_server(create_app(self), self.options)
+        self._openai_task = asyncio.create_task(self._openai_http.serve(sockets=[sock]))
+        self.openai_port = sock.getsockname()[1]
+        log.info("OpenAI-compatible API on http%s://%s:%d/v1", "s" if self.options.tls_cert else "", host,
+                 self.openai_port)
 
     async def _load(self) -> None:
         def on_status(text: str) -> None:
@@ -242,6 +263,10 @@ class JetServer:
         # Idle: a second for the last trailers to leave. Otherwise cancel now, which aborts the
         # streams' engine requests.
         await self._grpc.stop(1.0 if idle else 0)
+        if self._openai_http is not None:
+            self._openai_http.config.timeout_graceful_shutdown = 1.0 if idle else 0
+            self._openai_http.should_exit = True
+            await self._openai_task
         if self.loading is not None:
             self.loading.cancel()
         if self._heartbeat is not None:

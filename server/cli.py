@@ -17,13 +17,17 @@ NO_DEMO = ("no --model given, and the demo model is not bundled with this jetser
 
 def register(subparsers):
     serve = subparsers.add_parser(
-        "serve", help="serve a model over gRPC (Type=notify under systemd)",
-        description="Serve a model over gRPC, with health, reflection and Prometheus metrics.")
+        "serve", help="serve a model over gRPC and OpenAI's HTTP API (Type=notify under systemd)",
+        description="Serve a model over gRPC (with health and reflection) and an OpenAI-compatible HTTP API, "
+                    "with Prometheus metrics.")
     add_config_flag(serve, "serve")
     has_engine = _add_engine_flags(serve)
     net = serve.add_argument_group("service")
-    net.add_argument("--host", default="127.0.0.1", help="gRPC and metrics address (default: %(default)s)")
+    net.add_argument("--host", default="127.0.0.1", help="address of every listener (default: %(default)s)")
     net.add_argument("--port", type=int, default=50051, help="gRPC port, 0 = any free one (default: %(default)s)")
+    net.add_argument("--openai-port", type=int, default=8000,
+                     help="OpenAI-compatible HTTP API port (/v1/completions, /v1/chat/completions, /v1/models, "
+                          "/health), 0 = off (default: %(default)s, vLLM's)")
     net.add_argument("--unix-socket", metavar="PATH", help="also listen on this Unix socket (local clients)")
     net.add_argument("--metrics-port", type=int, default=9400,
                      help="Prometheus endpoint port, 0 = off (default: %(default)s)")
@@ -120,6 +124,7 @@ def run_serve(args):
     engine_args = apply_compat_gate(EngineArgs.from_cli_args(args))
     options = ServeOptions(
         host=args.host, port=args.port, unix_socket=args.unix_socket, metrics_port=args.metrics_port,
+        openai_port=args.openai_port,
         api_key=read_token(args.api_key, args.api_key_file), tls_cert=args.tls_cert, tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca, drain_grace_period=args.drain_grace_period)
     return asyncio.run(serve(lambda on_status: open_engine(engine_args.resolve(), on_status=on_status), options))

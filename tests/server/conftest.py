@@ -93,7 +93,7 @@ class LiveServer:
         self._thread = threading.Thread(target=self.loop.run_forever, name="test-server", daemon=True)
         self._thread.start()
 
-        options = {"port": 0, "metrics_port": 0, **options}
+        options = {"port": 0, "metrics_port": 0, "openai_port": 0, **options}
 
         async def create():
             return JetServer(make_engine, ServeOptions(**options))
@@ -126,7 +126,8 @@ class LiveServer:
 @pytest.fixture(scope="session")
 def live(tiny_model):
     """The shared server most tests talk to; tests leave it as they found it (not draining)."""
-    server = LiveServer(engine_factory(tiny_model, max_num_seqs=16), metrics_port=free_port())
+    server = LiveServer(engine_factory(tiny_model, max_num_seqs=16), metrics_port=free_port(),
+                        openai_port=free_port())
     server.wait_loaded()
     yield server
     server.stop()

@@ -63,7 +63,8 @@ def test_serve_takes_vllms_flags_and_the_service_flags():
                                            {"method": "mtp", "num_speculative_tokens": 2})
     assert (args.host, args.port, args.metrics_port, args.drain_grace_period) == ("0.0.0.0", 6000, 0, 5.0)
     defaults = build_parser().parse_args(["serve"])
-    assert (defaults.port, defaults.metrics_port, defaults.host) == (50051, 9400, "127.0.0.1")
+    assert (defaults.port, defaults.metrics_port, defaults.openai_port, defaults.host) == \
+        (50051, 9400, 8000, "127.0.0.1")
 
 
 def test_the_cli_module_stays_importable_on_python_38():

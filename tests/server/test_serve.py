@@ -10,10 +10,11 @@ import time
 from pathlib import Path
 
 import grpc
+import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.server.conftest import greedy
+from tests.server.conftest import free_port, greedy
 from jetserve.cli import build_parser
 from jetserve.server import cli
 from jetserve.server.cli import demo_model_dir
@@ -60,13 +61,15 @@ def notify_socket(tmp_path):
 
 
 def test_systemd_sees_ready_watchdog_stopping_and_sigterm_drains(tiny_model, tmp_path, notify_socket):
+    """SIGTERM drains gRPC and the OpenAI API alike: open streams finish, new ones are refused."""
     config = tmp_path / "jetserve.toml"
     config.write_text('[serve]\ndevice = "cpu"\nnum-kv-blocks = 256\nmax-num-seqs = 2\n'
                       'drain-grace-period = 30\nmetrics-port = 0\n')
     env = dict(os.environ, NOTIFY_SOCKET=notify_socket.address, WATCHDOG_USEC="1000000")
+    openai_port = free_port()
     # Flags override the file: max-num-seqs 2 there, 3 here.
     server = jetserve("serve", "--config", str(config), "--model", str(tiny_model), "--port", "0",
-                      "--max-num-seqs", "3", env=env)
+                      "--max-num-seqs", "3", "--openai-port", str(openai_port), env=env)
     try:
         ready = notify_socket.wait_for("READY=1", server)
         assert any("loading" in d for d in notify_socket.received[:-1]), notify_socket.received  # STATUS= first
@@ -80,8 +83,13 @@ def test_systemd_sees_ready_watchdog_stopping_and_sigterm_drains(tiny_model, tmp
         assert (stats.max_num_seqs, stats.kv_blocks_total) == (3, 256)  # flag over file, file over default
 
         open_stream = inference.Generate(pb.GenerateRequest(text="robot", sampling=greedy(400, ignore_eos=True)),
-                                         timeout=30)
+                                         timeout=120)
         first = next(open_stream)
+        sdk = openai.OpenAI(base_url="http://127.0.0.1:%d/v1" % openai_port, api_key="-", max_retries=0)
+        model = sdk.models.list().data[0].id
+        open_http = iter(sdk.completions.create(model=model, prompt="kiosk", max_tokens=100, temperature=0,
+                                                stream=True, extra_body={"ignore_eos": True}))
+        first_http = next(open_http)
         server.send_signal(signal.SIGTERM)
         notify_socket.wait_for("STOPPING=1", server, timeout=10)
 
@@ -94,9 +102,15 @@ def test_systemd_sees_ready_watchdog_stopping_and_sigterm_drains(tiny_model, tmp
             control.Resume(pb.ResumeRequest(), timeout=10)
         assert resumed.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
-        rest = list(open_stream)  # the open stream still runs to its end
+        with pytest.raises(openai.APIStatusError) as refused_http:
+            sdk.completions.create(model=model, prompt="hi", max_tokens=2)
+        assert refused_http.value.status_code == 503
+
+        rest = list(open_stream)  # the open streams still run to their end
         assert len(first.token_ids) + sum(len(m.token_ids) for m in rest) == 400
         assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        rest_http = [first_http] + list(open_http)
+        assert rest_http[-1].choices[0].finish_reason == "length"
         channel.close()
         assert server.wait(30) == 0
     finally:
@@ -108,7 +122,8 @@ def test_systemd_sees_ready_watchdog_stopping_and_sigterm_drains(tiny_model, tmp
 def test_streams_past_the_grace_period_are_cancelled(tiny_model, notify_socket):
     env = dict(os.environ, NOTIFY_SOCKET=notify_socket.address)
     server = jetserve("serve", "--model", str(tiny_model), "--device", "cpu", "--num-kv-blocks", "256",
-                      "--port", "0", "--metrics-port", "0", "--drain-grace-period", "0.3", env=env)
+                      "--port", "0", "--metrics-port", "0", "--openai-port", "0", "--drain-grace-period", "0.3",
+                      env=env)
     try:
         target = re.search(r"on (\S+)", notify_socket.wait_for("READY=1", server)).group(1)
         with grpc.insecure_channel(target) as channel:
@@ -128,7 +143,8 @@ def test_streams_past_the_grace_period_are_cancelled(tiny_model, notify_socket):
 
 def test_a_model_that_fails_to_load_exits_1_with_the_reason(tmp_path, notify_socket):
     env = dict(os.environ, NOTIFY_SOCKET=notify_socket.address)
-    server = jetserve("serve", "--model", str(tmp_path), "--port", "0", "--metrics-port", "0", env=env)
+    server = jetserve("serve", "--model", str(tmp_path), "--port", "0", "--metrics-port", "0", "--openai-port", "0",
+                      env=env)
     output = server.communicate(timeout=60)[0]
     assert server.returncode == 1
     assert "config.json" in output
@@ -138,7 +154,7 @@ def test_a_model_that_fails_to_load_exits_1_with_the_reason(tmp_path, notify_soc
 def test_without_model_it_serves_the_bundled_demo(notify_socket):
     env = dict(os.environ, NOTIFY_SOCKET=notify_socket.address)
     server = jetserve("serve", "--device", "cpu", "--max-model-len", "512", "--port", "0", "--metrics-port", "0",
-                      env=env)
+                      "--openai-port", "0", env=env)
     try:
         target = re.search(r"on (\S+)", notify_socket.wait_for("READY=1", server)).group(1)
         with grpc.insecure_channel(target) as channel:

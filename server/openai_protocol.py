@@ -1,0 +1,135 @@
+"""OpenAI's request bodies (plus vLLM's extra sampling fields), and how they become SamplingParams.
+
+Unknown fields are ignored, as OpenAI's own server and vLLM do; values are range-checked by
+SamplingParams, which names the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from jetserve.engine import SamplingParams
+
+# Bounds that keep one request from asking for unbounded work; the engine checks the rest.
+MAX_STOP = 16
+MAX_LOGPROBS = 20
+MAX_N = 16
+MAX_PROMPTS = 64
+MAX_TOKEN_LIST = 4096
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """The sampling fields both endpoints share: OpenAI's, then vLLM's extras."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Optional[str] = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    stop: Optional[Union[str, list[str]]] = Field(None, max_length=MAX_STOP)
+    seed: Optional[int] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    logit_bias: Optional[dict[str, float]] = Field(None, max_length=MAX_TOKEN_LIST)
+    user: Optional[str] = None
+    # vLLM's extras
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    min_tokens: Optional[int] = None
+    ignore_eos: Optional[bool] = None
+    stop_token_ids: Optional[list[int]] = Field(None, max_length=MAX_TOKEN_LIST)
+    include_stop_str_in_output: Optional[bool] = None
+    skip_special_tokens: Optional[bool] = None
+    allowed_token_ids: Optional[list[int]] = Field(None, max_length=MAX_TOKEN_LIST)
+    bad_words: Optional[list[str]] = Field(None, max_length=MAX_TOKEN_LIST)
+    prompt_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
+        """Fields left unset keep SamplingParams' defaults."""
+        given = dict(self)
+        given.update(max_tokens=max_tokens, logprobs=logprobs)
+        if self.logit_bias is not None:
+            try:
+                given["logit_bias"] = {int(token): bias for token, bias in self.logit_bias.items()}
+            except ValueError:
+                raise ValueError("logit_bias: keys must be token ids (integers as strings)") from None
+        known = {f.name for f in dataclasses.fields(SamplingParams)}
+        return SamplingParams(**{name: value for name, value in given.items()
+                                 if name in known and value is not None})
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: Optional[int] = 16
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    suffix: Optional[str] = None
+
+    def prompts(self) -> list:
+        """Each prompt as the engine takes it: text, or {"prompt_token_ids": [...]}."""
+        p = self.prompt
+        if isinstance(p, str):
+            prompts = [p]
+        elif p and all(isinstance(t, int) for t in p):
+            prompts = [{"prompt_token_ids": p}]
+        else:
+            prompts = [x if isinstance(x, str) else {"prompt_token_ids": x} for x in p]
+        if not prompts:
+            raise ValueError("prompt is empty")
+        if len(prompts) > MAX_PROMPTS:
+            raise ValueError("prompt: at most %d prompts a request, got %d" % (MAX_PROMPTS, len(prompts)))
+        if any(isinstance(x, dict) and len(x["prompt_token_ids"]) > MAX_TOKEN_LIST * 64 for x in prompts):
+            raise ValueError("prompt: a token list is longer than any model's context")
+        return prompts
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: str
+    content: Optional[Union[str, list[TextPart]]] = None
+    name: Optional[str] = None
+
+    def as_dict(self) -> dict:
+        """The template's form: content parts joined into one string."""
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        return {"role": self.role, "content": content}
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(..., max_length=1024)
+    max_tokens: Optional[int] = None
+    max_completion_tokens: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def requested_max_tokens(self) -> Optional[int]:
+        """max_completion_tokens is OpenAI's newer name; max_tokens is kept for older clients."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def requested_logprobs(self) -> Optional[int]:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return (self.top_logprobs or 0) if self.logprobs else None
