@@ -169,7 +169,7 @@ def create_app(server) -> FastAPI:
 
 def model_card(server, engine) -> dict:
     return {"id": server.model_name, "object": "model", "created": int(server.started_at), "owned_by": "jetserve",
-            "max_model_len": engine.model_info["max_model_len"]}
+            "max_model_len": engine.model_info.max_model_len}
 
 
 def check_model(server, name: str | None) -> None:

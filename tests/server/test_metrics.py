@@ -67,7 +67,7 @@ def test_every_series_names_the_model(stubs, live):
     assert families
     for family in families:
         for sample in family.samples:
-            assert sample.labels.get("model_name") == live.engine.model_info["model"], sample
+            assert sample.labels.get("model_name") == live.engine.model_info.model, sample
 
 
 def test_openmetrics_exposition_has_the_readme_names(stubs, live):
