@@ -87,7 +87,7 @@ def test_systemd_sees_ready_watchdog_stopping_and_sigterm_drains(tiny_model, tmp
         first = next(open_stream)
         sdk = openai.OpenAI(base_url="http://127.0.0.1:%d/v1" % openai_port, api_key="-", max_retries=0)
         model = sdk.models.list().data[0].id
-        open_http = iter(sdk.completions.create(model=model, prompt="kiosk", max_tokens=100, temperature=0,
+        open_http = iter(sdk.completions.create(model=model, prompt="kiosk", max_tokens=40, temperature=0,
                                                 stream=True, extra_body={"ignore_eos": True}))
         first_http = next(open_http)
         server.send_signal(signal.SIGTERM)
