@@ -19,7 +19,9 @@ def register(subparsers):
     fleet.set_defaults(func=lambda args: fleet.print_help() or 2)
 
     run = commands.add_parser("run", help="subscribe to the fleet, keep the registry, serve HTTP")
-    run.add_argument("--db", default="/var/lib/jetserve/fleet.db", help="SQLite registry")
+    run.add_argument("--db", default="/var/lib/jetserve/fleet.db", metavar="PATH|URL",
+                     help="registry: an SQLite file, or postgresql://USER@HOST/DB shared by replicas on "
+                          "several hosts (password from ~/.pgpass or $PGPASSFILE, never the command line)")
     run.add_argument("--http", default="127.0.0.1:8080", metavar="HOST:PORT",
                      help="read-only HTTP endpoint ('' to disable)")
     run.add_argument("--share", metavar="GROUP", help="join $share/GROUP to split the fleet between replicas")
@@ -35,7 +37,7 @@ def register(subparsers):
     run.set_defaults(func=run_controller)
 
     status = commands.add_parser("status", help="print the fleet as a table")
-    status.add_argument("--db", default="/var/lib/jetserve/fleet.db")
+    status.add_argument("--db", default="/var/lib/jetserve/fleet.db", metavar="PATH|URL")
     status.add_argument("--fleet", help="only this fleet")
     status.add_argument("--json", action="store_true")
     add_config_flag(status, "fleet")
@@ -100,7 +102,7 @@ def run_status(args):
     from jetserve.fleet.registry import Registry, RegistryError
     from jetserve.fleet.web import device_row
 
-    if not os.path.exists(args.db):
+    if "://" not in args.db and not os.path.exists(args.db):
         sys.exit("jetserve fleet status: no registry at %s (is `jetserve fleet run` using it?)" % args.db)
     try:
         registry = Registry(args.db)

@@ -1,9 +1,11 @@
 """The fleet tests use the same real broker, service and process fixtures as the agent's, plus a
-broker configured as deploy/ ships it."""
+broker configured as deploy/ ships it and a real PostgreSQL server (`.ci/run` starts one and
+names it in $JETSERVE_TEST_POSTGRES)."""
 
 import os
 import shutil
 import subprocess
+import uuid
 
 import pytest
 
@@ -40,3 +42,28 @@ def shipped_broker(tmp_path):
     running = Broker(tmp_path, shipped_settings(tmp_path)).start()
     yield running
     running.stop()
+
+
+@pytest.fixture
+def postgres_url():
+    """A fresh database on the server named by $JETSERVE_TEST_POSTGRES, dropped afterwards."""
+    server = os.environ.get("JETSERVE_TEST_POSTGRES")
+    if not server:
+        pytest.skip("no PostgreSQL server: set JETSERVE_TEST_POSTGRES (bash .ci/run starts one)")
+    psycopg = pytest.importorskip("psycopg")
+    name = "jetserve_test_" + uuid.uuid4().hex[:12]
+    with psycopg.connect(server, autocommit=True) as admin:
+        admin.execute("CREATE DATABASE %s" % name)
+    conninfo = psycopg.conninfo.conninfo_to_dict(server)
+    conninfo.pop("dbname", None)
+    yield "postgresql:///%s?%s" % (name, "&".join("%s=%s" % item for item in conninfo.items()))
+    with psycopg.connect(server, autocommit=True) as admin:
+        admin.execute("DROP DATABASE %s WITH (FORCE)" % name)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def registry_location(request, tmp_path):
+    """Where a registry lives: an SQLite file, or a PostgreSQL database (the same rules hold)."""
+    if request.param == "sqlite":
+        return str(tmp_path / "fleet.db")
+    return request.getfixturevalue("postgres_url")

@@ -19,7 +19,7 @@ KEEPALIVE = 2
 
 
 def device(db, name="dev1"):
-    if not os.path.exists(db):
+    if "://" not in db and not os.path.exists(db):  # a PostgreSQL URL exists from the start
         return None
     registry = Registry(db)
     try:

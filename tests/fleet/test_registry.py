@@ -1,4 +1,5 @@
-"""Registry rules: sessions by bdSeq, replays by (epoch, n), gaps, silence, controller alerts."""
+"""Registry rules: sessions by bdSeq, replays by (epoch, n), gaps, silence, controller alerts; each
+on SQLite and on a real PostgreSQL server."""
 
 from jetserve.fleet.registry import Registry
 
@@ -10,8 +11,8 @@ def health(n, epoch="e1", **extra):
     return doc
 
 
-def test_stale_death_is_ignored(tmp_path):
-    r = Registry(str(tmp_path / "f.db"))
+def test_stale_death_is_ignored(registry_location):
+    r = Registry(registry_location)
     assert r.state("lab", "d", {"online": True, "bdSeq": 4}) == "birth"
     assert r.state("lab", "d", {"online": False, "bdSeq": 3}) == "stale-death"
     assert r.devices()[0]["online"]
@@ -20,8 +21,8 @@ def test_stale_death_is_ignored(tmp_path):
     assert [a["kind"] for a in r.alerts()] == ["offline"]
 
 
-def test_replays_are_dropped_and_holes_alerted_unless_filled_in_time(tmp_path):
-    r = Registry(str(tmp_path / "f.db"))
+def test_replays_are_dropped_and_holes_alerted_unless_filled_in_time(registry_location):
+    r = Registry(registry_location)
     r.state("lab", "d", {"online": True, "bdSeq": 0, "interval": 2.0}, now=100.0)
     assert [r.data("lab", "d", "health", health(n), now=100.0) for n in (1, 2, 2, 1, 3)] == [
         "new", "new", "duplicate", "duplicate", "new"]
@@ -43,18 +44,17 @@ def test_replays_are_dropped_and_holes_alerted_unless_filled_in_time(tmp_path):
     assert r.devices()[0]["gaps"] == 0 and len(r.alerts()) == 1
 
 
-def test_replicas_in_other_processes_share_one_registry(tmp_path):
+def test_replicas_in_other_processes_share_one_registry(registry_location):
     """Two writers on one file, messages split between them out of order: each counted once."""
-    db = str(tmp_path / "f.db")
-    a, b = Registry(db), Registry(db)
+    a, b = Registry(registry_location), Registry(registry_location)
     outcomes = [(a if n % 2 else b).data("lab", "d", "health", health(n), now=100.0) for n in (2, 1, 4, 3, 3, 5)]
     assert outcomes == ["new", "late", "gap", "late", "duplicate", "new"]
     d = a.devices()[0]
     assert (d["received"], d["duplicates"], d["gaps"], d["last_n"]) == (5, 1, 0, 5)
 
 
-def test_conditions_alert_once_when_they_appear(tmp_path):
-    r = Registry(str(tmp_path / "f.db"))
+def test_conditions_alert_once_when_they_appear(registry_location):
+    r = Registry(registry_location)
     hot = {"thermal": {"level": "shed"}, "service": {"health": "UNREACHABLE", "error": "x: UNAVAILABLE"},
            "compat": {"status": "fail", "checks": [{"name": "jetpack", "status": "fail", "detail": "too old"}]}}
     r.data("lab", "d", "health", health(1, **hot))
@@ -65,8 +65,8 @@ def test_conditions_alert_once_when_they_appear(tmp_path):
     assert r.devices()[0]["conditions"] == [] and len(r.alerts()) == 3
 
 
-def test_silence_marks_offline_and_a_message_brings_it_back(tmp_path):
-    r = Registry(str(tmp_path / "f.db"))
+def test_silence_marks_offline_and_a_message_brings_it_back(registry_location):
+    r = Registry(registry_location)
     r.state("lab", "d", {"online": True, "bdSeq": 0, "interval": 2.0}, now=100.0)
     r.data("lab", "d", "health", health(1), now=101.0)
     assert r.sweep(3, now=106.9) == []
@@ -74,3 +74,4 @@ def test_silence_marks_offline_and_a_message_brings_it_back(tmp_path):
     assert r.devices()[0]["reason"] == "silent"
     r.data("lab", "d", "health", health(2), now=108.0)
     assert r.devices()[0]["online"]
+

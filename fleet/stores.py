@@ -1,0 +1,168 @@
+"""Where the registry keeps its rows: an embedded SQLite file (the default) or a PostgreSQL server
+(controller replicas on several hosts, one store).
+
+Both speak the same SQL to the registry (`?` placeholders, `ON CONFLICT DO NOTHING`); a store
+adds what differs: column types, how a write transaction takes its lock, and how "is not the same
+value, NULL included" is spelled. Each store has a writer connection and a reader connection, so a
+page view never waits behind ingestion and never holds it up.
+"""
+
+import contextlib
+import sqlite3
+import threading
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS devices (
+    fleet TEXT NOT NULL, device TEXT NOT NULL,
+    online INTEGER NOT NULL DEFAULT 0, reason TEXT, bdseq INTEGER, report_interval {real}, last_seen {real},
+    birth TEXT, health TEXT, status TEXT, conditions TEXT NOT NULL DEFAULT '[]',
+    epoch TEXT, last_n BIGINT NOT NULL DEFAULT 0, received BIGINT NOT NULL DEFAULT 0,
+    duplicates BIGINT NOT NULL DEFAULT 0, gaps BIGINT NOT NULL DEFAULT 0,
+    gaps_alerted BIGINT NOT NULL DEFAULT 0, gap_since {real},
+    PRIMARY KEY (fleet, device)
+);
+CREATE TABLE IF NOT EXISTS seen (
+    fleet TEXT NOT NULL, device TEXT NOT NULL, epoch TEXT NOT NULL, n BIGINT NOT NULL,
+    PRIMARY KEY (fleet, device, epoch, n)
+);
+CREATE TABLE IF NOT EXISTS rejections (
+    fleet TEXT NOT NULL, device TEXT NOT NULL, kind TEXT NOT NULL, count BIGINT NOT NULL,
+    last_error TEXT NOT NULL, last_ts {real} NOT NULL,
+    PRIMARY KEY (fleet, device, kind)
+);
+CREATE TABLE IF NOT EXISTS alerts (
+    id {serial}, ts {real} NOT NULL, fleet TEXT NOT NULL,
+    device TEXT NOT NULL, source TEXT NOT NULL, kind TEXT NOT NULL, message TEXT NOT NULL,
+    body TEXT
+);
+CREATE INDEX IF NOT EXISTS alerts_by_device ON alerts (fleet, device, id);
+"""
+
+
+class StoreError(RuntimeError):
+    pass
+
+
+def open_store(location):
+    """`postgresql://…` (or `postgres://…`) → PostgreSQL; anything else is an SQLite file path."""
+    if location.startswith(("postgresql://", "postgres://")):
+        return PostgresStore(location)
+    return SQLiteStore(location)
+
+
+class SQLiteStore:
+    """One file; a write takes the database's write lock (BEGIN IMMEDIATE), so replicas in other
+    processes on the same host see each other's updates whole."""
+
+    name = "sqlite"
+    row_lock = ""  # the whole database is locked for the transaction already
+    is_not = "IS NOT"
+
+    def __init__(self, path):
+        self._locks = threading.Lock(), threading.Lock()
+        try:
+            self._writer, self._reader = (self._connect(path) for _ in range(2))
+            self._writer.executescript(SCHEMA.format(real="REAL", serial="INTEGER PRIMARY KEY AUTOINCREMENT"))
+        except sqlite3.Error as exc:
+            raise StoreError("cannot open registry %s: %s" % (path, exc))
+
+    @staticmethod
+    def _connect(path):
+        db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=10)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=NORMAL")  # WAL's usual setting: a commit is one append, no fsync
+        return db
+
+    @contextlib.contextmanager
+    def write(self):
+        with self._locks[0]:
+            self._writer.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._writer.execute
+            except BaseException:
+                self._writer.execute("ROLLBACK")
+                raise
+            self._writer.execute("COMMIT")
+
+    @contextlib.contextmanager
+    def read(self):
+        with self._locks[1]:
+            yield self._reader.execute
+
+    def close(self):
+        for lock, db in zip(self._locks, (self._writer, self._reader)):
+            with lock:
+                db.close()
+
+
+class PostgresStore:
+    """A PostgreSQL database shared by replicas anywhere: each write locks its device's row
+    (SELECT … FOR UPDATE), so messages of one device are applied one at a time whichever
+    replica holds them, and different devices proceed in parallel. A dropped connection is
+    reopened at the next transaction."""
+
+    name = "postgresql"
+    row_lock = " FOR UPDATE"
+    is_not = "IS DISTINCT FROM"
+
+    def __init__(self, url):
+        try:
+            import psycopg
+        except ImportError:
+            raise StoreError("a PostgreSQL registry needs psycopg: pip install 'jetserve[fleet]'")
+        self._psycopg, self._url = psycopg, url
+        self._locks = threading.Lock(), threading.Lock()
+        self._connections = [None, None]
+        with self.write() as execute:
+            for statement in filter(str.strip, SCHEMA.format(
+                    real="DOUBLE PRECISION", serial="BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY").split(";")):
+                execute(statement)
+
+    def _connection(self, which):
+        connection = self._connections[which]
+        if connection is None or connection.closed or connection.broken:
+            try:
+                connection = self._psycopg.connect(self._url, autocommit=True, connect_timeout=10)
+            except self._psycopg.Error as exc:
+                raise StoreError("cannot open registry %s: %s" % (_without_password(self._url), exc))
+            self._connections[which] = connection
+        return connection
+
+    def _execute(self, connection):
+        def execute(sql, params=()):
+            return connection.execute(sql.replace("?", "%s"), params)
+        return execute
+
+    @contextlib.contextmanager
+    def write(self):
+        with self._locks[0]:
+            connection = self._connection(0)
+            try:
+                with connection.transaction():
+                    yield self._execute(connection)
+            except self._psycopg.OperationalError as exc:
+                raise StoreError("registry database: %s" % exc)
+
+    @contextlib.contextmanager
+    def read(self):
+        with self._locks[1]:
+            connection = self._connection(1)
+            try:
+                yield self._execute(connection)
+            except self._psycopg.OperationalError as exc:
+                raise StoreError("registry database: %s" % exc)
+
+    def close(self):
+        for lock, connection in zip(self._locks, self._connections):
+            with lock:
+                if connection is not None:
+                    connection.close()
+
+
+def _without_password(url):
+    """The URL for a log line: the password (if any) replaced by ***."""
+    scheme, sep, rest = url.partition("://")
+    credentials, at, host = rest.rpartition("@")
+    if at and ":" in credentials:
+        credentials = credentials.split(":", 1)[0] + ":***"
+    return scheme + sep + credentials + at + host
