@@ -23,7 +23,11 @@ def register(subparsers):
                      help="registry: an SQLite file, or postgresql://USER@HOST/DB shared by replicas on "
                           "several hosts (password from ~/.pgpass or $PGPASSFILE, never the command line)")
     run.add_argument("--http", default="127.0.0.1:8080", metavar="HOST:PORT",
-                     help="read-only HTTP endpoint ('' to disable)")
+                     help="read-only HTTP page and API ('' to disable); beyond loopback it needs a token and TLS")
+    run.add_argument("--http-token-file", metavar="FILE",
+                     help="bearer token every HTTP request must carry (the file mode 0600)")
+    run.add_argument("--http-tls-cert", metavar="PEM", help="serve HTTPS with this certificate chain")
+    run.add_argument("--http-tls-key", metavar="PEM", help="... and this private key")
     run.add_argument("--share", metavar="GROUP", help="join $share/GROUP to split the fleet between replicas")
     run.add_argument("--client-id", help="MQTT client id (default: jetserve-fleet-<host>)")
     run.add_argument("--silence-factor", type=float, default=3.0,
@@ -57,9 +61,9 @@ def register(subparsers):
 
 def _host_port(text):
     host, _, port = text.rpartition(":")
-    if not host or not port.isdigit():
+    if not host or not port.isdigit() or int(port) > 65535:
         raise ValueError("--http must be HOST:PORT, got %r" % text)
-    return host, int(port)
+    return host.strip("[]"), int(port)  # [::1]:8080 too
 
 
 def run_controller(args):
@@ -73,17 +77,25 @@ def run_controller(args):
     from jetserve.wire.mqtt import MqttConfigError, MqttOptions
 
     try:
-        http = _host_port(args.http) if args.http else None
+        server = None
+        if args.http:
+            host, port = _host_port(args.http)
+            token = web.read_token(args.http_token_file) if args.http_token_file else None
+            if bool(args.http_tls_cert) != bool(args.http_tls_key):
+                raise ValueError("--http-tls-cert and --http-tls-key go together")
+            web.check_exposure(host, token, args.http_tls_cert)
         registry = Registry(args.db)
         controller = Controller(MqttOptions.from_args(args), registry,
                                 args.client_id or "jetserve-fleet-%s" % socket.gethostname(), fleet=args.fleet,
                                 share=args.share, silence_factor=args.silence_factor,
                                 stall_timeout=args.stall_timeout)
-        server = web.serve(registry, *http) if http else None
+        if args.http:
+            server = web.Server(registry, host, port, token, args.http_tls_cert, args.http_tls_key)
     except (ValueError, OSError, RegistryError, MqttConfigError) as exc:
         sys.exit("jetserve fleet run: %s" % exc)
     if server:
-        logging.info("fleet page on http://%s:%d/", *server.server_address[:2])
+        logging.info("fleet page on %s://%s:%d/%s", server.scheme, *server.address[:2],
+                     " (token required)" if token else "")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -91,7 +103,7 @@ def run_controller(args):
         logging.shutdown()
         os._exit(1)  # a stuck thread may hold the registry: a normal exit would wait on it
     if server:
-        server.shutdown()
+        server.stop()
     registry.close()
     return 0
 
@@ -114,8 +126,9 @@ def run_status(args):
     if args.json:
         print(json.dumps(devices, indent=2))
         return 0
-    columns = ("fleet", "device", "state", "status", "jetpack", "last_seen", "gaps", "reasons")
-    rows = [columns] + [tuple(str(device_row(d)[c]) for c in columns) for d in devices]
+    columns = ("fleet", "device", "state", "jetpack", "last_seen_utc", "gaps", "reasons")
+    rows = [columns] + [tuple("; ".join(v) if isinstance(v, list) else "-" if v is None else str(v)
+                              for v in map(device_row(d).get, columns)) for d in devices]
     widths = [max(len(row[i]) for row in rows) for i in range(len(columns) - 1)]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1])

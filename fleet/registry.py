@@ -198,29 +198,49 @@ class Registry:
                                 "%d message(s) missing (%d in all)" % (gaps - alerted, gaps), ts=now)
         return marked
 
-    def devices(self, fleet=None):
+    def devices(self, fleet=None, limit=None, offset=0, problems_first=False, device=None):
+        """Devices by fleet and name, or with `problems_first` offline, CRITICAL then DEGRADED first."""
+        where, params = _where(fleet=fleet, device=device)
+        order = "online, CASE status WHEN 'CRITICAL' THEN 0 WHEN 'DEGRADED' THEN 1 ELSE 2 END, " \
+            if problems_first else ""
         with self._store.read() as execute:
-            rows = execute("SELECT %s FROM devices %s ORDER BY fleet, device"
-                           % (", ".join(COLUMNS), "WHERE fleet = ?" if fleet else ""),
-                           (fleet,) if fleet else ()).fetchall()
+            rows = execute("SELECT %s FROM devices %s ORDER BY %sfleet, device LIMIT ? OFFSET ?"
+                           % (", ".join(COLUMNS), where, order),
+                           params + [NO_LIMIT if limit is None else limit, offset]).fetchall()
         return [_decode(row) for row in rows]
+
+    def counts(self, fleet=None):
+        """{"devices", "online", "OK", "DEGRADED", "CRITICAL"}: the online ones by reported status."""
+        with self._store.read() as execute:
+            where, params = _where(fleet=fleet)
+            rows = execute("SELECT online, status, COUNT(*) FROM devices %s GROUP BY online, status" % where,
+                           params).fetchall()
+        counts = dict.fromkeys(("devices", "online", "OK", "DEGRADED", "CRITICAL"), 0)
+        for online, status, count in rows:
+            counts["devices"] += count
+            if online:
+                counts["online"] += count
+                if status in counts:
+                    counts[status] += count
+        return counts
 
     def alerts(self, limit=100, fleet=None, device=None):
         """Most recent alerts first."""
-        where, params = [], []
-        for column, value in (("fleet", fleet), ("device", device)):
-            if value:
-                where.append("%s = ?" % column)
-                params.append(value)
+        where, params = _where(fleet=fleet, device=device)
         with self._store.read() as execute:
             rows = execute("SELECT id, ts, fleet, device, source, kind, message, body FROM alerts %s "
-                           "ORDER BY id DESC LIMIT ?" % ("WHERE " + " AND ".join(where) if where else ""),
-                           params + [limit]).fetchall()
+                           "ORDER BY id DESC LIMIT ?" % where, params + [limit]).fetchall()
         keys = ("id", "ts", "fleet", "device", "source", "kind", "message", "body")
         return [dict(zip(keys, tuple(row[:-1]) + (json.loads(row[-1]) if row[-1] else None,))) for row in rows]
 
     def close(self):
         self._store.close()
+
+
+def _where(**equal):
+    """`WHERE a = ? AND b = ?` for the given values that are set, and their parameters."""
+    columns = [column for column, value in equal.items() if value]
+    return ("WHERE " + " AND ".join("%s = ?" % c for c in columns) if columns else ""), [equal[c] for c in columns]
 
 
 def _decode(row):

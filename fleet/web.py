@@ -1,78 +1,246 @@
-"""Read-only HTTP view of the registry: `/api/devices`, `/api/alerts` (JSON) and `/` (HTML).
+"""The controller's HTTP side: the operator's page `/` and a JSON API, FastAPI on uvicorn.
 
-The standard library's threading server is enough for an operator's page and a dashboard poll.
+- `/api/devices` (a summary a row, paged), `/api/devices/{fleet}/{device}` (the last birth and
+  health documents), `/api/alerts`; every parameter bounded, a bad one is a 400 naming it.
+- With a token every route needs `Authorization: Bearer TOKEN`, or HTTP Basic with the token as
+  the password, which is what a browser asks for. A non-loopback address is refused without a
+  token and TLS (`check_exposure`); behind a reverse proxy, bind loopback and let it do TLS.
+- Every answer carries a strict CSP (no script at all; the one inline style by its hash),
+  nosniff, frame and referrer denial and no-store.
+- uvicorn's event loop holds idle connections for free; a connection must still finish each
+  request's headers within HEADER_TIMEOUT_S, so nobody can keep sockets open by saying nothing.
 """
 
+import base64
+import hashlib
+import hmac
 import html
-import json
+import ipaddress
+import os
+import socket
+import stat
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import parse_qs, urlparse
 
-PAGE = """<!doctype html><html><head><meta charset="utf-8"><title>jetserve fleet</title>
-<meta http-equiv="refresh" content="10"><style>body{font-family:sans-serif}
-td,th{padding:2px 8px;text-align:left}.OK{color:green}.DEGRADED{color:#b80}.CRITICAL,.offline{color:red}
-</style></head><body><h1>jetserve fleet</h1><table><tr><th>fleet</th><th>device</th><th>state</th>
-<th>status</th><th>reasons</th><th>JetPack</th><th>last seen</th><th>gaps</th></tr>%s</table>
-<h2>recent alerts</h2><table>%s</table></body></html>"""
+HEADER_TIMEOUT_S = 10.0
+MAX_CONNECTIONS = 1000  # beyond this uvicorn answers 503 until some close
+NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"  # fleet and device names, as topic levels allow them
+STYLE = ("body{font-family:system-ui,sans-serif;margin:1.5em}table{border-collapse:collapse;margin-bottom:1.5em}"
+         "th,td{padding:3px 10px;text-align:left;border-bottom:1px solid #ddd;white-space:nowrap}th{background:#f3f3f3}"
+         ".OK{color:#080}.DEGRADED{color:#b60}.CRITICAL,.OFFLINE{color:#c00;font-weight:bold}"
+         ".UNKNOWN,.dim{color:#777}.summary{font-size:1.1em}")
+HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; style-src 'sha256-%s'; base-uri 'none'; form-action 'none'; "
+                               "frame-ancestors 'none'" % base64.b64encode(hashlib.sha256(STYLE.encode()).digest())
+                               .decode(),
+    "X-Content-Type-Options": "nosniff",
+    "X-Frame-Options": "DENY",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-store",
+}
+
+
+def read_token(path):
+    """The bearer token from `path`, which only its owner may read (like an SSH key)."""
+    try:
+        mode = os.stat(path).st_mode
+        with open(path) as f:
+            token = f.read().strip()
+    except OSError as exc:
+        raise ValueError("cannot read the HTTP token file %s: %s" % (path, exc.strerror))
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ValueError("the HTTP token file %s is open to others (mode %o): chmod 600 it" % (path, mode & 0o777))
+    if len(token) < 16:
+        raise ValueError("the HTTP token in %s is shorter than 16 characters; make one with: "
+                         "python3 -c 'import secrets; print(secrets.token_urlsafe(32))'" % path)
+    return token
+
+
+def check_exposure(host, token, tls):
+    """Loopback may be served plainly; anything else needs a token and TLS."""
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host or None, None)}
+    except socket.gaierror as exc:
+        raise ValueError("cannot resolve the HTTP address %r: %s" % (host, exc))
+    if all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses):
+        return
+    if not (token and tls):
+        raise ValueError("serving HTTP on %s reaches beyond this host: give --http-token-file and "
+                         "--http-tls-cert/--http-tls-key, or bind 127.0.0.1 behind a reverse proxy" % host)
+
+
+def utc(ts):
+    """A time as people read it, with its zone: `2026-11-30 12:15:26 UTC`."""
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(ts)) if ts else "-"
 
 
 def device_row(device):
-    health = device["health"] or {}
-    versions = (device["birth"] or {}).get("versions", {})
-    state = "online" if device["online"] else "offline"
-    return {"fleet": device["fleet"], "device": device["device"], "state": state,
-            "status": device["status"] or "-", "reasons": "; ".join(health.get("reasons", [])),
-            "jetpack": versions.get("jetpack") or "-",
-            "last_seen": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(device["last_seen"]))
-            if device["last_seen"] else "-", "gaps": device["gaps"]}
+    """What an operator needs about a device: the summary the page, `fleet status` and
+    /api/devices show. `state` is OFFLINE for an offline device, whatever it last reported."""
+    health, birth = device["health"] or {}, device["birth"] or {}
+    versions = birth.get("versions") if isinstance(birth.get("versions"), dict) else {}
+    reasons = health.get("reasons") if isinstance(health.get("reasons"), list) else []
+    return {"fleet": device["fleet"], "device": device["device"], "online": device["online"],
+            "state": (device["status"] or "UNKNOWN") if device["online"] else "OFFLINE",
+            "reason": device["reason"], "status": device["status"], "reasons": [str(r) for r in reasons],
+            "conditions": device["conditions"], "jetpack": versions.get("jetpack"), "l4t": versions.get("l4t"),
+            "jetserve": versions.get("jetserve"), "last_seen": device["last_seen"],
+            "last_seen_utc": utc(device["last_seen"]), "received": device["received"],
+            "duplicates": device["duplicates"], "gaps": device["gaps"], "bdseq": device["bdseq"]}
 
 
-def render(devices, alerts):
-    rows = "".join(
-        "<tr><td>{fleet}</td><td>{device}</td><td class='{state}'>{state}</td>"
-        "<td class='{status}'>{status}</td><td>{reasons}</td><td>{jetpack}</td><td>{last_seen}</td>"
-        "<td>{gaps}</td></tr>".format(**{k: html.escape(str(v)) for k, v in device_row(d).items()})
-        for d in devices)
-    events = "".join("<tr><td>%s</td><td>%s/%s</td><td>%s</td><td>%s</td></tr>" % tuple(
-        html.escape(str(v)) for v in (time.strftime("%H:%M:%S", time.localtime(a["ts"])), a["fleet"],
-                                     a["device"], a["kind"], a["message"])) for a in alerts)
-    return PAGE % (rows, events)
+def render(counts, devices, alerts, offset, limit, now):
+    """The page: a summary, devices (problems first) with table headers, recent alerts."""
+    e = lambda value: html.escape("-" if value is None else str(value))  # noqa: E731
+    rows = []
+    for d in map(device_row, devices):
+        last = "" if d["online"] else " <span class='dim'>(%s; last report %s)</span>" % (
+            e(d["reason"]), e(d["status"] or "none"))
+        ago = " <span class='dim'>(%.0f s ago)</span>" % (now - d["last_seen"]) if d["last_seen"] else ""
+        rows.append("<tr><td>%s</td><td>%s</td><td><span class='%s'>%s</span>%s</td><td>%s</td><td>%s</td>"
+                    "<td>%s%s</td><td>%s</td><td>%s</td></tr>"
+                    % (e(d["fleet"]), e(d["device"]), e(d["state"]), e(d["state"]), last, e("; ".join(d["reasons"])),
+                       e(d["jetpack"]), e(d["last_seen_utc"]), ago, e(d["received"]), e(d["gaps"])))
+    events = ["<tr><td>%s</td><td>%s/%s</td><td>%s</td><td>%s</td><td>%s</td></tr>"
+              % (e(utc(a["ts"])), e(a["fleet"]), e(a["device"]), e(a["source"]), e(a["kind"]), e(a["message"]))
+              for a in alerts]
+    shown = "%d–%d of %d" % (offset + 1, offset + len(devices), counts["devices"]) if devices else "none"
+    pager = "".join("<a href='/?offset=%d&amp;limit=%d'>%s</a> " % (start, limit, label) for start, label in (
+        (max(offset - limit, 0), "← previous"), (offset + limit, "next →"))
+        if (label.startswith("←") and offset > 0) or (label.startswith("next") and offset + limit < counts["devices"]))
+    offline = counts["devices"] - counts["online"]
+    return ("<!doctype html><html lang='en'><head><meta charset='utf-8'><title>jetserve fleet</title>"
+            "<meta http-equiv='refresh' content='10'><style>%s</style></head><body><h1>jetserve fleet</h1>"
+            "<p class='summary'>%d devices: %d online (<span class='OK'>%d OK</span>, <span class='DEGRADED'>%d "
+            "DEGRADED</span>, <span class='CRITICAL'>%d CRITICAL</span>), <span class='OFFLINE'>%d offline</span>"
+            " · as of %s</p>"
+            "<table><caption>Devices, problems first (%s)</caption><thead><tr><th scope='col'>Fleet</th>"
+            "<th scope='col'>Device</th><th scope='col'>State</th><th scope='col'>Reasons</th>"
+            "<th scope='col'>JetPack</th><th scope='col'>Last seen</th><th scope='col'>Messages</th>"
+            "<th scope='col'>Gaps</th></tr></thead><tbody>%s</tbody></table><p>%s</p>"
+            "<table><caption>Recent alerts</caption><thead><tr><th scope='col'>Time</th><th scope='col'>Device</th>"
+            "<th scope='col'>Source</th><th scope='col'>Kind</th><th scope='col'>Message</th></tr></thead>"
+            "<tbody>%s</tbody></table></body></html>"
+            % (STYLE, counts["devices"], counts["online"], counts["OK"], counts["DEGRADED"], counts["CRITICAL"],
+               offline, utc(now), shown, "".join(rows), pager, "".join(events)))
 
 
-def serve(registry, host, port):
-    """Start the server on a daemon thread; returns it (its `server_address` has the real port)."""
+def create_app(registry, token=None, tls=False):
+    """The ASGI app over `registry`; with `token`, every route needs it."""
+    from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import HTMLResponse, JSONResponse
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):
-            url = urlparse(self.path)
-            query = {k: v[-1] for k, v in parse_qs(url.query).items()}
-            if url.path == "/api/devices":
-                self._send(200, "application/json", json.dumps(registry.devices(query.get("fleet"))))
-            elif url.path == "/api/alerts":
-                try:
-                    limit = int(query.get("limit", 100))
-                except ValueError:
-                    return self._send(400, "application/json", json.dumps({"error": "limit must be an integer"}))
-                self._send(200, "application/json",
-                           json.dumps(registry.alerts(limit, query.get("fleet"), query.get("device"))))
-            elif url.path == "/":
-                self._send(200, "text/html; charset=utf-8", render(registry.devices(), registry.alerts(20)))
-            else:
-                self._send(404, "application/json", json.dumps({"error": "not found"}))
+    def authorized(request: Request):
+        if token is None:
+            return
+        scheme, _, credentials = request.headers.get("authorization", "").partition(" ")
+        presented = credentials.strip()
+        if scheme.lower() == "basic":  # a browser: any user name, the token as the password
+            try:
+                presented = base64.b64decode(presented, validate=True).decode("utf-8").partition(":")[2]
+            except ValueError:
+                presented = ""
+        elif scheme.lower() != "bearer":
+            presented = ""
+        if not hmac.compare_digest(presented.encode("utf-8", "replace"), token.encode("utf-8")):
+            raise HTTPException(401, "a token is required: Authorization: Bearer TOKEN",
+                                headers={"WWW-Authenticate": 'Basic realm="jetserve fleet", charset="UTF-8"'})
 
-        def _send(self, code, content_type, body):
-            data = body.encode("utf-8")
-            self.send_response(code)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+    app = FastAPI(title="jetserve fleet", docs_url=None, redoc_url=None, openapi_url=None,
+                  dependencies=[Depends(authorized)])
+    headers = dict(HEADERS, **({"Strict-Transport-Security": "max-age=31536000"} if tls else {}))
 
-        def log_message(self, *args):  # the controller's log is for the fleet, not for page views
-            pass
+    @app.middleware("http")
+    async def security_headers(request, call_next):
+        response = await call_next(request)
+        response.headers.update(headers)
+        return response
 
-    server = ThreadingHTTPServer((host, port), Handler)
-    threading.Thread(target=server.serve_forever, name="fleet-http", daemon=True).start()
-    return server
+    @app.exception_handler(RequestValidationError)
+    async def bad_parameter(request, exc):
+        problems = ["%s: %s" % (".".join(str(part) for part in error["loc"][1:]) or error["loc"][0], error["msg"])
+                    for error in exc.errors()]
+        return JSONResponse({"detail": "; ".join(problems)}, status_code=400)
+
+    fleet_query = Query(None, pattern=NAME, description="only this fleet")
+    offset_query = Query(0, ge=0, le=10 ** 6)
+
+    @app.get("/", response_class=HTMLResponse)
+    def page(fleet: str | None = fleet_query, offset: int = offset_query, limit: int = Query(200, ge=1, le=1000)):
+        return render(registry.counts(fleet), registry.devices(fleet, limit, offset, problems_first=True),
+                      registry.alerts(20, fleet), offset, limit, time.time())
+
+    @app.get("/api/devices")
+    def devices(fleet: str | None = fleet_query, offset: int = offset_query,
+                limit: int = Query(1000, ge=1, le=5000)):
+        return {"counts": registry.counts(fleet), "offset": offset,
+                "devices": [device_row(d) for d in registry.devices(fleet, limit, offset)]}
+
+    @app.get("/api/devices/{fleet}/{device}")
+    def one_device(fleet: str = Path(pattern=NAME), device: str = Path(pattern=NAME)):
+        found = registry.devices(fleet, device=device)
+        if not found:
+            raise HTTPException(404, "no device %s/%s" % (fleet, device))
+        return dict(device_row(found[0]), birth=found[0]["birth"], health=found[0]["health"])
+
+    @app.get("/api/alerts")
+    def alerts(fleet: str | None = fleet_query, device: str | None = Query(None, pattern=NAME),
+               limit: int = Query(100, ge=1, le=1000)):
+        return {"alerts": registry.alerts(limit, fleet, device)}
+
+    return app
+
+
+def _protocol():
+    """uvicorn's HTTP/1.1 protocol, with a deadline on each request's headers (uvicorn itself
+    times a connection out only once it has answered on it)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderDeadline(H11Protocol):
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self._answered = 0
+            self._arm()
+
+        def on_response_complete(self):
+            super().on_response_complete()
+            self._answered += 1
+            self._arm()
+
+        def _arm(self):
+            self.loop.call_later(HEADER_TIMEOUT_S, self._expire, self._answered)
+
+        def _expire(self, answered):
+            waiting = self.cycle is None or self.cycle.response_complete  # no request under way
+            if answered == self._answered and waiting and not self.transport.is_closing():
+                self.transport.close()
+
+    return HeaderDeadline
+
+
+class Server:
+    """uvicorn on a thread of its own; `address` is where it listens (port 0 → the real one)."""
+
+    def __init__(self, registry, host, port, token=None, tls_cert=None, tls_key=None):
+        import logging
+
+        import uvicorn
+
+        config = uvicorn.Config(create_app(registry, token, tls=bool(tls_cert)), host=host, port=port,
+                                http=_protocol(), ssl_certfile=tls_cert, ssl_keyfile=tls_key, access_log=False,
+                                log_level=logging.WARNING, timeout_keep_alive=5, limit_concurrency=MAX_CONNECTIONS,
+                                server_header=False, lifespan="off")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, name="fleet-http", daemon=True)
+        self._thread.start()
+        while not self._server.started:
+            if not self._thread.is_alive():
+                raise OSError("cannot serve HTTP on %s:%d (see the log above)" % (host, port))
+            time.sleep(0.02)
+        self.address = self._server.servers[0].sockets[0].getsockname()[:2]
+        self.scheme = "https" if tls_cert else "http"
+
+    def stop(self):
+        self._server.should_exit = True
+        self._thread.join(10)

@@ -72,12 +72,13 @@ def test_once_publishes_a_health_document_the_controller_stores(broker, spawn, s
                       what="the clean stop's offline state")
     assert record["reason"] == "death certificate" and record["birth"]["versions"]["jetpack"] == "6.2"
     table = cli("fleet", "status", "--db", db).stdout.decode()
-    assert "dev1" in table and "offline" in table and "6.2" in table
+    assert "dev1" in table and "OFFLINE" in table and "6.2" in table
     api = json.loads(urllib.request.urlopen("http://127.0.0.1:%d/api/devices" % http_port, timeout=5).read())
-    assert [(d["device"], d["health"]["probe"]["model"]) for d in api] == [
-        ("dev1", "NVIDIA Jetson AGX Orin Developer Kit")]
+    assert [(d["device"], d["state"], d["jetpack"]) for d in api["devices"]] == [("dev1", "OFFLINE", "6.2")]
+    one = json.loads(urllib.request.urlopen("http://127.0.0.1:%d/api/devices/lab/dev1" % http_port, timeout=5).read())
+    assert one["health"]["probe"]["model"] == "NVIDIA Jetson AGX Orin Developer Kit"
     page = urllib.request.urlopen("http://127.0.0.1:%d/" % http_port, timeout=5).read().decode()
-    assert "<td>dev1</td>" in page and "offline" in page
+    assert "<td>dev1</td>" in page and "OFFLINE" in page
 
 
 def test_kill9_marks_offline_within_1_5_keepalive_and_restart_is_a_new_session(broker, spawn, service, tmp_path):
