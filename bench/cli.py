@@ -18,6 +18,7 @@ BENCHMARKS = (
     ("forward", "greedy tokens and logits of the engine vs transformers on one device"),
     ("profile", "where the time of a batch-1 decode step goes (torch.profiler)"),
     ("kernels", "the decode kernels alone: skinny matmul vs cuBLAS bandwidth, split-context attention"),
+    ("fleet", "simulated devices over MQTT against real controllers: lost messages, registry lag, offline detection"),
 )
 
 

@@ -209,6 +209,13 @@ class Registry:
                            params + [NO_LIMIT if limit is None else limit, offset]).fetchall()
         return [_decode(row) for row in rows]
 
+    def progress(self, fleet=None):
+        """{(fleet, device): (online, received)}: what an ingestion monitor polls, without documents."""
+        where, params = _where(fleet=fleet)
+        with self._store.read() as execute:
+            rows = execute("SELECT fleet, device, online, received FROM devices %s" % where, params).fetchall()
+        return {(f, d): (bool(online), received) for f, d, online, received in rows}
+
     def counts(self, fleet=None):
         """{"devices", "online", "OK", "DEGRADED", "CRITICAL"}: the online ones by reported status."""
         with self._store.read() as execute:

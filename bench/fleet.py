@@ -1,0 +1,523 @@
+"""`jetserve bench fleet`: thousands of simulated devices against a real broker, real controllers
+and a real registry (SQLite, or PostgreSQL behind several `$share` replicas), all on loopback.
+
+One asyncio process holds every device's MQTT connection (aiomqtt), each with its own broker
+account, made as deploy/ makes them (mosquitto_passwd, the shipped ACL and broker settings). A
+device publishes a retained birth with its Will, a health document every `--interval` seconds (a
+real agent's document, its (epoch, n) advanced) and now and then a thermal alert. Near the end a
+share of the devices goes away: half killed (the connection closes, the broker sends the Will),
+half cut off (a relay in front of them stops forwarding, as a pulled cable does: only keepalive
+and the controller's silence rule can tell). Measured, from the registry polled every
+POLL_S: messages the broker acknowledged but the registry never counted (lost), the lag from
+publishing to the registry counting it (p50/p99; it includes up to POLL_S of polling), and how
+long each device that went away took to show offline. Everything is bounded: devices, time, and
+the drain at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import secrets
+import sys
+import time
+
+POLL_S = 0.2
+DRAIN_S = 60.0  # after the devices stop, how long the registry gets to count what was acknowledged
+FLEET = "load"
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--devices", default="2000",
+                        help="simulated devices; a list (1000,2000,4000) runs each in turn and stops at the "
+                             "first that misses a goal: the ceiling")
+    parser.add_argument("--interval", type=float, default=5.0, help="seconds between a device's health reports")
+    parser.add_argument("--duration", type=float, default=120.0, help="seconds every device reports")
+    parser.add_argument("--keepalive", type=int, default=12, help="devices' MQTT keepalive (s)")
+    parser.add_argument("--backend", choices=("sqlite", "postgresql"), default="sqlite")
+    parser.add_argument("--postgres", metavar="URL", default=os.environ.get("JETSERVE_TEST_POSTGRES"),
+                        help="a PostgreSQL server where a database may be created for the run")
+    parser.add_argument("--replicas", type=int, default=1, help="controllers sharing the stream ($share)")
+    parser.add_argument("--offline", type=float, default=0.05, help="share of devices that go away near the end")
+    parser.add_argument("--alert-every", type=int, default=12, help="a thermal alert every N health reports")
+    parser.add_argument("--ramp", type=float, default=20.0, help="seconds over which the devices connect")
+    parser.add_argument("--lag-goal", type=float, default=1.0, help="p99 lag a run must stay under (s)")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def run(args) -> dict:
+    from jetserve.bench.common import write_results
+
+    counts = [int(n) for n in str(args.devices).split(",")]
+    for n in counts:
+        if not 1 <= n <= 20000:
+            raise SystemExit("jetserve bench fleet: --devices must be 1..20000, got %d" % n)
+    if args.backend == "postgresql" and not args.postgres:
+        raise SystemExit("jetserve bench fleet: --backend postgresql needs --postgres URL (or $JETSERVE_TEST_POSTGRES)")
+    if not 1 <= args.replicas <= 8 or args.duration > 1800 or args.interval <= 0:
+        raise SystemExit("jetserve bench fleet: --replicas 1..8, --duration up to 1800 s, --interval > 0")
+    _raise_file_limit()
+    runs = []
+    for n in counts:
+        result = run_once(args, n)
+        runs.append(result)
+        print(json.dumps({k: v for k, v in result.items() if k != "series"}), file=sys.stderr, flush=True)
+        if not result["goals_met"]:
+            break
+    passed = [r["devices"] for r in runs if r["goals_met"]]
+    summary = {"bench": "fleet", "backend": args.backend, "replicas": args.replicas, "interval_s": args.interval,
+               "duration_s": args.duration, "keepalive_s": args.keepalive, "poll_s": POLL_S,
+               "ceiling_devices": max(passed) if passed else None,
+               "first_failure": next((r["devices"] for r in runs if not r["goals_met"]), None),
+               "runs": runs, "env": _environment()}
+    write_results(getattr(args, "out", None), summary, _figures(summary) if getattr(args, "out", None) else {})
+    return summary
+
+
+def run_once(args, devices):
+    """One run: broker, controllers and registry up, `devices` simulated devices, all torn down."""
+    import asyncio
+    import tempfile
+
+    from jetserve.fleet.registry import Registry
+
+    rng = random.Random(args.seed)
+    with tempfile.TemporaryDirectory(prefix="jetserve-fleet-load-") as workdir:
+        accounts = {"device-%05d" % i: secrets.token_urlsafe(12) for i in range(devices)}
+        controller_password = secrets.token_urlsafe(12)
+        broker = Broker(workdir, dict(accounts, **{"jetserve-fleet": controller_password})).start()
+        location = _registry_location(args, workdir)
+        controllers = []
+        try:
+            controllers = [_controller(args, workdir, broker.port, location, controller_password, i)
+                           for i in range(args.replicas)]
+            _wait_subscribed(controllers)
+            registry = Registry(location)
+            fleet_sim = Simulation(args, broker.port, accounts, rng)
+            poller = Poller(registry, fleet_sim)
+            poller.start()
+            cpu_before = _cpu([broker.proc] + [c for c, _ in controllers])
+            started = time.time()
+            asyncio.run(fleet_sim.run())
+            drained = poller.wait_drained(DRAIN_S)
+            cpu = {k: round(v - cpu_before[k], 1) for k, v in _cpu([broker.proc] + [c for c, _ in controllers]).items()}
+            poller.stop()
+            result = _measure(args, devices, fleet_sim, poller, started, drained, cpu)
+            registry.close()
+        finally:
+            for process, log in controllers:
+                process.terminate()
+                try:
+                    process.wait(20)
+                except Exception:
+                    process.kill()
+                log.close()
+            broker.stop()
+            _drop_database(args, location)
+    return result
+
+
+class Broker:
+    """mosquitto on a free loopback port with deploy/'s broker settings, ACL and one account a
+    device (`mosquitto_passwd -U` hashes them all at once)."""
+
+    def __init__(self, workdir, accounts):
+        import socket
+        import subprocess
+
+        self.dir = workdir
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        passwd = os.path.join(workdir, "passwd")
+        with open(passwd, "w") as f:
+            f.writelines("%s:%s\n" % item for item in accounts.items())
+        os.chmod(passwd, 0o600)
+        subprocess.run(["mosquitto_passwd", "-U", passwd], check=True, timeout=600)
+        deploy = os.path.join(_repo(), "deploy")
+        kept = [line for line in open(os.path.join(deploy, "mosquitto.conf")).read().splitlines()
+                if line.split(" ", 1)[0] in _BROKER_SETTINGS_KEPT]
+        self.conf = os.path.join(workdir, "mosquitto.conf")
+        with open(self.conf, "w") as f:
+            f.write("\n".join(kept + [
+                "listener %d 127.0.0.1" % self.port, "password_file %s" % passwd,
+                "acl_file %s" % os.path.join(deploy, "acl"), "log_dest file %s/mosquitto.log" % workdir,
+                "persistence false", "max_connections -1"]
+                + (["user %s" % _user()] if os.geteuid() == 0 else [])) + "\n")
+        self.proc = None
+
+    def start(self):
+        import socket
+        import subprocess
+
+        self.proc = subprocess.Popen(["mosquitto", "-c", self.conf], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return self
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("mosquitto did not start; see %s/mosquitto.log" % self.dir)
+                time.sleep(0.05)
+
+    def stop(self):
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(20)
+
+
+# Broker settings taken from deploy/mosquitto.conf; listeners, files and logs are the run's own.
+_BROKER_SETTINGS_KEPT = ("allow_anonymous", "use_username_as_clientid", "message_size_limit", "max_packet_size",
+                         "max_queued_messages", "max_inflight_messages", "max_keepalive", "persistent_client_expiration")
+
+
+class Relay:
+    """A TCP relay in front of one device, so the test can cut the line (stop forwarding, keep
+    both sockets open: a pulled cable) or kill it (close both: a crashed device)."""
+
+    def __init__(self, port):
+        self.port, self.cut_at, self.writers = port, None, []
+
+    async def start(self):
+        import asyncio
+
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return self.server.sockets[0].getsockname()[1]
+
+    async def _serve(self, device_reader, device_writer):
+        import asyncio
+
+        broker_reader, broker_writer = await asyncio.open_connection("127.0.0.1", self.port)
+        self.writers += [device_writer, broker_writer]
+        await asyncio.gather(self._pipe(device_reader, broker_writer), self._pipe(broker_reader, device_writer),
+                             return_exceptions=True)
+
+    async def _pipe(self, reader, writer):
+        while self.cut_at is None:
+            data = await reader.read(65536)
+            if not data or self.cut_at is not None:
+                break
+            writer.write(data)
+            await writer.drain()
+        if self.cut_at is None:
+            writer.close()
+
+    def cut(self):
+        self.cut_at = time.time()
+
+    def kill(self):
+        self.cut_at = time.time()
+        for writer in self.writers:
+            writer.transport.abort()  # no DISCONNECT, no FIN handshake to wait for: the device is gone
+
+    def close(self):
+        for writer in self.writers:
+            writer.transport.abort()
+        self.server.close()
+
+
+class Simulation:
+    """Every device as a coroutine on one event loop; what each sent and when."""
+
+    def __init__(self, args, port, accounts, rng):
+        self.args, self.port, self.rng = args, port, rng
+        self.names = sorted(accounts)
+        self.accounts = accounts
+        self.sent = {name: [] for name in self.names}  # acknowledged publish times, in order of n
+        self.failed = {}  # name → why its session ended early
+        down = rng.sample(self.names, int(len(self.names) * args.offline))
+        self.killed, self.cut = set(down[::2]), set(down[1::2])
+        self.gone_at = {}  # name → when it was killed or cut
+        self.health, self.birth = _documents()
+
+    async def run(self):
+        import asyncio
+
+        import aiomqtt
+
+        def quiet(loop, context):  # a killed device's client reports its lost connection twice
+            if not isinstance(context.get("exception"), aiomqtt.MqttError):
+                loop.default_exception_handler(context)
+
+        asyncio.get_running_loop().set_exception_handler(quiet)
+        relays = {}
+        for name in self.killed | self.cut:
+            relays[name] = Relay(self.port)
+            relays[name].local_port = await relays[name].start()
+        start = time.time() + 1.0
+        stop_at = start + self.args.ramp + self.args.duration
+        # late enough for every device to be up and reporting, early enough to be told under load
+        away_at = start + self.args.ramp + max(self.args.duration / 2, self.args.duration - 1.5 * self.args.keepalive - 5)
+        tasks = [asyncio.create_task(self._device(name, relays.get(name), start + self.args.ramp * i / len(self.names),
+                                                  stop_at)) for i, name in enumerate(self.names)]
+        await asyncio.sleep(max(0.0, away_at - time.time()))
+        for name, relay in relays.items():
+            (relay.kill if name in self.killed else relay.cut)()
+            self.gone_at[name] = relay.cut_at
+        done, late = await asyncio.wait(tasks, timeout=max(0.0, stop_at - time.time()) + 30)
+        for task in late:  # a session stuck on a line that was cut: not ours to wait for
+            task.cancel()
+        for relay in relays.values():
+            relay.close()
+
+    async def _device(self, name, relay, connect_at, stop_at):
+        import asyncio
+
+        import aiomqtt
+
+        from jetserve.wire import topics
+
+        await asyncio.sleep(max(0.0, connect_at - time.time()))
+        bdseq, epoch = self.rng.randrange(256), secrets.token_hex(8)
+        topic = lambda kind: topics.topic(FLEET, name, kind)  # noqa: E731
+        will = aiomqtt.Will(topic(topics.STATE), json.dumps({"online": False, "bdSeq": bdseq}), qos=1, retain=True)
+        client = aiomqtt.Client("127.0.0.1", relay.local_port if relay else self.port, identifier="jetserve-%s-%s"
+                                % (FLEET, name), username=name, password=self.accounts[name], will=will,
+                                protocol=aiomqtt.ProtocolVersion.V5, keepalive=self.args.keepalive, timeout=60)
+        n = 0
+        try:
+            async with client:
+                birth = dict(self.birth, online=True, device=name, fleet=FLEET, bdSeq=bdseq, interval=self.args.interval,
+                             keepalive=self.args.keepalive)
+                await client.publish(topic(topics.STATE), json.dumps(birth), qos=1, retain=True)
+                next_report = time.time() + self.rng.uniform(0, self.args.interval)
+                while next_report < stop_at and name not in self.gone_at:
+                    await asyncio.sleep(max(0.0, next_report - time.time()))
+                    if name in self.gone_at:
+                        break
+                    next_report += self.args.interval
+                    kinds = [topics.ALERT] if (n + 1) % self.args.alert_every == 0 else []
+                    for kind in kinds + [topics.HEALTH]:
+                        n += 1
+                        doc = self._alert() if kind == topics.ALERT else dict(self.health, ts=time.time())
+                        doc.update(epoch=epoch, n=n, seq=n % 256)
+                        published = time.time()
+                        await client.publish(topic(kind), json.dumps(doc), qos=1)
+                        if name not in self.gone_at:  # acknowledged before it went away
+                            self.sent[name].append(published)
+        except aiomqtt.MqttError as exc:
+            if name not in self.gone_at:
+                self.failed[name] = str(exc)
+
+    def _alert(self):
+        return {"type": "thermal", "old": "normal", "new": "shed", "zone": "cpu-thermal", "temp_c": 95.0,
+                "calls": ["SetLimits(max_num_seqs=4, num_speculative_tokens=0)"], "ok": True, "ts": time.time()}
+
+
+class Poller:
+    """Reads the registry every POLL_S on a thread: when each message became visible (its
+    device's `received` count reached it) and when each device that went away showed offline."""
+
+    def __init__(self, registry, simulation):
+        import threading
+
+        self.registry, self.sim = registry, simulation
+        self.visible = {}  # name → [time message k became visible, ...]
+        self.offline_at = {}
+        self.timeline = []  # (time, messages counted so far)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="registry-poller", daemon=True)
+
+    def start(self):
+        self._thread.start()
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join(30)
+
+    def _loop(self):
+        while not self._stop.wait(POLL_S):
+            self.poll()
+
+    def poll(self):
+        now = time.time()
+        progress = self.registry.progress(FLEET)
+        total = 0
+        for (_, name), (online, received) in progress.items():
+            seen = self.visible.setdefault(name, [])
+            seen.extend([now] * (received - len(seen)))
+            total += received
+            if not online and name in self.sim.gone_at and name not in self.offline_at:
+                self.offline_at[name] = now
+        self.timeline.append((now, total))
+
+    def wait_drained(self, timeout):
+        """True once every acknowledged message is counted (and every device gone shows offline)."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            counted = all(len(self.visible.get(n, ())) >= len(s) for n, s in self.sim.sent.items())
+            if counted and set(self.offline_at) >= set(self.sim.gone_at):
+                return True
+            time.sleep(POLL_S)
+        return False
+
+
+def _measure(args, devices, sim, poller, started, drained, cpu):
+    from jetserve.bench.common import percentile
+
+    lags, lost, extra = [], 0, 0
+    for name, sent in sim.sent.items():
+        seen = poller.visible.get(name, [])
+        lost += max(0, len(sent) - len(seen))
+        extra += max(0, len(seen) - len(sent))  # counted, though the ack never came back (device gone)
+        lags += [v - s for s, v in zip(sent, seen)]
+    detection = {kind: sorted(poller.offline_at[n] - sim.gone_at[n] for n in names if n in poller.offline_at)
+                 for kind, names in (("killed", sim.killed), ("cut", sim.cut)) if names}
+    bound = 1.5 * args.keepalive
+    messages = sum(len(s) for s in sim.sent.values())
+    window = args.duration + args.ramp
+    offline_ok = len(poller.offline_at) == len(sim.gone_at) and all(d <= bound for ds in detection.values() for d in ds)
+    p99 = percentile(lags, 99)
+    buckets = {}
+    for name, sent in sim.sent.items():
+        for s, v in zip(sent, poller.visible.get(name, [])):
+            buckets.setdefault(int((s - started) // 10) * 10, []).append(v - s)
+    return {
+        "devices": devices, "backend": args.backend, "replicas": args.replicas,
+        "messages": messages, "msg_per_s": round(messages / window, 1),
+        "lag_p50_s": round(percentile(lags, 50), 3), "lag_p99_s": round(p99, 3), "lag_max_s": round(max(lags), 3)
+        if lags else None, "lost": lost, "counted_unacked": extra, "sessions_failed": len(sim.failed),
+        "failures": sorted(set(sim.failed.values()))[:5], "drained": drained,
+        "offline": {kind: {"devices": len(getattr(sim, kind)), "detected": len(ds),
+                           "p50_s": round(percentile(ds, 50), 2) if ds else None, "max_s": round(max(ds), 2) if ds else None}
+                    for kind, ds in detection.items()},
+        "offline_bound_s": bound, "cpu_s": cpu,
+        "goals_met": bool(lost == 0 and not sim.failed and drained and p99 <= args.lag_goal and offline_ok),
+        "series": {"lag_p99_by_10s": {k: round(percentile(v, 99), 3) for k, v in sorted(buckets.items())}},
+    }
+
+
+def _figures(summary):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for r in summary["runs"]:
+        series = r["series"]["lag_p99_by_10s"]
+        left.plot([int(k) for k in series], list(series.values()), marker="o",
+                  label="%d devices%s" % (r["devices"], "" if r["goals_met"] else " (missed)"))
+    left.axhline(1.0, color="red", linestyle="--", linewidth=1, label="goal 1 s")
+    left.set(xlabel="seconds into the run (publish time)", ylabel="lag p99 (s)",
+             title="publish → counted in the registry, p99 per 10 s")
+    left.legend(fontsize=8)
+    runs = summary["runs"]
+    right.plot([r["devices"] for r in runs], [r["lag_p50_s"] for r in runs], marker="o", label="lag p50")
+    right.plot([r["devices"] for r in runs], [r["lag_p99_s"] for r in runs], marker="o", label="lag p99")
+    right.axhline(1.0, color="red", linestyle="--", linewidth=1)
+    right.set(xlabel="devices (one health each %g s)" % summary["interval_s"], ylabel="s",
+              title="%s, %d controller(s): ceiling %s devices" % (summary["backend"], summary["replicas"],
+                                                                   summary["ceiling_devices"]))
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    return {"fleet-load": fig}
+
+
+def _documents():
+    """A real agent's health document and birth (from a bundled device's files), to send as is."""
+    from jetserve import __version__
+    from jetserve.agent import health
+    from jetserve.device import compat
+    from jetserve.device.probe import probe
+
+    sysroot = os.path.join(_repo(), "tests", "agent", "sysroots", "agx-orin-jp62")
+    found = probe(sysroot) if os.path.isdir(sysroot) else {}
+    verdict = compat.check(found)
+    service = {"health": "SERVING", "stats": {"max_num_seqs": 8, "num_requests_running": 1}}
+    doc = health.build(found, verdict, service, 0, {"pending": 0, "dropped": {"health": 0, "alert": 0}})
+    birth = {"model": found.get("model"), "soc": found.get("soc"), "serial": found.get("serial"),
+             "service": "127.0.0.1:50051", "compat": verdict.to_dict(),
+             "versions": {"jetserve": __version__, "python": found.get("python"), "l4t": found.get("l4t"),
+                          "jetpack": found.get("jetpack"), "cuda": found.get("cuda")}}
+    return doc, birth
+
+
+def _controller(args, workdir, port, location, password, index):
+    import subprocess
+
+    secret = os.path.join(workdir, "controller-password")
+    with open(secret, "w") as f:
+        f.write(password)
+    log = open(os.path.join(workdir, "controller-%d.log" % index), "wb")
+    command = [sys.executable, "-m", "jetserve.cli", "fleet", "run", "--db", location, "--http", "",
+               "--mqtt-port", str(port), "--mqtt-user", "jetserve-fleet", "--mqtt-password-file", secret,
+               "--client-id", "jetserve-fleet-load-%d" % index, "--log-level", "INFO"]
+    if args.replicas > 1:
+        command += ["--share", "load"]
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    process.log_path = log.name
+    return process, log
+
+
+def _wait_subscribed(controllers):
+    deadline = time.monotonic() + 60
+    for process, _ in controllers:
+        while "subscribed" not in open(process.log_path).read():
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("a controller did not subscribe: %s" % open(process.log_path).read()[-2000:])
+            time.sleep(0.1)
+
+
+def _registry_location(args, workdir):
+    """An SQLite file in the run's folder, or a database of its own on the PostgreSQL server."""
+    if args.backend == "sqlite":
+        return os.path.join(workdir, "fleet.db")
+    import psycopg
+
+    name = "jetserve_load_" + secrets.token_hex(6)
+    with psycopg.connect(args.postgres, autocommit=True) as admin:
+        admin.execute("CREATE DATABASE %s" % name)
+    info = psycopg.conninfo.conninfo_to_dict(args.postgres)
+    info.pop("dbname", None)
+    return "postgresql:///%s?%s" % (name, "&".join("%s=%s" % item for item in info.items()))
+
+
+def _drop_database(args, location):
+    if args.backend != "postgresql":
+        return
+    import psycopg
+
+    with psycopg.connect(args.postgres, autocommit=True) as admin:
+        admin.execute("DROP DATABASE IF EXISTS %s WITH (FORCE)" % location.split("?")[0].rpartition("/")[2])
+
+
+def _cpu(processes):
+    import psutil
+
+    return {("broker" if i == 0 else "controller-%d" % (i - 1)): sum(psutil.Process(p.pid).cpu_times()[:2])
+            for i, p in enumerate(processes)}
+
+
+def _raise_file_limit():
+    """Two file descriptors a device (its socket here and at the broker, which inherits the limit)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def _environment():
+    import platform
+
+    return {"python": platform.python_version(), "cpus": os.cpu_count(), "load_avg_1m_at_end": os.getloadavg()[0]}
+
+
+def _repo():
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _user():
+    import pwd
+
+    return pwd.getpwuid(os.getuid()).pw_name
+
+
+if __name__ == "__main__":  # pragma: no cover
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    run(parser.parse_args())
