@@ -93,6 +93,8 @@ def run_controller(args):
             server = web.Server(registry, host, port, token, args.http_tls_cert, args.http_tls_key)
     except (ValueError, OSError, RegistryError, MqttConfigError) as exc:
         sys.exit("jetserve fleet run: %s" % exc)
+    except ImportError as exc:
+        sys.exit("jetserve fleet run: the HTTP page needs pip install 'jetserve[fleet]' (or --http ''): %s" % exc)
     if server:
         logging.info("fleet page on %s://%s:%d/%s", server.scheme, *server.address[:2],
                      " (token required)" if token else "")
