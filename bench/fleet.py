@@ -87,7 +87,8 @@ def run_once(args, devices):
     with tempfile.TemporaryDirectory(prefix="jetserve-fleet-load-") as workdir:
         accounts = {"device-%05d" % i: secrets.token_urlsafe(12) for i in range(devices)}
         controller_password = secrets.token_urlsafe(12)
-        broker = Broker(workdir, dict(accounts, **{"jetserve-fleet": controller_password})).start()
+        users = {"%s/%s" % (FLEET, name): password for name, password in accounts.items()}  # deploy/acl's %u
+        broker = Broker(workdir, dict(users, **{"jetserve-fleet": controller_password})).start()
         location = _registry_location(args, workdir)
         controllers = []
         try:
@@ -276,13 +277,13 @@ class Simulation:
         topic = lambda kind: topics.topic(FLEET, name, kind)  # noqa: E731
         will = aiomqtt.Will(topic(topics.STATE), json.dumps({"online": False, "bdSeq": bdseq}), qos=1, retain=True)
         client = aiomqtt.Client("127.0.0.1", relay.local_port if relay else self.port, identifier="jetserve-%s-%s"
-                                % (FLEET, name), username=name, password=self.accounts[name], will=will,
+                                % (FLEET, name), username="%s/%s" % (FLEET, name), password=self.accounts[name], will=will,
                                 protocol=aiomqtt.ProtocolVersion.V5, keepalive=self.args.keepalive, timeout=60)
         n = 0
         try:
             async with client:
-                birth = dict(self.birth, online=True, device=name, fleet=FLEET, bdSeq=bdseq, interval=self.args.interval,
-                             keepalive=self.args.keepalive)
+                birth = dict(self.birth, online=True, device=name, fleet=FLEET, bdSeq=bdseq, seq=0, ts=time.time(),
+                             interval=self.args.interval, keepalive=self.args.keepalive)
                 await client.publish(topic(topics.STATE), json.dumps(birth), qos=1, retain=True)
                 next_report = time.time() + self.rng.uniform(0, self.args.interval)
                 while next_report < stop_at and name not in self.gone_at:
@@ -294,7 +295,7 @@ class Simulation:
                     for kind in kinds + [topics.HEALTH]:
                         n += 1
                         doc = self._alert() if kind == topics.ALERT else dict(self.health, ts=time.time())
-                        doc.update(epoch=epoch, n=n, seq=n % 256)
+                        doc.update(epoch=epoch, n=n, seq=n % 256)  # one session: Sparkplug's seq, +1 from the birth
                         published = time.time()
                         await client.publish(topic(kind), json.dumps(doc), qos=1)
                         if name not in self.gone_at:  # acknowledged before it went away

@@ -39,6 +39,9 @@ CREATE INDEX IF NOT EXISTS alerts_by_device ON alerts (fleet, device, id);
 """
 
 
+SCHEMA_LOCK = 0x6A657473  # PostgreSQL advisory lock key held while the schema is made ("jets")
+
+
 class StoreError(RuntimeError):
     pass
 
@@ -114,6 +117,8 @@ class PostgresStore:
         self._locks = threading.Lock(), threading.Lock()
         self._connections = [None, None]
         with self.write() as execute:
+            # Replicas starting together would race in CREATE TABLE IF NOT EXISTS: one at a time.
+            execute("SELECT pg_advisory_xact_lock(?)", (SCHEMA_LOCK,))
             for statement in filter(str.strip, SCHEMA.format(
                     real="DOUBLE PRECISION", serial="BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY").split(";")):
                 execute(statement)

@@ -54,6 +54,28 @@ def test_concurrent_replicas_count_each_message_once_and_alert_once(registry_loc
         r.close()
 
 
+def test_replicas_starting_together_on_a_new_database(registry_location):
+    """Each replica makes the schema if it is missing; started at once they must not collide."""
+    opened, errors = [], []
+    barrier = threading.Barrier(4)
+
+    def start():
+        barrier.wait()
+        try:
+            opened.append(Registry(registry_location))
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and len(opened) == 4
+    for r in opened:
+        r.close()
+
+
 def test_two_controllers_on_postgresql_split_the_stream(broker, spawn, service, postgres_url, tmp_path):
     """`$share` over MQTT, one PostgreSQL registry: each message at one replica, counted once."""
     state = str(tmp_path / "state")
