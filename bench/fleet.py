@@ -3,7 +3,7 @@ and a real registry (SQLite, or PostgreSQL behind several `$share` replicas), al
 
 One asyncio process holds every device's MQTT connection (aiomqtt), each with its own broker
 account, made as deploy/ makes them (mosquitto_passwd, the shipped ACL and broker settings). A
-device publishes a retained birth with its Will, a health document every `--interval` seconds (a
+device publishes a birth after connecting with its Will (neither retained, as Sparkplug has it), a health document every `--interval` seconds (a
 real agent's document, its (epoch, n) advanced) and now and then a thermal alert. Near the end a
 share of the devices goes away: half killed (the connection closes, the broker sends the Will),
 half cut off (a relay in front of them stops forwarding, as a pulled cable does: only keepalive
@@ -275,7 +275,7 @@ class Simulation:
         await asyncio.sleep(max(0.0, connect_at - time.time()))
         bdseq, epoch = self.rng.randrange(256), secrets.token_hex(8)
         topic = lambda kind: topics.topic(FLEET, name, kind)  # noqa: E731
-        will = aiomqtt.Will(topic(topics.STATE), json.dumps({"online": False, "bdSeq": bdseq}), qos=1, retain=True)
+        will = aiomqtt.Will(topic(topics.STATE), json.dumps({"online": False, "bdSeq": bdseq}), qos=1)  # Sparkplug: not retained
         client = aiomqtt.Client("127.0.0.1", relay.local_port if relay else self.port, identifier="jetserve-%s-%s"
                                 % (FLEET, name), username="%s/%s" % (FLEET, name), password=self.accounts[name], will=will,
                                 protocol=aiomqtt.ProtocolVersion.V5, keepalive=self.args.keepalive, timeout=60)
@@ -284,7 +284,7 @@ class Simulation:
             async with client:
                 birth = dict(self.birth, online=True, device=name, fleet=FLEET, bdSeq=bdseq, seq=0, ts=time.time(),
                              interval=self.args.interval, keepalive=self.args.keepalive)
-                await client.publish(topic(topics.STATE), json.dumps(birth), qos=1, retain=True)
+                await client.publish(topic(topics.STATE), json.dumps(birth), qos=1)
                 next_report = time.time() + self.rng.uniform(0, self.args.interval)
                 while next_report < stop_at and name not in self.gone_at:
                     await asyncio.sleep(max(0.0, next_report - time.time()))
