@@ -16,6 +16,9 @@ from tests.agent.conftest import REPO, SYSROOTS, agent_args, wait_for
 pytestmark = pytest.mark.skipif(not shutil.which("mosquitto_sub"), reason="mosquitto-clients is not installed")
 
 
+PROBE = "watcher-probe"
+
+
 class Watcher:
     """mosquitto_sub printing retain flag, QoS, topic, correlation data and payload per message."""
 
@@ -25,7 +28,11 @@ class Watcher:
         self.proc = subprocess.Popen(["mosquitto_sub", "-V", "mqttv5", "-p", str(broker.port), "-q", "1",
                                       "-t", topic_filter, "-F", "%r %q %t %D|%p"] + list(extra),
                                      stdout=self._out, stderr=subprocess.STDOUT)
-        time.sleep(0.5)  # mosquitto_sub has no "subscribed" signal; a new agent's birth comes later anyway
+        # mosquitto_sub says nothing once subscribed: publish probes until one comes through
+        probe = topic_filter.rstrip("#") + PROBE
+        wait_for(lambda: subprocess.run(["mosquitto_pub", "-p", str(broker.port), "-t", probe, "-m", "{}"],
+                                        timeout=30) and any(PROBE in line for line in self.lines()), 20,
+                 interval=0.2, what="mosquitto_sub's subscription")
 
     def lines(self):
         with open(self.path, "rb") as f:
@@ -36,6 +43,8 @@ class Watcher:
         found = []
         for line in self.lines():
             head, _, payload = line.partition("|")
+            if PROBE in head:
+                continue
             retain, qos, topic, *correlation = head.split(" ")
             found.append((int(retain), int(qos), topic, " ".join(correlation), json.loads(payload)))
         return found
@@ -115,17 +124,29 @@ def test_command_replies_honour_response_topic_and_correlation_data(broker, spaw
     watcher = Watcher(broker, tmp_path, "jetserve/v1/lab/dev1/cmd/reply/#")
 
     def request(doc, response_topic, correlation):
+        path = tmp_path / "request.json"
+        path.write_bytes(doc if isinstance(doc, bytes) else json.dumps(doc).encode())
         subprocess.run(["mosquitto_pub", "-V", "mqttv5", "-p", str(broker.port), "-q", "1",
-                        "-t", "jetserve/v1/lab/dev1/cmd", "-m", json.dumps(doc),
+                        "-t", "jetserve/v1/lab/dev1/cmd", "-f", str(path),
                         "-D", "PUBLISH", "response-topic", response_topic,
                         "-D", "PUBLISH", "correlation-data", correlation], check=True, timeout=30)
     try:
+        # hostile commands first: the agent must answer them and live on
+        request(b"[" * 100000 + b"]" * 100000, "jetserve/v1/lab/dev1/cmd/reply", "deep")
+        request(b'{"command": "set-limits", "args": {"x": ' + b"[" * 8000 + b"]" * 8000 + b"}}",
+                "jetserve/v1/lab/dev1/cmd/reply", "deep2")
+        request({"id": "big", "command": "set-limits", "args": {"num_speculative_tokens": 100000}},
+                "jetserve/v1/lab/dev1/cmd/reply", "big")
         request({"id": "r1", "command": "report-now"}, "jetserve/v1/lab/dev1/cmd/reply/op-7", "corr-42")
         request({"id": "r2", "command": "drain"}, "jetserve/v1/lab/dev2/cmd/reply", "corr-43")  # another's topic
-        wait_for(lambda: len(watcher.lines()) >= 2, 20, what="two replies")
+        wait_for(lambda: len(watcher.lines()) >= 5, 20, what="five replies")
     finally:
         watcher.stop()
-    (r1, r2) = sorted(watcher.messages(), key=lambda m: m[4]["id"])
+    hostile = {m[3]: m[4] for m in watcher.messages()[:3]}
+    assert {k: (d["ok"], d["error"].split(" ")[0]) for k, d in hostile.items()} == {
+        "deep": (False, "payload"), "deep2": (False, "payload"), "big": (False, "args.num_speculative_tokens=100000")}
+    assert agent.proc.poll() is None
+    (r1, r2) = sorted(watcher.messages()[3:], key=lambda m: m[4]["id"])
     assert r1[2:4] == ("jetserve/v1/lab/dev1/cmd/reply/op-7", "corr-42") and r1[4]["ok"] and r1[4]["result"]["n"] >= 2
     assert r2[2:4] == ("jetserve/v1/lab/dev1/cmd/reply", "corr-43"), "refused on its own reply topic, data kept"
     assert not r2[4]["ok"] and "response topic" in r2[4]["error"]
