@@ -4,10 +4,12 @@ The runner describes a step as B sequences, each with `q_len` new tokens (flatte
 sequence order) at the end of a context of `ctx_len` tokens. New keys and values are written
 into the cache slots of their positions first; then each sequence's queries attend to its
 context gathered through its block table (only the batch's own blocks are read, never the
-whole cache). On CUDA, a step where every sequence has the same few new tokens (decodes,
-MTP verifies and drafts) takes the uniform form instead: block tables and lengths, read by a
-paged Triton kernel that walks only each sequence's own blocks; its shapes depend only on
-(B, q_len), so the step can be replayed from a CUDA graph (engine/cuda_graphs.py).
+whole cache). That is the CPU path (SDPA, exact). On CUDA the Triton kernels read the cache
+through block tables instead: a step where every sequence has the same few new tokens (decodes,
+MTP verifies and drafts) takes the uniform form, read by a paged decode kernel whose shapes
+depend only on (B, q_len), so the step can be replayed from a CUDA graph (engine/cuda_graphs.py);
+any other step (prefill chunks, alone or with decodes) the varlen form, read by the flash
+prefill kernel in one launch (model/flash_prefill.py).
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 # The general path on CUDA: the memory-efficient kernel (masks), not cuDNN's, which plans anew
 # for every context length (a prefill chunk brings a new one each step), nor the slow math one.
 _GENERAL_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-MAX_UNIFORM_Q = 16  # longer uniform steps are prefill chunks: the SDPA path tiles those better
+MAX_UNIFORM_Q = 16  # longer uniform steps are prefill chunks: the flash prefill kernel tiles those better
+PREFILL_BLOCK_M = 128  # query rows of one flash prefill tile
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -74,19 +77,25 @@ class AttentionMetadata:
     # groups, so that short queries are not padded to a chunk's length nor a chunk batched with them.
     groups: list[SdpaGroup] | None = None
     output_index: torch.Tensor | None = None  # [T]: the groups' concatenated rows, back in token order
-    # Uniform form (CUDA, every sequence `q_len` new tokens): the paged kernel's inputs.
+    # Paged forms (CUDA): block tables and lengths, read by the Triton kernels.
     block_tables: torch.Tensor | None = None  # [B, max_blocks] int32
     context_lens: torch.Tensor | None = None  # [B] int32, after this step's tokens
-    q_len: int = 0
+    q_len: int = 0  # uniform form (every sequence `q_len` new tokens): the paged decode kernel
     block_size: int = 0
+    # Varlen form (any other step): the flash prefill kernel (model/flash_prefill.py).
+    query_start_loc: torch.Tensor | None = None  # [B + 1] int32: where each sequence's tokens start
+    query_tiles: torch.Tensor | None = None  # [2, tiles] int32: (sequence, first row) of each query tile
 
     @staticmethod
     def build(q_lens: list[int], ctx_lens: list[int], block_tables: list[list[int]], block_size: int,
               device: torch.device, fused: bool = False) -> AttentionMetadata:
         """Describe a step; `ctx_lens` count the context after this step's tokens are added.
-        `fused`: the model runs the Triton kernels, so a uniform step takes the paged kernel."""
+        `fused`: the model runs the Triton kernels, so a uniform step takes the paged decode
+        kernel and any other the flash prefill kernel; else SDPA in groups."""
         if fused and len(set(q_lens)) == 1 and q_lens[0] <= MAX_UNIFORM_Q:
             return AttentionMetadata._uniform(q_lens[0], ctx_lens, block_tables, block_size, device)
+        if fused:
+            return AttentionMetadata._varlen(q_lens, ctx_lens, block_tables, block_size, device)
         short = [i for i, q in enumerate(q_lens) if q <= MAX_UNIFORM_Q]
         members = ([short] if short else []) + [[i] for i, q in enumerate(q_lens) if q > MAX_UNIFORM_Q]
         starts = [0]
@@ -117,6 +126,35 @@ class AttentionMetadata:
         return AttentionMetadata(slot_mapping=packed[:n], context_lens=packed[n:n + b],
                                  block_tables=packed[n + b:].view(b, width), q_len=q_len,
                                  block_size=block_size)
+
+
+    @staticmethod
+    def _varlen(q_lens: list[int], ctx_lens: list[int], block_tables: list[list[int]], block_size: int,
+                device: torch.device) -> AttentionMetadata:
+        width = max(len(t) for t in block_tables)
+        slots = slot_mapping(block_tables, ctx_lens, q_lens, block_size)
+        starts = [0]
+        for q in q_lens:
+            starts.append(starts[-1] + q)
+        tiles = prefill_tiles(q_lens, ctx_lens)
+        tables = [x for t in block_tables for x in t + [0] * (width - len(t))]
+        # One host-to-device copy for all of them.
+        packed = to_device(torch.tensor(slots + ctx_lens + starts + tiles[0] + tiles[1] + tables, dtype=torch.int32),
+                           device)
+        n, b, k = len(slots), len(ctx_lens), len(tiles[0])
+        return AttentionMetadata(slot_mapping=packed[:n], context_lens=packed[n:n + b],
+                                 query_start_loc=packed[n + b:n + 2 * b + 1],
+                                 query_tiles=packed[n + 2 * b + 1:n + 2 * b + 1 + 2 * k].view(2, k),
+                                 block_tables=packed[n + 2 * b + 1 + 2 * k:].view(b, width), block_size=block_size)
+
+
+def prefill_tiles(q_lens: list[int], ctx_lens: list[int], block_m: int = PREFILL_BLOCK_M) -> list[list[int]]:
+    """[sequence indices, first rows] of a step's query tiles for the flash prefill kernel, the
+    longest context first: the GPU's last wave is then the short tiles."""
+    tiles = [(ctx - q + m0 + min(block_m, q - m0), b, m0)
+             for b, (q, ctx) in enumerate(zip(q_lens, ctx_lens)) for m0 in range(0, q, block_m)]
+    tiles.sort(reverse=True)
+    return [[b for _, b, _ in tiles], [m0 for _, _, m0 in tiles]]
 
 
 def slot_mapping(block_tables: list[list[int]], ctx_lens: list[int], q_lens: list[int], block_size: int) -> list[int]:

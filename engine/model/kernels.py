@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from jetserve.engine.model.flash_prefill import prefill_attention
+
 log = logging.getLogger(__name__)
 
 
@@ -407,6 +409,7 @@ class FusedKernels:
     silu_mul = staticmethod(silu_mul)
     qk_norm_rope_store = staticmethod(qk_norm_rope_store)
     paged_attention = staticmethod(paged_attention)
+    prefill_attention = staticmethod(prefill_attention)
 
     def __init__(self, tile_timing: bool):
         self.tile_timing = tile_timing

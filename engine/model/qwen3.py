@@ -115,13 +115,17 @@ class Attention(_KernelUser):
     def forward(self, qkv, rope, kv_cache, meta: AttentionMetadata):
         """From the qkv projection of the normed input (the layer makes it, so that the norm fuses
         into the projection)."""
-        if meta is not None and meta.block_tables is not None:  # uniform step on CUDA: two fused kernels
+        if meta is not None and meta.block_tables is not None:  # CUDA: two fused kernels
             kernels = self.kernels
             q = kernels.qk_norm_rope_store(qkv, self.q_norm.weight, self.k_norm.weight, *rope,
                                            meta.slot_mapping, kv_cache[0], kv_cache[1], self.q_norm.eps,
                                            self.num_heads, self.num_kv_heads, self.head_dim)
-            out = kernels.paged_attention(q, kv_cache[0], kv_cache[1], meta.block_tables, meta.context_lens,
-                                          meta.q_len, meta.block_size, self.scale)
+            if meta.query_tiles is not None:  # prefill chunks, alone or with decodes
+                out = kernels.prefill_attention(q, kv_cache[0], kv_cache[1], meta.block_tables, meta.query_start_loc,
+                                                meta.context_lens, meta.query_tiles, self.scale, meta.block_size)
+            else:
+                out = kernels.paged_attention(q, kv_cache[0], kv_cache[1], meta.block_tables, meta.context_lens,
+                                              meta.q_len, meta.block_size, self.scale)
             return self.o_proj(out.flatten(1))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))

@@ -1,0 +1,112 @@
+"""Flash-attention prefill over the paged KV cache: one Triton launch for a whole mixed step.
+
+A step holds several sequences (prefill chunks and decodes), each with `q_len` new tokens at the
+end of a context of `ctx_len` tokens; their keys and values are already in the cache (the q/k
+norm + RoPE kernel stores them), so a chunk attends to its own tokens and to the context cached
+before it the same way: through its block table. The queries are cut into tiles of BLOCK_M rows
+of one sequence (listed by the host, attention.prefill_tiles: longest context first, so the
+GPU's last wave is short), and one program takes a tile for one query head: it streams the sequence's keys in BLOCK_N-wide pieces
+with an online softmax (flash attention), unmasked below the tile's first position and causally
+masked on the diagonal. Keys are gathered through the block table row by row (a row is one token's
+head, contiguous), so no gathered copy of the context and no [q, ctx] mask ever exist; GQA reads
+the kv head of its group. Triton rather than a library kernel: FlashAttention's paged kernels
+need sm80+ builds that Jetson's JetPack wheels lack, while Triton compiles this one for the H200
+and Orin alike, and its interpreter lets CI check it on CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from jetserve.engine.model.attention import PREFILL_BLOCK_M
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attend(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table_row, start, hi, q_pos, d, kvh, qk_scale,
+            NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+            CAUSAL: tl.constexpr, IEEE: tl.constexpr):
+    """One BLOCK_N-wide piece of keys from `start`: the online-softmax update (base 2)."""
+    pos = start + tl.arange(0, BLOCK_N)
+    valid = pos < hi
+    block = tl.load(table_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    row = (block * BLOCK_SIZE + pos % BLOCK_SIZE) * (NUM_KV_HEADS * HEAD_DIM) + kvh * HEAD_DIM
+    kv_mask = valid[None, :] & (d < HEAD_DIM)[:, None]
+    k = tl.load(k_cache_ptr + row[None, :] + d[:, None], mask=kv_mask, other=0.0)  # [D, N]
+    v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=tl.trans(kv_mask), other=0.0)  # [N, D]
+    if IEEE:  # fp32 models: no tf32 rounding
+        s = tl.dot(q, k, input_precision="ieee") * qk_scale
+    else:
+        s = tl.dot(q, k) * qk_scale
+    if CAUSAL:
+        s = tl.where((pos[None, :] <= q_pos[:, None]) & valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    p = tl.math.exp2(s - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
+def _prefill_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, tables_ptr, table_stride, query_start_ptr,
+                              ctx_ptr, tiles_ptr, num_tiles, qk_scale, NUM_HEADS: tl.constexpr,
+                              NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+                              BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                              IEEE: tl.constexpr):
+    tile = tl.program_id(0)
+    h = tl.program_id(1)
+    kvh = h // (NUM_HEADS // NUM_KV_HEADS)
+    b = tl.load(tiles_ptr + tile)
+    m0 = tl.load(tiles_ptr + num_tiles + tile)  # the tile's first row within its sequence
+    q_first = tl.load(query_start_ptr + b)
+    q_len = tl.load(query_start_ptr + b + 1) - q_first
+    first_pos = tl.load(ctx_ptr + b) - q_len  # position of the sequence's first new token
+    rows = m0 + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, HEAD_PAD)
+    q_mask = (rows < q_len)[:, None] & (d < HEAD_DIM)[None, :]
+    at = (q_first + rows).to(tl.int64)[:, None] * (NUM_HEADS * HEAD_DIM) + h * HEAD_DIM + d[None, :]
+    q = tl.load(q_ptr + at, mask=q_mask, other=0.0)
+    q_pos = first_pos + rows
+    table_row = tables_ptr + b.to(tl.int64) * table_stride
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    hi = first_pos + tl.minimum(m0 + BLOCK_M, q_len)  # keys the tile's last row sees
+    full = (first_pos + m0) // BLOCK_N * BLOCK_N  # keys every row of the tile sees: no mask
+    for start in range(0, full, BLOCK_N):
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table_row, start, hi, q_pos, d, kvh,
+                                qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, IEEE)
+    for start in range(full, hi, BLOCK_N):
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table_row, start, hi, q_pos, d, kvh,
+                                qk_scale, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, IEEE)
+    l_i = tl.where(l_i > 0, l_i, 1.0)  # rows past q_len saw no key; they are not stored
+    tl.store(out_ptr + at, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                      query_start_loc: torch.Tensor, context_lens: torch.Tensor, tiles: torch.Tensor, scale: float,
+                      block_size: int, block_m: int = PREFILL_BLOCK_M) -> torch.Tensor:
+    """Causal attention of every new token of a step over its sequence's cached context.
+    q: [T, H, D] (sequences' tokens in order); caches: [slots, KVH, D] with this step's keys and
+    values already stored; block_tables: [B, W] int32; query_start_loc: [B + 1] int32 (where each
+    sequence's tokens start in q, vLLM's name); context_lens: [B] int32, after this step's
+    tokens; tiles: [2, n] int32 from attention.prefill_tiles with the same `block_m`. Returns [T, H, D]."""
+    t, num_heads, head_dim = q.shape
+    out = torch.empty_like(q)
+    if t == 0:
+        return out
+    num_tiles = tiles.shape[1]
+    big = q.is_cuda and head_dim > 64
+    _prefill_attention_kernel[(num_tiles, num_heads)](
+        q, k_cache, v_cache, out, block_tables, block_tables.stride(0), query_start_loc, context_lens, tiles,
+        num_tiles, scale * LOG2E, NUM_HEADS=num_heads, NUM_KV_HEADS=k_cache.shape[1], HEAD_DIM=head_dim,
+        HEAD_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_SIZE=block_size, BLOCK_M=block_m,
+        BLOCK_N=64 if q.is_cuda else 16, IEEE=q.dtype == torch.float32, num_warps=8 if big else 4,
+        num_stages=1 if q.dtype == torch.float32 or not q.is_cuda else 3)  # fp32 tiles: no room for more
+    return out
