@@ -34,9 +34,10 @@ def _attend(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table_row, start, hi, q_
     valid = pos < hi
     block = tl.load(table_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
     row = (block * BLOCK_SIZE + pos % BLOCK_SIZE) * (NUM_KV_HEADS * HEAD_DIM) + kvh * HEAD_DIM
-    kv_mask = valid[None, :] & (d < HEAD_DIM)[:, None]
-    k = tl.load(k_cache_ptr + row[None, :] + d[:, None], mask=kv_mask, other=0.0)  # [D, N]
-    v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=tl.trans(kv_mask), other=0.0)  # [N, D]
+    k = tl.load(k_cache_ptr + row[None, :] + d[:, None], mask=valid[None, :] & (d < HEAD_DIM)[:, None],
+                other=0.0)  # [D, N]
+    v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=valid[:, None] & (d < HEAD_DIM)[None, :],
+                other=0.0)  # [N, D]
     if IEEE:  # fp32 models: no tf32 rounding
         s = tl.dot(q, k, input_precision="ieee") * qk_scale
     else:
@@ -92,7 +93,7 @@ def _prefill_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, tables_p
 # Tried once per (head shape, dtype) on the first launch on a GPU (the runner's memory-planning
 # dry run, at start-up): BLOCK_N keys a piece, warps, software-pipelining depth.
 _CONFIGS = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s)
-            for n, w, s in ((64, 4, 3), (64, 8, 3), (128, 8, 2), (128, 8, 3), (32, 4, 4), (64, 4, 2))]
+            for n, w, s in ((64, 4, 3), (64, 8, 3), (128, 8, 2), (32, 4, 3))]
 _tuned_kernel = triton.autotune(_CONFIGS, key=["HEAD_DIM", "NUM_HEADS", "NUM_KV_HEADS", "IEEE"])(
     _prefill_attention_kernel)
 

@@ -27,8 +27,9 @@ def reference(q, k_cache, v_cache, tables, q_lens, ctx_lens, scale):
         keys = k_cache[slots].float().repeat_interleave(group, 1)  # [ctx, H, D]
         values = v_cache[slots].float().repeat_interleave(group, 1)
         scores = torch.einsum("thd,lhd->htl", q[t:t + q_len].float(), keys) * scale
-        q_pos = torch.arange(ctx - q_len, ctx)
-        scores = scores.masked_fill(torch.arange(ctx)[None, None, :] > q_pos[None, :, None], float("-inf"))
+        q_pos = torch.arange(ctx - q_len, ctx, device=q.device)
+        scores = scores.masked_fill(torch.arange(ctx, device=q.device)[None, None, :] > q_pos[None, :, None],
+                                    float("-inf"))
         outs.append(torch.einsum("htl,lhd->thd", scores.softmax(-1), values))
         t += q_len
     return torch.cat(outs).to(q.dtype)
