@@ -44,8 +44,8 @@ class CUDAGraphs:
         self.sizes, self.shapes, self.num_warmup = config.capture_sizes, config.step_shapes, config.num_warmup
         self.block_size, self.scratch_block = block_size, scratch_block
         self.scratch_slot = scratch_block * block_size
-        max_q = max(q for _, q in shapes)
-        self.max_rows, self.max_batch = max(sizes) * max_q, max(sizes)
+        max_q = max(q for _, q in self.shapes)
+        self.max_rows, self.max_batch = max(self.sizes) * max_q, max(self.sizes)
         # Wide enough for max_model_len plus the KV slots reserved for drafts.
         self.width = -(-(max_model_len + max_q) // block_size)
         size = 3 * self.max_rows + self.max_batch * (1 + self.width)
