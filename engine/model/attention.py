@@ -15,6 +15,7 @@ prefill kernel in one launch (model/flash_prefill.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -127,15 +128,12 @@ class AttentionMetadata:
                                  block_tables=packed[n + b:].view(b, width), q_len=q_len,
                                  block_size=block_size)
 
-
     @staticmethod
     def _varlen(q_lens: list[int], ctx_lens: list[int], block_tables: list[list[int]], block_size: int,
                 device: torch.device) -> AttentionMetadata:
         width = max(len(t) for t in block_tables)
         slots = slot_mapping(block_tables, ctx_lens, q_lens, block_size)
-        starts = [0]
-        for q in q_lens:
-            starts.append(starts[-1] + q)
+        starts = [0, *accumulate(q_lens)]
         tiles = prefill_tiles(q_lens, ctx_lens)
         tables = [x for t in block_tables for x in t + [0] * (width - len(t))]
         # One host-to-device copy for all of them.
