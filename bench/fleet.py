@@ -142,8 +142,9 @@ class Broker:
                 if line.split(" ", 1)[0] in _BROKER_SETTINGS_KEPT]
         self.conf = os.path.join(workdir, "mosquitto.conf")
         with open(self.conf, "w") as f:
-            f.write("\n".join(kept + [
-                "listener %d 127.0.0.1" % self.port, "password_file %s" % passwd,
+            # the listener first: use_username_as_clientid is per listener (above any, it opens 1883)
+            f.write("\n".join(["listener %d 127.0.0.1" % self.port] + kept + [
+                "password_file %s" % passwd,
                 "acl_file %s" % os.path.join(deploy, "acl"), "log_dest file %s/mosquitto.log" % workdir,
                 "persistence false", "max_connections -1"]
                 + (["user %s" % _user()] if os.geteuid() == 0 else [])) + "\n")

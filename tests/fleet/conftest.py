@@ -2,6 +2,7 @@
 broker configured as deploy/ ships it and a real PostgreSQL server (`.ci/run` starts one and
 names it in $JETSERVE_TEST_POSTGRES)."""
 
+import getpass
 import os
 import shutil
 import subprocess
@@ -9,10 +10,8 @@ import uuid
 
 import pytest
 
-from tests.agent.conftest import REPO, Broker, broker, service, spawn  # noqa: F401  (pytest fixtures)
+from tests.agent.conftest import REPO, Broker, broker, free_port, service, spawn  # noqa: F401  (fixtures)
 
-# Settings that belong to the host, not to the policy: the tests put their own in their place.
-HOST_SETTINGS = ("listener", "certfile", "keyfile", "persistence", "persistence_location", "log_dest")
 ACCOUNTS = {"jetserve-fleet": ("controller", "jetserve-fleet"), "lab/dev-a": ("device", "lab", "dev-a"),
             "lab/dev-b": ("device", "lab", "dev-b"), "other/dev-c": ("device", "other", "dev-c")}
 
@@ -22,24 +21,41 @@ def add_user(directory, *args):
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=30)
 
 
-def shipped_settings(directory):
-    """deploy/mosquitto.conf as shipped, its files in `directory`, less the host's settings."""
+def shipped_conf(directory, port, tls_port):
+    """deploy/mosquitto.conf as shipped, line for line, with its files in `directory`, its log in a
+    file and its two listeners on free loopback ports (the TLS one with a self-signed certificate)."""
+    directory = str(directory)
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-keyout", os.path.join(directory, "server.key"), "-out", os.path.join(directory, "server.crt")],
+                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=60)
     with open(os.path.join(REPO, "deploy/mosquitto.conf")) as f:
-        lines = [line for line in f if line.strip() and not line.startswith("#")
-                 and line.split()[0] not in HOST_SETTINGS]
-    return "".join(lines).replace("/mosquitto/config", str(directory))
+        text = f.read()
+    for shipped, ours in (("/mosquitto/config", directory), ("/mosquitto/data", directory),
+                          ("log_dest stdout", "log_dest file %s/mosquitto.log" % directory),
+                          ("listener 1883 127.0.0.1", "listener %d 127.0.0.1" % port),
+                          ("listener 8883", "listener %d 127.0.0.1" % tls_port)):
+        assert shipped in text, shipped
+        text = text.replace(shipped, ours)
+    if os.geteuid() == 0:  # as root mosquitto would become `mosquitto`, who cannot read pytest's tmp dirs
+        text += "user %s\n" % getpass.getuser()
+    return text
 
 
 @pytest.fixture
 def shipped_broker(tmp_path):
-    """mosquitto with deploy/'s settings and ACL; accounts (password "pw-" + name) by add-user.sh."""
-    if not shutil.which("mosquitto_passwd"):
-        pytest.skip("mosquitto_passwd is not installed")
+    """mosquitto run on deploy/'s own configuration and ACL, accounts (password "pw-" + name) made
+    by add-user.sh; `.tls_port` is the devices' listener."""
+    if not shutil.which("mosquitto_passwd") or not shutil.which("openssl"):
+        pytest.skip("mosquitto_passwd or openssl is not installed")
     shutil.copy(os.path.join(REPO, "deploy/acl"), str(tmp_path / "acl"))
     for name, args in ACCOUNTS.items():
         out = add_user(tmp_path, *(args + ("pw-" + name,)))
         assert out.returncode == 0, out.stdout.decode()
-    running = Broker(tmp_path, shipped_settings(tmp_path)).start()
+    running = Broker(tmp_path)
+    running.tls_port = free_port()
+    with open(running.conf, "w") as f:
+        f.write(shipped_conf(tmp_path, running.port, running.tls_port))
+    running.start()
     yield running
     running.stop()
 

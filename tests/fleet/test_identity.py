@@ -2,6 +2,8 @@
 own fleet and id, cannot take another client's id (a device's or the controller's), and the broker
 refuses oversized messages. Impostors use mosquitto's own clients as well as paho."""
 
+import os
+import re
 import shutil
 import subprocess
 import threading
@@ -10,7 +12,7 @@ import time
 import paho.mqtt.client as mqtt
 import pytest
 
-from tests.agent.conftest import controller_args, wait_for
+from tests.agent.conftest import REPO, controller_args, wait_for
 from tests.fleet.conftest import add_user
 
 NOT_AUTHORIZED, TOO_LARGE = 0x87, 0x95
@@ -130,6 +132,18 @@ def test_the_broker_refuses_oversized_messages(shipped_broker, tmp_path):
         assert "disconnected due to oversize packet" in shipped_broker.log()
     finally:
         close(fleet)
+
+
+def test_the_shipped_broker_listens_where_the_config_says_and_nowhere_else(shipped_broker):
+    """Per-listener settings above the first listener make mosquitto open a default 0.0.0.0:1883."""
+    opened = sorted(set(re.findall(r"Opening ipv[46] listen socket on port (\d+)", shipped_broker.log())))
+    assert opened == sorted({str(shipped_broker.port), str(shipped_broker.tls_port)})
+    assert "use_username_as_clientid" not in shipped_settings_before_first_listener()
+
+
+def shipped_settings_before_first_listener():
+    with open(os.path.join(REPO, "deploy/mosquitto.conf")) as f:
+        return f.read().split("\nlistener ")[0]
 
 
 def test_add_user_makes_accounts_and_controller_acl_blocks(tmp_path):
