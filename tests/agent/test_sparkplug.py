@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.agent.conftest import REPO, SYSROOTS, agent_args, wait_for
+from tests.agent.conftest import REPO, SYSROOTS, agent_args, controller_args, wait_for
 
 pytestmark = pytest.mark.skipif(not shutil.which("mosquitto_sub"), reason="mosquitto-clients is not installed")
 
@@ -151,3 +151,25 @@ def test_command_replies_honour_response_topic_and_correlation_data(broker, spaw
     assert r2[2:4] == ("jetserve/v1/lab/dev1/cmd/reply", "corr-43"), "refused on its own reply topic, data kept"
     assert not r2[4]["ok"] and "response topic" in r2[4]["error"]
     assert service.control_calls() == [], "the refused drain never ran"
+
+
+def test_a_controller_that_missed_the_birth_asks_for_a_rebirth(broker, spawn, service, tmp_path):
+    """Births are not retained: a controller started after the device hears its health first, asks
+    for a rebirth (Sparkplug's host rule) and then knows the session and the device's facts."""
+    from jetserve.fleet.registry import Registry
+
+    agent = spawn("agent", *agent_args(broker, os.path.join(SYSROOTS, "agx-orin-jp62"), tmp_path / "state", "dev1",
+                                       service.address, "--interval", "0.3"))
+    wait_for(lambda: "listening for commands" in agent.output(), 20, what="the birth, with nobody listening")
+    db = str(tmp_path / "fleet.db")
+    controller = spawn("controller", *controller_args(broker, db, "--silence-factor", "1000"))
+
+    def device():
+        registry = Registry(db)
+        try:
+            return next(iter(registry.devices()), None)
+        finally:
+            registry.close()
+    record = wait_for(lambda: (lambda d: d if d and d["birth"] else None)(device()), 30, what="the rebirth")
+    assert record["bdseq"] == record["birth"]["bdSeq"] and record["birth"]["versions"]["jetpack"] == "6.2"
+    assert "asked for a rebirth" in controller.output()
