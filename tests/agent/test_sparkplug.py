@@ -139,7 +139,7 @@ def test_command_replies_honour_response_topic_and_correlation_data(broker, spaw
                 "jetserve/v1/lab/dev1/cmd/reply", "big")
         request({"id": "r1", "command": "report-now"}, "jetserve/v1/lab/dev1/cmd/reply/op-7", "corr-42")
         request({"id": "r2", "command": "drain"}, "jetserve/v1/lab/dev2/cmd/reply", "corr-43")  # another's topic
-        wait_for(lambda: len(watcher.lines()) >= 5, 20, what="five replies")
+        wait_for(lambda: len(watcher.messages()) >= 5, 20, what="five replies")
     finally:
         watcher.stop()
     hostile = {m[3]: m[4] for m in watcher.messages()[:3]}
