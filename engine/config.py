@@ -99,11 +99,10 @@ class SpeculativeConfig:
 
     method: str = "mtp"
     num_speculative_tokens: int = 1
-    adaptive: bool = True  # lower k (down to 0) when drafts stop paying, raise it when they do again
-    acceptance_threshold: float = 0.3  # draft position j while P(accepted length >= j) stays above this
-    acceptance_window: int = 128  # verifications (sequence-steps) the estimate looks back over
-    probe_interval: int = 8  # every N-th step draft one position more than k, to see whether it pays
-    min_samples: int = 16  # verifications of a position needed before k moves past it
+    adaptive: bool = True  # move k (down to 0) to where measured tokens per second peak (see DraftLength)
+    acceptance_window: int = 128  # verifications (sequence-steps) the acceptance estimate looks back over
+    probe_interval: int = 8  # every N-th step drafts one more or one fewer than k, in turn, to measure them
+    min_samples: int = 16  # verifications of a position, and timed steps of a k, before k moves on them
 
     @classmethod
     def from_dict(cls, config: dict, num_mtp_layers: int) -> SpeculativeConfig:
@@ -117,9 +116,6 @@ class SpeculativeConfig:
         k = spec.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"speculative_config.num_speculative_tokens must be an integer >= 1, got {k!r}")
-        if not 0 <= spec.acceptance_threshold <= 1:
-            raise ValueError(f"speculative_config.acceptance_threshold must be in [0, 1], "
-                             f"got {spec.acceptance_threshold!r}")
         for name in ("acceptance_window", "probe_interval", "min_samples"):
             value = getattr(spec, name)
             if not isinstance(value, int) or value < 1:
@@ -136,7 +132,7 @@ class CUDAGraphConfig:
     """What the runner captures: batch buckets x step shapes (see cuda_graphs.py)."""
 
     capture_sizes: tuple[int, ...]
-    step_shapes: tuple[tuple[int | None, int], ...]  # (MTP layer or None for the main model, tokens a sequence)
+    step_shapes: tuple[tuple[int | None, int], ...]  # (drafts proposed or None: plain decode; tokens a sequence)
     num_warmup: int
 
 
@@ -148,15 +144,14 @@ def capture_sizes(sizes: list[int] | None, max_size: int | None, max_num_seqs: i
     return sorted({s for s in sizes if 1 <= s <= limit})
 
 
-def step_shapes(num_speculative_tokens: int, num_mtp_layers: int) -> list[tuple[int | None, int]]:
-    """(MTP layer, or None for the main model; tokens per sequence) of each step to capture.
-    With k drafts a step verifies 1..k+1 tokens a sequence (the draft length adapts), the MTP
-    pass runs layer 0 over the same rows, and drafting chains 1-token steps through the layers."""
+def step_shapes(num_speculative_tokens: int) -> list[tuple[int | None, int]]:
+    """(drafts proposed, or None for a plain decode; tokens verified a sequence) of each step to
+    capture. With k drafts at most, a speculative step verifies q = j+1 tokens (j drafts) and
+    proposes j, j-1 or j+1 (the draft length moves one at a time: DraftLength), all within 0..k;
+    proposing 0 still runs the MTP pass that keeps the MTP KV cache filled."""
     k = num_speculative_tokens
-    if not k:
-        return [(None, 1)]
-    shapes = {(None, q) for q in range(1, k + 2)} | {(0, q) for q in range(1, k + 2)}
-    return sorted(shapes | {(j % num_mtp_layers, 1) for j in range(1, k)}, key=lambda s: (s[0] is not None, s))
+    spec = [(out, j + 1) for j in range(k + 1) for out in (j - 1, j, j + 1) if 0 <= out <= k] if k else []
+    return [(None, 1)] + spec
 
 
 @dataclass(frozen=True)
@@ -241,7 +236,8 @@ class EngineArgs:
                        help="never capture CUDA graphs")
         g.add_argument("--async-scheduling", action="store_true", default=d.async_scheduling,
                        help="overlap the host's work on one step with the device's on the next "
-                            "(not with --speculative-config)")
+                            "(with --speculative-config a step's inputs depend on how many drafts the "
+                            "last one accepted: those steps run one at a time, each one graph)")
         g.add_argument("--speculative-config", type=_json_dict, default=d.speculative_config,
                        help='e.g. \'{"method": "mtp", "num_speculative_tokens": 3}\'')
         g.add_argument("--block-size", type=int, default=d.block_size)
@@ -284,9 +280,6 @@ class EngineArgs:
         if not self.enable_chunked_prefill and budget < max_model_len:
             raise ValueError(f"max_num_batched_tokens={budget} is below max_model_len={max_model_len}: "
                              "without chunked prefill a whole prompt must fit in one step")
-        if self.speculative_config and self.async_scheduling:
-            raise ValueError("async_scheduling does not combine with speculative_config yet: "
-                             "drafts depend on the tokens the host has not seen")
         spec = (SpeculativeConfig.from_dict(self.speculative_config, model_config.num_mtp_layers)
                 if self.speculative_config else None)
         device = self._device()
@@ -296,7 +289,7 @@ class EngineArgs:
             k = spec.num_speculative_tokens if spec else 0
             graphs = CUDAGraphConfig(
                 tuple(capture_sizes(self.cudagraph_capture_sizes, self.max_cudagraph_capture_size, self.max_num_seqs)),
-                tuple(step_shapes(k, model_config.num_mtp_layers)), self.cuda_graph_num_warmup_steps)
+                tuple(step_shapes(k)), self.cuda_graph_num_warmup_steps)
         return EngineConfig(
             model=str(self.model), model_config=model_config, backend=self.backend, device=device,
             dtype=self._dtype(model_config, device), max_model_len=max_model_len, max_num_seqs=self.max_num_seqs,

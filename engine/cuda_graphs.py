@@ -1,4 +1,4 @@
-"""CUDA graphs for decode-shaped steps: decode, MTP verify and MTP draft steps.
+"""CUDA graphs for decode-shaped steps: plain decode and whole speculative steps.
 
 A decode step of a small model is a few hundred short kernels; launched one by one from Python,
 the CPU sets the pace (7.4 µs a launch against 1.0 µs inside a graph on the H200). So each step
@@ -8,13 +8,18 @@ shape is captured once — (model part, tokens per sequence, batch bucket) — a
   graphs were captured on, all views of one int32 tensor, so that a main-model step built on
   the host crosses in one copy (`stage`); padded tokens write their KV into the scratch block
   and attend to one key, so they touch no real sequence;
-- main-model steps (decode, verify) also run the vocab projection and the greedy argmax inside
-  the graph, into a static fp32 logits buffer: the lm_head GEMV is the step's biggest, and
-  launched eagerly it and the argmax cost host time every step;
+- decode steps also run the vocab projection and the greedy argmax inside the graph, into a
+  static fp32 logits buffer: the lm_head GEMV is the step's biggest, and launched eagerly it
+  and the argmax cost host time every step;
+- a speculative step (verify k+1 rows a sequence, accept, MTP pass, k drafting steps: the
+  whole of `spec_decode.speculative_step`) is one graph for greedy batches, its drafting
+  steps' slots computed on the device from the static block tables; it returns one small
+  int tensor (tokens, accepted counts, next drafts), the only thing the host reads back;
 - graphs are captured largest first into one shared memory pool, each after warm-up runs
   (Triton compiles, cuBLAS handles, allocator state);
 - steps with prefill chunks, batches above the largest bucket and buckets whose capture failed
-  run eagerly. Sampling other than greedy and draft acceptance stay outside the graphs.
+  run eagerly. Sampling other than greedy stays outside the graphs (a sampled speculative
+  step runs the same function eagerly over the same static inputs).
 """
 
 from __future__ import annotations
@@ -28,13 +33,15 @@ from tqdm import tqdm
 
 from jetserve.engine.config import CUDAGraphConfig
 from jetserve.engine.model.attention import AttentionMetadata, slot_mapping
+from jetserve.engine.spec_decode import ChainInputs, device_chain_inputs, speculative_step
 
 log = logging.getLogger(__name__)
 
 
-def _name(layer: int | None, q_len: int) -> str:
-    part = "decode" if layer is None and q_len == 1 else "verify" if layer is None else f"MTP layer {layer}"
-    return f"{part} ({q_len} token{'s' * (q_len > 1)} a sequence)"
+def _name(num_drafts: int | None, q_len: int) -> str:
+    if num_drafts is None:
+        return "decode"
+    return f"speculative step ({q_len} token{'s' * (q_len > 1)} verified, {num_drafts} drafted)"
 
 
 class CUDAGraphs:
@@ -64,7 +71,6 @@ class CUDAGraphs:
         # Static inputs, shared by every graph (one step runs at a time).
         self.inputs = self._staging[0].to(kv_cache.device)
         self.ids, self.positions, self.slots, self.context_lens, self.block_tables = self._split(self.inputs)
-        self.hidden = torch.zeros(self.max_rows, model.config.hidden_size, dtype=kv_cache.dtype, device=kv_cache.device)
         # Outside the pool and shared by the main-model graphs: one graph's own output would pin
         # its logits in the pool, one such copy per captured graph.
         self.logits = torch.zeros(self.max_rows, model.config.vocab_size, dtype=torch.float32, device=kv_cache.device)
@@ -78,11 +84,12 @@ class CUDAGraphs:
         return (flat[:n], flat[n:2 * n], flat[2 * n:3 * n], flat[3 * n:3 * n + b],
                 flat[3 * n + b:].reshape(b, self.width))
 
-    def key(self, layer: int | None, q_len: int, batch: int, width: int) -> tuple[int | None, int, int] | None:
+    def key(self, num_drafts: int | None, q_len: int, batch: int, width: int) -> tuple[int | None, int, int] | None:
         """The captured graph for `batch` sequences of `q_len` tokens with block tables `width`
-        wide: (layer, q_len, bucket); None: the step runs eagerly."""
+        wide, proposing `num_drafts` (None: a plain decode): (num_drafts, q_len, bucket); None:
+        the step runs eagerly."""
         bucket = next((s for s in self.sizes if s >= batch), None)
-        key = (layer, q_len, bucket)
+        key = (num_drafts, q_len, bucket)
         return key if key in self.graphs and width <= self.width else None
 
     def meta(self, q_len: int, batch: int) -> AttentionMetadata:
@@ -90,14 +97,20 @@ class CUDAGraphs:
         return AttentionMetadata(slot_mapping=self.slots[:batch * q_len], block_tables=self.block_tables[:batch],
                                  context_lens=self.context_lens[:batch], q_len=q_len, block_size=self.block_size)
 
-    def _step(self, layer: int | None, q_len: int, bucket: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def chain_inputs(self, q_len: int, batch: int) -> ChainInputs:
+        """The drafting steps' inputs of a speculative step over the static inputs of `batch`
+        sequences (padded rows: context length 1 < q_len)."""
+        return device_chain_inputs(self.block_tables[:batch], self.block_size, self.context_lens[:batch] < q_len,
+                                   self.scratch_slot)
+
+    def _step(self, num_drafts: int | None, q_len: int, bucket: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The captured work: hidden states, and for the main model the greedy tokens of the fp32
-        logits it writes into `self.logits`."""
+        logits it writes into `self.logits`; a greedy speculative step's packed result."""
         n = bucket * q_len
         meta = self.meta(q_len, bucket)
-        if layer is not None:
-            return self.model.mtp_forward(layer, self.ids[:n], self.positions[:n], self.hidden[:n], self.kv_cache,
-                                          meta), None
+        if num_drafts is not None:
+            return speculative_step(self.model, self.kv_cache, self.ids[:n], self.positions[:n], meta, q_len, num_drafts,
+                                    lambda logits: logits.argmax(dim=-1), self.chain_inputs(q_len, bucket)), None
         hidden = self.model(self.ids[:n], self.positions[:n], self.kv_cache, meta)
         logits = self.logits[:n]
         logits.copy_(self.model.compute_logits(hidden))  # the cast to fp32 rides on the copy
@@ -105,7 +118,7 @@ class CUDAGraphs:
 
     @torch.inference_mode()
     def capture(self, progress: Callable[[str], None] | None = None) -> None:
-        todo = sorted(((layer, q, b) for layer, q in self.shapes for b in self.sizes), key=lambda k: -k[1] * k[2])
+        todo = sorted(((d, q, b) for d, q in self.shapes for b in self.sizes), key=lambda k: -k[1] * k[2])
         pool = torch.cuda.graph_pool_handle()
         start, reserved = time.perf_counter(), torch.cuda.memory_reserved()
         for i, key in enumerate(tqdm(todo, desc="capturing CUDA graphs", unit="graph", leave=False)):
@@ -154,7 +167,8 @@ class CUDAGraphs:
     def replay(self, key: tuple[int | None, int, int], n: int
                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Replay a captured step over the static inputs. Returns the first n rows of its hidden
-        states and, for the main model, of its fp32 logits and greedy tokens (MTP layers: None).
+        states, fp32 logits and greedy tokens; for a speculative step, the first n sequences'
+        packed result, then None, None.
 
         Views, not copies: every reader enqueues its reads before the next replay of any graph,
         and the stream keeps that order (the runner samples, and in sync mode waits for the
@@ -167,25 +181,3 @@ class CUDAGraphs:
         if greedy is None:
             return hidden[:n], None, None
         return hidden[:n], self.logits[:n], greedy[:n]
-
-    def run(self, layer: int | None, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-            hidden: torch.Tensor | None = None) -> torch.Tensor | None:
-        """A step given as device tensors (the MTP pass, drafting): copy them into the static
-        inputs, replay and return the hidden states; None: run it eagerly."""
-        if meta.block_tables is None:
-            return None
-        batch = meta.context_lens.shape[0]
-        key = self.key(layer, meta.q_len, batch, meta.block_tables.shape[1])
-        if key is None:
-            return None
-        n, bucket = ids.shape[0], key[2]
-        self.ids[:n].copy_(ids)
-        self.positions[:n].copy_(positions)
-        self.slots[:n].copy_(meta.slot_mapping)
-        self.slots[n:bucket * meta.q_len].fill_(self.scratch_slot)
-        self.context_lens[:batch].copy_(meta.context_lens)
-        self.context_lens[batch:bucket].fill_(1)
-        self.block_tables[:batch, :meta.block_tables.shape[1]].copy_(meta.block_tables)
-        if hidden is not None:
-            self.hidden[:n].copy_(hidden)
-        return self.replay(key, n)[0]

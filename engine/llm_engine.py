@@ -7,6 +7,7 @@ request → scheduler → runner → sampler → (detokenizer, stop checks) → 
 from __future__ import annotations
 
 import logging
+import random
 import time
 from dataclasses import dataclass, field
 
@@ -48,6 +49,7 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self.num_requests_finished = 0
         self._in_flight: Launch | None = None  # async scheduling: the step whose tokens are still out
+        self._seeds = random.Random(config.seed)  # noise keys of requests without a seed
 
     # -- requests -------------------------------------------------------------------------
 
@@ -64,7 +66,10 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already running")
         text, ids = self.tokenize_prompt(prompt)
-        seq = Sequence(request_id, ids, params, arrival_time)
+        # The sampling noise is keyed by (seed, position) (sampler.py): a request's own seed, or
+        # one drawn here, so unseeded runs of the same workload repeat under the engine's seed.
+        seed = self._seeds.getrandbits(63) if params.seed is None else params.seed % 2**63
+        seq = Sequence(request_id, ids, params, arrival_time, seed)
         detok = Detokenizer(self.tokenizer, ids, params.skip_special_tokens) if self.tokenizer else None
         self.requests[request_id] = _Request(seq, text, detok, StopStrings(params.stop))
         self.scheduler.add(seq)
@@ -84,13 +89,19 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One step: request → scheduler → runner (forward, sampling, drafting) → scheduler
         update → detokenizer and stop checks → output deltas."""
-        if self.config.async_scheduling:
+        if self.config.async_scheduling and not self.draft_length:
+            # With drafting, a step's inputs depend on how many drafts the last one accepted:
+            # steps run one at a time, each one graph with one read back (runner._speculative).
             return self._step_async()
         num_drafts = self.draft_length.next() if self.draft_length else 0
         batch = self.scheduler.schedule(num_lookahead_slots=num_drafts)
         if not batch:
             return []
+        verified = self.runner.speculative_shape(batch) if self.draft_length else None
+        start = time.perf_counter()
         sampled, drafts = self.runner.execute(batch, num_drafts)
+        if verified is not None:  # a decode step: its time tells the draft length what k costs
+            self.draft_length.record_step(verified, num_drafts, len(batch), time.perf_counter() - start)
         for seq, new in zip(batch.seqs, sampled):
             if new is not None and seq.spec_token_ids:
                 self.spec_counters.record(len(seq.spec_token_ids), len(new) - 1)

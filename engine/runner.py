@@ -17,10 +17,11 @@ from jetserve.engine.config import EngineConfig
 from jetserve.engine.cuda_graphs import CUDAGraphs
 from jetserve.engine.model.attention import MAX_UNIFORM_Q, AttentionMetadata, to_device
 from jetserve.engine.model.loader import load_model, torch_dtype
-from jetserve.engine.sampler import make_generator, sample
+from jetserve.engine.sampler import sample
 from jetserve.engine.scheduler import ScheduledBatch
 from jetserve.engine.sequence import Sequence
-from jetserve.engine.spec_decode import MTPProposer
+from jetserve.engine.spec_decode import (MTPProposer, device_chain_inputs, host_chain_inputs, speculative_step,
+                                         verify)
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +126,8 @@ class ModelRunner:
         whose tokens are now all computed, the tokens it gains (accepted drafts + one), None for
         one still part-way through its prompt; and the drafts (up to `num_drafts`) each one
         proposes for the next step."""
+        if self.proposer is not None and self.speculative_shape(batch) is not None:
+            return self._speculative(batch, num_drafts)
         step = self._run(batch)
         sampled = [seq for seq, d in zip(batch.seqs, step.sampled) if d]
         tokens = iter(self._sample(step, sampled) if sampled else [])
@@ -134,6 +137,62 @@ class ModelRunner:
         drafts = self.proposer.propose(self._draft_forward, self.model.compute_logits, batch.seqs,
                                        batch.num_tokens, step.hidden, step.positions, step.meta, emitted, num_drafts)
         return emitted, drafts
+
+    @staticmethod
+    def speculative_shape(batch: ScheduledBatch) -> int | None:
+        """The drafts every sequence verifies when all decode with the same number (then the step
+        is one `speculative_step`, one graph where captured); None: the general path runs it."""
+        q = batch.num_tokens[0]
+        if q > MAX_UNIFORM_Q or not all(n == q and len(seq.spec_token_ids) == q - 1 and seq.num_uncomputed_tokens == 1
+                                        for seq, n in zip(batch.seqs, batch.num_tokens)):
+            return None
+        return q - 1
+
+    def _speculative(self, batch: ScheduledBatch, num_drafts: int) -> tuple[list[list[int]], list[list[int]]]:
+        """A decode step with the same drafts count a sequence as one `speculative_step`: staged
+        in one copy, replayed as one graph when all are greedy, read back in one copy."""
+        seqs, q = batch.seqs, batch.num_tokens[0]
+        ids, positions, ctx_lens, tables = [], [], [], []
+        for seq in seqs:
+            start = seq.num_computed_tokens
+            ids += [seq.token_ids[start], *seq.spec_token_ids]
+            positions += range(start, start + q)
+            ctx_lens.append(start + q)
+            tables.append(seq.block_table)
+        greedy = all(seq.params.greedy for seq in seqs)
+        key = self.graphs.key(num_drafts, q, len(seqs), max(map(len, tables))) if self.graphs else None
+        if key is not None:
+            graphs, n = self.graphs, len(ids)
+            graphs.stage(key, ids, positions, ctx_lens, tables)
+            if greedy:
+                packed = graphs.replay(key, len(seqs))[0]
+            else:  # the same step, eagerly over the same static inputs
+                packed = speculative_step(self.model, self.kv_cache, graphs.ids[:n], graphs.positions[:n],
+                                          graphs.meta(q, len(seqs)), q, num_drafts,
+                                          self._sample_rows(seqs, q, graphs.positions[:n]),
+                                          graphs.chain_inputs(q, len(seqs)))
+        else:
+            meta = AttentionMetadata.build([q] * len(seqs), ctx_lens, tables, self.block_size, self.device,
+                                           self.config.fused_kernels)
+            chain = (device_chain_inputs(meta.block_tables, self.block_size) if meta.block_tables is not None
+                     else host_chain_inputs(tables, self.block_size, self.device))
+            positions_t = to_device(torch.tensor(positions), self.device)
+            packed = speculative_step(self.model, self.kv_cache, to_device(torch.tensor(ids), self.device),
+                                      positions_t, meta, q, num_drafts, self._sample_rows(seqs, q, positions_t), chain)
+        rows = _to_host(packed).tolist()
+        emitted = [row[:row[q] + 1] for row in rows]
+        drafts = [row[q + 1:q + 1 + self.proposer.num_drafts(seq, new, num_drafts)]
+                  for seq, row, new in zip(seqs, rows, emitted)]
+        return emitted, drafts
+
+    def _sample_rows(self, seqs: list[Sequence], q: int, positions: torch.Tensor):
+        """The token of each of a speculative step's rows (q a sequence): the argmax for greedy
+        requests, the seeded race of the token's position for sampled ones."""
+        if all(seq.params.greedy for seq in seqs):
+            return lambda logits: logits.argmax(dim=-1)
+        params = [seq.params for seq in seqs for _ in range(q)]
+        seeds = to_device(torch.tensor([seq.seed for seq in seqs for _ in range(q)]), self.device)
+        return lambda logits: sample(logits, params, seeds, positions.long() + 1)
 
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch) -> Launch:
@@ -211,35 +270,46 @@ class ModelRunner:
 
     def _draft_forward(self, step: int, ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
                        meta: AttentionMetadata) -> torch.Tensor:
-        """MTP draft step `step` (layer step % n, its own KV cache): a graph replay when one fits."""
-        layer = step % len(self.model.mtp)
-        out = self.graphs.run(layer, ids, positions, meta, hidden) if self.graphs else None
-        return self.model.mtp_forward(layer, ids, positions, hidden, self.kv_cache, meta) if out is None else out
+        """MTP draft step `step` (layer step % n, its own KV cache), eagerly: steps with prefill."""
+        return self.model.mtp_forward(step, ids, positions, hidden, self.kv_cache, meta)
 
     def _sample(self, step: _Step, seqs: list[Sequence]) -> list[list[int]]:
         """Tokens each sequence gains: one sampled token, or accepted drafts + one with MTP."""
         if self.proposer is None:
             return [[t] for t in self._sample_tensor(step, seqs).tolist()]
-        logits, params, generators = self._logits(step, seqs)
-        return self.proposer.verify(logits, [s.spec_token_ids for s in seqs], params, generators)
+        return verify(*self._logits(step, seqs, [len(s.spec_token_ids) + 1 for s in seqs]))
 
     def _sample_tensor(self, step: _Step, seqs: list[Sequence]) -> torch.Tensor:
         """One token per sequence, left on the device: the graph's argmax when all are greedy."""
         if step.greedy is not None and all(s.params.greedy for s in seqs):
             return step.greedy
-        return sample(*self._logits(step, seqs))
+        logits, _, params, seeds, positions = self._logits(step, seqs, [1] * len(seqs))
+        return sample(logits, params, seeds, positions)
 
-    def _logits(self, step: _Step, seqs: list[Sequence]):
-        """fp32 logits of the sampled rows (the graph's, or the vocab projection of those rows),
-        the sequences' sampling parameters and generators."""
-        for seq in seqs:
-            if seq.generator is None and seq.params.seed is not None:
-                seq.generator = make_generator(seq.params, self.device)
+    def _logits(self, step: _Step, seqs: list[Sequence], rows_per_seq: list[int]):
+        """What sampling reads: fp32 logits of the sampled rows (the graph's, or the vocab
+        projection of those rows), each sequence's drafts, and per row the sampling parameters,
+        the seed and the position of the token it samples."""
+        rows = to_device(torch.tensor(step.sample_at, dtype=torch.long), self.device)
         logits = step.logits
         if logits is None:
-            rows = to_device(torch.tensor(step.sample_at, dtype=torch.long), self.device)
             logits = self.model.compute_logits(step.hidden[rows]).float()
-        return logits, [s.params for s in seqs], [s.generator for s in seqs]
+        params = [s.params for s, n in zip(seqs, rows_per_seq) for _ in range(n)]
+        seeds = to_device(torch.tensor([s.seed for s, n in zip(seqs, rows_per_seq) for _ in range(n)]), self.device)
+        return logits, [s.spec_token_ids for s in seqs], params, seeds, step.positions[rows].long() + 1
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A step's small result on the host: through pinned memory, one non-blocking copy and one
+    wait for it (not a pageable copy's implicit sync of everything)."""
+    if tensor.device.type != "cuda":
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    ready.synchronize()
+    return host
 
 
 @dataclass

@@ -1,7 +1,14 @@
 """Batched sampling: greedy rows take the argmax; the rest go through temperature, top-k,
-top-p and min-p, then draw with the exponential-race trick (argmax p/E, E ~ Exp(1)), which
-lets a request with a seed draw its noise from its own generator: same seed, same tokens,
-whatever else is in the batch."""
+top-p and min-p, then draw with the exponential-race trick (argmax p/E, E ~ Exp(1)).
+
+The noise is counter-based: E for vocabulary entry v of the token at position t of a request
+with seed s is a hash of (s, t, v), not the next draw of a stateful generator. So a token's
+randomness depends on nothing but its request's seed and its position: the same seed gives the
+same tokens whatever else is in the batch, however many drafts were verified before it and
+whether drafting is on at all (MTP verification accepts a draft exactly when it wins this same
+race, see spec_decode.py). Plain torch integer ops, so it runs inside a CUDA graph and gives the
+same bits on a CPU and a GPU.
+"""
 
 from __future__ import annotations
 
@@ -9,13 +16,31 @@ import torch
 
 from jetserve.engine.sampling_params import SamplingParams
 
+_MASK32 = 0xFFFFFFFF
 
-def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
-    if params.seed is None or params.greedy:
-        return None
-    generator = torch.Generator(device=device)
-    generator.manual_seed(params.seed)
-    return generator
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finalizer (xor-shift-multiply, Mueller's constant) on int64 tensors
+    holding 32-bit values: the constant is below 2**28, so no product overflows int64."""
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    return (x >> 16) ^ x
+
+
+def noise_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One 32-bit key per row from its request's seed (up to 63 bits) and its token's position."""
+    seeds, positions = seeds.long(), positions.long()
+    key = _mix32((seeds & _MASK32) ^ 0x9E3779B9)
+    key = _mix32(key ^ (seeds >> 32) & _MASK32)
+    return _mix32(key ^ (positions & _MASK32))
+
+
+def exponential_noise(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Exp(1) noise [rows, V] for the tokens at `positions` of requests with `seeds` (one each a row)."""
+    vocab = torch.arange(probs.shape[-1], device=probs.device)
+    bits = _mix32(_mix32(noise_keys(seeds, positions)[:, None] ^ vocab[None, :]) + vocab[None, :] & _MASK32)
+    uniform = ((bits >> 8).float() + 0.5) * 2.0**-24  # (0, 1): 24 bits, exactly representable
+    return -torch.log(uniform).to(probs.dtype)
 
 
 def processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -42,27 +67,16 @@ def processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     return probs / probs.sum(-1, keepdim=True)
 
 
-def exponential_noise(shape_like: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """Exp(1) noise per row: from the row's own generator when it has one, else the global one."""
-    noise = torch.empty_like(shape_like)
-    unseeded = [row for row, generator in enumerate(generators) if generator is None]
-    if len(unseeded) == len(generators):
-        return noise.exponential_()
-    for row, generator in enumerate(generators):
-        if generator is not None:
-            noise[row].exponential_(generator=generator)
-    if unseeded:
-        noise[unseeded] = torch.empty_like(noise[unseeded]).exponential_()
-    return noise
-
-
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> torch.Tensor:
-    """logits: [B, V] fp32 → token ids [B]."""
+def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: torch.Tensor,
+           positions: torch.Tensor) -> torch.Tensor:
+    """logits: [B, V] fp32 → token ids [B]; row i is the token at `positions[i]` of a request
+    seeded `seeds[i]` (both [B] int64 tensors on the logits' device)."""
     tokens = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
         probs = processed_probs(logits[rows], [params[i] for i in rows])
-        noise = exponential_noise(probs, [generators[i] for i in rows])
-        tokens[rows] = (probs / noise).argmax(dim=-1)
+        if len(rows) < len(params):
+            index = torch.tensor(rows, device=logits.device)
+            seeds, positions = seeds[index], positions[index]
+        tokens[rows] = (probs / exponential_noise(probs, seeds, positions)).argmax(dim=-1)
     return tokens

@@ -23,7 +23,7 @@ class Sequence:
     `block_table`/`block_keys`); the runner only reads it."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 arrival_time: float | None = None):
+                 arrival_time: float | None = None, seed: int = 0):
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -34,7 +34,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_keys: list[int] = []  # prefix-cache digests of the leading full, computed blocks
         self.finish_reason: str | None = None
-        self.generator = None  # torch.Generator for seeded sampling: the runner's, made on first use
+        self.seed = seed  # keys the sampling noise of each position (sampler.py): the request's or the engine's
         self.spec_token_ids: list[int] = []  # draft tokens awaiting verification (MTP)
         self.num_pending = 0  # sampled on the device, not yet seen by the host (async scheduling)
 
