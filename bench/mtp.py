@@ -1,132 +1,303 @@
-"""`jetserve bench mtp`: MTP drafting on the demo model — acceptance per position, mean accepted
-length and decode tok/s for k = 1..4, greedy and sampled, against no drafting.
+"""`jetserve bench mtp`: does MTP drafting pay, and what does a speculative step cost?
 
-Single-stream decode (one request at a time), the case speculation is for: each step reads
-all weights for one token unless drafts let it emit more. Acceptance is measured with the
-adaptive draft length off, so every step drafts exactly k.
+Two modes:
+
+- a checkpoint with MTP heads (default: the bundled demo model): single-stream decode tok/s
+  with no drafting and with k = 1..4 drafts, greedy and sampled, on held-out prompts
+  (`mtp_prompts.json`: the opening lines of functions from the pip packages `packaging` and
+  `click`, not part of the CPython standard library the demo model was trained on), with
+  acceptance per position and mean accepted length; how often greedy with drafting diverges
+  from greedy without, and where; and the step times below.
+- `--shape qwen3-0.6b|qwen3-4b`: random weights of that shape with one random MTP layer. Only
+  step times mean anything there.
+
+Step times: the median time of a decode step (every sequence decoding) at batch 1 and 8, with
+no drafting and for each k (k = 0: a decode with the MTP pass), their ratio to the plain
+decode step, and the break-even acceptance: the per-position acceptance a at which a step
+that drafts k emits as many tokens a second as plain decode (1 + a + ... + a^k = the ratio).
+
+Method: every engine serves every shape once before anything is timed (graphs captured,
+kernels compiled and tuned); each timed request uses a prompt no earlier one used, and prefix
+caching is off, so no run inherits another's work; each figure is measured over several
+repeats and reported as min and median.
 """
 
 from __future__ import annotations
 
+import json
+import statistics
+import tempfile
 import time
 from pathlib import Path
 
 import jetserve
-from jetserve.bench.common import environment, write_results
+from jetserve.bench.common import SHAPES, environment, write_results
 
-PROMPTS = [
-    "import os\nimport sys\n\n\ndef main(argv):\n",
-    "class Stack:\n    \"\"\"A last-in, first-out container.\"\"\"\n\n    def __init__(self):\n",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-    "import re\n\n_WORD = re.compile(",
-    "    def __repr__(self):\n        return ",
-    "try:\n    import _thread\nexcept ImportError:\n",
-    "def read_config(path, encoding='utf-8'):\n    with open(path",
-    "class TestParser(unittest.TestCase):\n\n    def test_",
-]
+PROMPTS_FILE = Path(__file__).with_name("mtp_prompts.json")
+WARM_UP = "def warm_up(value):\n    \"\"\"Return the value, warmed.\"\"\"\n"
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("--model", default=str(Path(jetserve.__file__).parent / "models" / "demo"),
                         help="checkpoint with MTP heads (default: the bundled demo model)")
+    parser.add_argument("--shape", choices=[s for s in SHAPES if s != "demo"],
+                        help="random weights of this Qwen3 shape with one MTP layer: step times only")
     parser.add_argument("--ks", default="1,2,3,4", help="draft lengths to measure")
     parser.add_argument("--temperatures", default="0,0.7", help="0 is greedy")
     parser.add_argument("--max-tokens", type=int, default=256, help="tokens generated per prompt")
-    parser.add_argument("--repeat", type=int, default=1, help="times through the prompt list")
+    parser.add_argument("--prompts-per-repeat", type=int, default=6)
+    parser.add_argument("--repeats", type=int, default=3, help="timed repeats, each on fresh prompts")
+    parser.add_argument("--batch-sizes", default="1,8", help="batch sizes of the step-time measurement")
+    parser.add_argument("--steps", type=int, default=48, help="decode steps timed per repeat")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
 
 
-def _measure(llm, temperature: float, args) -> dict:
+def break_even_acceptance(ratio: float, k: int) -> float | None:
+    """The per-position acceptance a with 1 + a + ... + a^k = ratio (None: never pays)."""
+    if k == 0 or ratio >= k + 1:
+        return None
+    low, high = 0.0, 1.0
+    for _ in range(50):
+        mid = (low + high) / 2
+        low, high = (mid, high) if sum(mid ** j for j in range(k + 1)) < ratio else (low, mid)
+    return round(low, 4)
+
+
+def _summary(values: list[float], digits: int = 6) -> dict:
+    return {"median": round(statistics.median(values), digits), "min": round(min(values), digits),
+            "runs": [round(v, digits) for v in values]}
+
+
+def _engine(model: str, k: int | None, args, max_num_seqs: int):
+    from jetserve.engine import LLM
+
+    spec = {"method": "mtp", "num_speculative_tokens": k, "adaptive": False} if k else None
+    sizes = sorted({1, max_num_seqs})
+    return LLM(model, speculative_config=spec, device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager,
+               max_num_seqs=max_num_seqs, max_model_len=1024, enable_prefix_caching=False,
+               cudagraph_capture_sizes=sizes)
+
+
+def _set_k(llm, k: int) -> None:
+    if llm.engine.draft_length is not None:
+        llm.engine.set_num_speculative_tokens(k)
+
+
+def _step_times(llm, k: int, batch: int, prompts: list, args) -> float:
+    """Median seconds of a decode step for `batch` sequences drafting k (all decoding, none finishing)."""
     from jetserve.engine import SamplingParams
 
     engine = llm.engine
+    _set_k(llm, k)
+    params = SamplingParams(temperature=0, max_tokens=(args.steps + 4) * 5, ignore_eos=True)
+    ids = [f"t{time.monotonic_ns()}-{i}" for i in range(batch)]
+    for request_id, prompt in zip(ids, prompts):
+        engine.add_request(request_id, prompt, params)
+    times, steps = [], 0
+    while engine.has_unfinished_requests() and len(times) < args.steps:
+        start = time.perf_counter()
+        outputs = engine.step()
+        seconds = time.perf_counter() - start
+        steps += 1
+        if any(o.finished for o in outputs):
+            break
+        if steps > 3:  # past the prefill and the first drafts (the general path)
+            times.append(seconds)
+    for request_id in ids:
+        engine.abort(request_id)
+    return statistics.median(times)
+
+
+def _generate(llm, k: int, temperature: float, prompts: list, args) -> dict:
+    """Single-stream decode over `prompts`, one request at a time: tok/s and acceptance."""
+    from jetserve.engine import SamplingParams
+
+    engine = llm.engine
+    _set_k(llm, k)
     before = engine.stats()
-    tokens, seconds = 0, 0.0
-    for i, prompt in enumerate(PROMPTS * args.repeat):
+    tokens, seconds, outputs = 0, 0.0, []
+    for i, prompt in enumerate(prompts):
         params = SamplingParams(temperature=temperature, max_tokens=args.max_tokens, ignore_eos=True, seed=i)
-        t = time.perf_counter()
+        start = time.perf_counter()
         out = llm.generate([prompt], params, use_tqdm=False)[0]
-        seconds += time.perf_counter() - t
+        seconds += time.perf_counter() - start
         tokens += len(out.outputs[0].token_ids)
+        outputs.append(out.outputs[0].token_ids)
     after = engine.stats()
     drafts = after.num_drafts - before.num_drafts
     accepted = after.num_accepted_tokens - before.num_accepted_tokens
-    per_pos = [a - b for a, b in zip(after.accepted_per_position,
-                                      before.accepted_per_position + [0] * len(after.accepted_per_position))]
-    return {
-        "tokens": tokens, "seconds": round(seconds, 3), "tok_s": round(tokens / seconds, 1),
-        "drafts": drafts, "draft_tokens": after.num_draft_tokens - before.num_draft_tokens, "accepted": accepted,
-        "acceptance_per_position": [round(a / drafts, 4) for a in per_pos] if drafts else [],
-        "mean_accepted_length": round(1 + accepted / drafts, 3) if drafts else 1.0,
-        "sample": out.outputs[0].text[:300],
-    }
+    per_position = [a - b for a, b in zip(after.accepted_per_position,
+                                          before.accepted_per_position + [0] * len(after.accepted_per_position))]
+    return {"tok_s": tokens / seconds, "drafts": drafts, "accepted": accepted, "per_position": per_position[:k],
+            "outputs": outputs}
+
+
+def _divergence(plain: list[list[int]], drafted: list[list[int]]) -> dict:
+    """Where greedy with drafting first differs from greedy without (bf16 rounding: a verify row
+    and a decode row are different GEMM shapes)."""
+    first = [next((i for i, (a, b) in enumerate(zip(p, d)) if a != b), None) for p, d in zip(plain, drafted)]
+    diverged = [f for f in first if f is not None]
+    return {"prompts": len(first), "diverged": len(diverged), "first_divergence_positions": diverged}
+
+
+def _random_checkpoint_with_mtp(shape: str, directory: Path, dtype, device) -> None:
+    """A random Qwen3 of `shape` plus one random MTP layer (Qwen3-Next names), for step times."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from jetserve.bench.common import random_checkpoint
+
+    model = random_checkpoint(shape, directory, dtype, device)
+    state = model.state_dict()
+    hidden = model.config.hidden_size
+    heads = {f"mtp.layers.0.{name[len('model.layers.0.'):]}": t.detach().cpu().contiguous()
+             for name, t in state.items() if name.startswith("model.layers.0.")}
+    heads["mtp.fc.weight"] = (torch.randn(hidden, 2 * hidden) * 0.02).to(dtype)
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        heads[f"mtp.{name}.weight"] = torch.ones(hidden, dtype=dtype)
+    del model, state
+    save_file(heads, directory / "mtp.safetensors")
+    index = directory / "model.safetensors.index.json"
+    weight_map = json.loads(index.read_text())["weight_map"] if index.exists() else {}
+    if not weight_map:
+        with safe_open(directory / "model.safetensors", "pt") as f:
+            weight_map = {name: "model.safetensors" for name in f.keys()}
+    weight_map.update({name: "mtp.safetensors" for name in heads})
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    config = json.loads((directory / "config.json").read_text())
+    config["mtp_num_hidden_layers"] = 1
+    (directory / "config.json").write_text(json.dumps(config))
 
 
 def run(args) -> dict:
     import torch
 
-    from jetserve.engine import LLM, SamplingParams
+    from jetserve.engine import SamplingParams
+    from jetserve.engine.config import resolve_device
 
     ks = [int(k) for k in args.ks.split(",")]
-    temperatures = [float(t) for t in args.temperatures.split(",")]
-    common = {"device": args.device, "dtype": args.dtype, "enforce_eager": args.enforce_eager, "max_num_seqs": 4,
-              "max_model_len": 1024}
-    runs = []
-    for k in [0] + ks:
-        spec = {"method": "mtp", "num_speculative_tokens": k, "adaptive": False} if k else None
-        llm = LLM(args.model, speculative_config=spec, **common)
-        for temperature in temperatures:  # warm-up: kernels compile and tune for every shape met below
-            llm.generate([PROMPTS[0]], SamplingParams(temperature=temperature, max_tokens=args.max_tokens,
-                                                      ignore_eos=True), use_tqdm=False)
-        for temperature in temperatures:
-            runs.append({"k": k, "temperature": temperature, **_measure(llm, temperature, args)})
-            print(f"k={k} T={temperature}: {runs[-1]['tok_s']} tok/s, mean accepted length "
-                  f"{runs[-1]['mean_accepted_length']}, per position {runs[-1]['acceptance_per_position']}",
-                  flush=True)
-        device = llm.engine.runner.device
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    device = torch.device(resolve_device(args.device))
+    scratch = None
+    model = args.model
+    if args.shape:
+        scratch = tempfile.TemporaryDirectory()
+        dtype = torch.bfloat16 if args.dtype in ("auto", "bfloat16") else getattr(torch, args.dtype)
+        _random_checkpoint_with_mtp(args.shape, Path(scratch.name), dtype, device)
+        model = scratch.name
+    held_out = json.loads(PROMPTS_FILE.read_text())
+    prompts = list(held_out["prompts"])
+    n = args.prompts_per_repeat
+    if not args.shape and n * args.repeats + max(batch_sizes) > len(prompts):
+        raise SystemExit(f"{len(prompts)} held-out prompts: fewer than {n} x {args.repeats} repeats + a batch")
+    temperatures = [] if args.shape else [float(t) for t in args.temperatures.split(",")]
+    gen = torch.Generator().manual_seed(0)
+
+    def step_prompts(batch):  # fresh each call: random ids on random weights, held-out text otherwise
+        if args.shape:
+            return [{"prompt_token_ids": torch.randint(100, 50000, (32,), generator=gen).tolist()}
+                    for _ in range(batch)]
+        return prompts[n * args.repeats:n * args.repeats + batch]
+
+    configs = [0] + ks  # 0: the plain engine, no drafting
+    step_time: dict[str, dict] = {}
+    generation: dict[str, dict] = {}
+    for engine_k in (None, max(ks)):
+        llm = _engine(model, engine_k, args, max(batch_sizes))
+        mine = [0] if engine_k is None else ks
+        for k in mine:  # warm every shape this engine will run
+            for batch in batch_sizes:
+                _step_times(llm, k, batch, step_prompts(batch), type(args)(**{**vars(args), "steps": 4}))
+            for temperature in temperatures:
+                _set_k(llm, k)
+                llm.generate([WARM_UP], SamplingParams(temperature=temperature, max_tokens=args.max_tokens,
+                                                       ignore_eos=True), use_tqdm=False)
+        for k in mine:
+            label = "plain" if engine_k is None else f"k={k}"
+            step_time[label] = {f"batch {b}": _summary([_step_times(llm, k, b, step_prompts(b), args)
+                                                         for _ in range(args.repeats)]) for b in batch_sizes}
+            for temperature in temperatures:
+                runs = [_generate(llm, k, temperature, prompts[r * n:(r + 1) * n], args) for r in range(args.repeats)]
+                drafts = sum(r["drafts"] for r in runs)
+                per_position = [sum(r["per_position"][j] for r in runs) for j in range(k)] if engine_k else []
+                generation[f"{label} T={temperature:g}"] = {
+                    "k": k if engine_k else 0, "temperature": temperature,
+                    "tok_s": _summary([r["tok_s"] for r in runs], 1),
+                    "acceptance_per_position": [round(a / drafts, 4) for a in per_position] if drafts else [],
+                    "mean_accepted_length": round(1 + sum(r["accepted"] for r in runs) / drafts, 3) if drafts else 1.0,
+                    "outputs": [o for r in runs for o in r["outputs"]],
+                }
+            print(f"{label}: step {step_time[label]}", flush=True)
         del llm
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    base = {r["temperature"]: r["tok_s"] for r in runs if r["k"] == 0}
-    for r in runs:
-        r["speedup"] = round(r["tok_s"] / base[r["temperature"]], 3)
-    result = {"benchmark": "mtp", "model": args.model, "max_tokens": args.max_tokens, "prompts": len(PROMPTS),
-              "repeat": args.repeat, "enforce_eager": args.enforce_eager, "env": environment(device), "runs": runs}
-    if args.out:
-        write_results(args.out, result, {"mtp": _figure(runs, ks, temperatures)})
-    else:
-        import json
-
-        print(json.dumps(result, indent=2))
+    plain = step_time["plain"]
+    for label, times in step_time.items():
+        k = 0 if label == "plain" else int(label[2:])
+        for b in batch_sizes:
+            entry = times[f"batch {b}"]
+            entry["ratio_to_plain"] = round(entry["median"] / plain[f"batch {b}"]["median"], 3)
+            entry["break_even_acceptance"] = break_even_acceptance(entry["ratio_to_plain"], k)
+    for temperature in temperatures:
+        base = generation[f"plain T={temperature:g}"]
+        for k in ks:
+            entry = generation[f"k={k} T={temperature:g}"]
+            entry["speedup"] = round(entry["tok_s"]["median"] / base["tok_s"]["median"], 3)
+            if temperature == 0:
+                entry["greedy_divergence"] = _divergence(base["outputs"], entry["outputs"])
+    for entry in generation.values():
+        del entry["outputs"]
+    result = {"benchmark": "mtp", "model": args.shape or args.model, "random_weights": bool(args.shape),
+              "dtype": args.dtype, "max_tokens": args.max_tokens, "repeats": args.repeats,
+              "prompts_per_repeat": n, "prompts": None if args.shape else held_out["about"],
+              "enforce_eager": args.enforce_eager, "env": environment(device),
+              "step_time_s": step_time, "generation": generation}
+    write_results(args.out, result, {"mtp": _figure(result, ks, batch_sizes, temperatures)} if args.out else {})
+    if scratch is not None:
+        scratch.cleanup()
     return result
 
 
-def _figure(runs, ks, temperatures):
+def _figure(result, ks, batch_sizes, temperatures):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (acc, speed) = plt.subplots(1, 2, figsize=(11, 4))
-    for temperature, style in zip(temperatures, ["-", "--", ":"]):
-        for r in runs:
-            if r["temperature"] == temperature and r["k"]:
-                acc.plot(range(1, r["k"] + 1), r["acceptance_per_position"], style, marker="o",
-                         label=f"k={r['k']} T={temperature:g} (mean len {r['mean_accepted_length']:.2f})")
-    acc.set(xlabel="draft position", ylabel="fraction of drafts accepted up to here", ylim=(0, 1.02),
-            title="MTP acceptance by position")
-    acc.set_xticks(range(1, max(ks) + 1))
-    acc.legend(fontsize=7)
-    width = 0.8 / len(temperatures)
-    for i, temperature in enumerate(temperatures):
-        rs = [r for r in runs if r["temperature"] == temperature]
-        speed.bar([r["k"] + (i - (len(temperatures) - 1) / 2) * width for r in rs], [r["tok_s"] for r in rs], width,
-                  label=f"T={temperature:g}")
-    speed.set(xlabel="num_speculative_tokens (0 = no drafting)", ylabel="decode tok/s (one stream)",
-              title="Decode speed")
-    speed.set_xticks([0] + ks)
-    speed.legend()
+    panels = 3 if temperatures else 1
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4))
+    axes = list(axes) if panels > 1 else [axes]
+    steps = result["step_time_s"]
+    width = 0.8 / len(batch_sizes)
+    for i, b in enumerate(batch_sizes):
+        labels = ["plain"] + [f"k={k}" for k in ks]
+        axes[0].bar([x + (i - (len(batch_sizes) - 1) / 2) * width for x in range(len(labels))],
+                    [steps[label][f"batch {b}"]["ratio_to_plain"] for label in labels], width, label=f"batch {b}")
+        axes[0].set_xticks(range(len(labels)), labels)
+    axes[0].axhline(1.0, color="grey", lw=0.8)
+    axes[0].set(ylabel="step time / plain decode step", title=f"{result['model'].split('/')[-1]}: step cost")
+    axes[0].legend()
+    if temperatures:
+        gen = result["generation"]
+        for temperature, style in zip(temperatures, ["-", "--", ":"]):
+            for k in ks:
+                entry = gen[f"k={k} T={temperature:g}"]
+                axes[1].plot(range(1, k + 1), entry["acceptance_per_position"], style, marker="o",
+                             label=f"k={k} T={temperature:g} (mean len {entry['mean_accepted_length']:.2f})")
+        axes[1].set(xlabel="draft position", ylabel="fraction accepted up to here", ylim=(0, 1.02),
+                    title="acceptance (held-out prompts)")
+        axes[1].legend(fontsize=7)
+        width = 0.8 / len(temperatures)
+        for i, temperature in enumerate(temperatures):
+            labels = ["plain"] + [f"k={k}" for k in ks]
+            axes[2].bar([x + (i - (len(temperatures) - 1) / 2) * width for x in range(len(labels))],
+                        [gen[f"{label} T={temperature:g}"]["tok_s"]["median"] for label in labels], width,
+                        label=f"T={temperature:g}")
+            axes[2].set_xticks(range(len(labels)), labels)
+        axes[2].set(ylabel="decode tok/s (one stream, median)", title="decode speed")
+        axes[2].legend()
     fig.tight_layout()
     return fig

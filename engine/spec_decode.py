@@ -276,7 +276,9 @@ class DraftLength:
         if here is None:
             return
         for k in (self.k - 1, self.k + 1):
-            if 0 <= k <= self.k_max and (rate := self.tokens_per_second(k)) is not None and rate > here:
+            # 2% better, not just better: estimates from a window are noisy, and each move costs
+            # the transition's steps.
+            if 0 <= k <= self.k_max and (rate := self.tokens_per_second(k)) is not None and rate > 1.02 * here:
                 self.k, here = k, rate
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from jetserve.engine import LLM, AsyncLLM, EngineArgs, SamplingParams
 from jetserve.engine.llm_engine import LLMEngine
-from tests.engine.builders import CORPUS, build_qwen3, hf_greedy
+from tests.engine.builders import CORPUS, build_drafting_model, build_qwen3, hf_greedy
 
 PROMPTS = [[5, 17, 2, 99, 31, 8, 64], [200, 3], list(range(40, 63)), [7] * 11]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -89,7 +89,14 @@ def test_streams_through_the_async_engine(checkpoint):
     assert asyncio.run(main()) == reference
 
 
-def test_not_with_speculative_decoding(checkpoint):
-    path, _ = checkpoint
-    with pytest.raises(ValueError, match="async_scheduling does not combine with speculative_config"):
-        LLM(str(path), async_scheduling=True, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+def test_with_speculative_decoding(tmp_path):
+    """Drafting under --async-scheduling: its steps run one at a time (their inputs depend on
+    the accepted count), with the same tokens as without either."""
+    path = build_drafting_model(tmp_path)
+    prompts = [{"prompt_token_ids": [t % 64 for t in p]} for p in PROMPTS]
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "adaptive": False}
+    plain = LLM(path, max_num_seqs=8, block_size=4).generate(prompts, GREEDY, use_tqdm=False)
+    llm = LLM(path, max_num_seqs=8, block_size=4, async_scheduling=True, speculative_config=spec)
+    drafted = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in drafted] == [o.outputs[0].token_ids for o in plain]
+    assert llm.engine.stats().num_accepted_tokens > 0 and llm.engine.scheduler.blocks.num_used == 0

@@ -25,9 +25,9 @@ def test_capture_sizes():
 
 
 def test_step_shapes():
-    assert step_shapes(0, 0) == [(None, 1)]
-    assert step_shapes(2, 1) == [(None, 1), (None, 2), (None, 3), (0, 1), (0, 2), (0, 3)]
-    assert (1, 1) in step_shapes(3, 2) and (0, 1) in step_shapes(3, 2)
+    """Plain decode, and speculative steps verifying j drafts and proposing j-1, j or j+1."""
+    assert step_shapes(0) == [(None, 1)]
+    assert step_shapes(2) == [(None, 1), (0, 1), (1, 1), (0, 2), (1, 2), (2, 2), (1, 3), (2, 3)]
 
 
 @pytest.fixture(scope="module")
@@ -73,9 +73,10 @@ def test_replay_equals_eager_logits(checkpoint, dtype):
                                        runner.config.fused_kernels)
         ids = torch.randint(0, 300, (batch,), device="cuda")
         pos = torch.tensor([c - 1 for c in ctx], device="cuda")
-        graphed = runner.graphs.run(None, ids, pos, meta)
+        key = runner.graphs.key(None, 1, batch, 2)
+        runner.graphs.stage(key, ids.tolist(), pos.tolist(), ctx, tables)
+        graphed = runner.graphs.replay(key, batch)[0].clone()
         eager = runner.model(ids, pos, runner.kv_cache, meta)
-        assert graphed is not None, batch
         tol = 1e-5 if dtype == "float32" else 2e-2
         torch.testing.assert_close(graphed, eager, rtol=tol, atol=tol)
 
@@ -188,7 +189,7 @@ def test_speculative_verify_and_drafts_graphed(tmp_path):
     llm = LLM(path, device="cuda", max_num_seqs=8, dtype="float32", speculative_config=spec)
     calls = record_replays(llm)
     keys = llm.engine.runner.graphs.graphs
-    assert (None, 3, 4) in keys and (0, 3, 4) in keys and (0, 1, 4) in keys  # verify, MTP pass, chained draft
+    assert (2, 3, 4) in keys and (1, 3, 4) in keys and (0, 1, 4) in keys  # (proposed, verified + 1, bucket)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == plain  # lossless, graphed
-    assert {key[0] for key, _ in calls} == {None, 0} and llm.engine.stats().num_accepted_tokens > 0
+    assert (2, 3, 4) in {key for key, _ in calls} and llm.engine.stats().num_accepted_tokens > 0

@@ -1,8 +1,8 @@
-"""Sampling filters against a plain reference, and the seeded draw."""
+"""Sampling filters against a plain reference, and the seeded (counter-based) draw."""
 
 import torch
 
-from jetserve.engine.sampler import processed_probs, sample
+from jetserve.engine.sampler import exponential_noise, processed_probs, sample
 from jetserve.engine.sampling_params import SamplingParams
 
 
@@ -37,7 +37,8 @@ def test_filters_match_the_reference():
 def test_draws_follow_the_filtered_distribution():
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0]]).repeat(20_000, 1)
     p = SamplingParams(temperature=0.8, top_k=3)
-    tokens = sample(logits, [p] * len(logits), [None] * len(logits))
+    n = len(logits)
+    tokens = sample(logits, [p] * n, torch.arange(n), torch.zeros(n, dtype=torch.long))  # one seed a row
     freq = torch.bincount(tokens, minlength=5).float() / len(tokens)
     torch.testing.assert_close(freq, reference_probs(logits[0], p), atol=0.015, rtol=0)
 
@@ -45,8 +46,25 @@ def test_draws_follow_the_filtered_distribution():
 def test_greedy_rows_take_the_argmax_and_seeds_repeat():
     logits = torch.randn(3, 30)
     seeded = SamplingParams(temperature=1.0, seed=5)
-    gens = [None, torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)]
-    tokens = sample(logits.clone(), [SamplingParams(temperature=0), seeded, seeded], gens)
-    assert tokens[0] == logits[0].argmax()
-    again = sample(logits[1:2].clone(), [seeded], [torch.Generator().manual_seed(5)])
+    tokens = sample(logits.clone(), [SamplingParams(temperature=0), seeded, seeded], torch.tensor([0, 5, 5]),
+                    torch.tensor([0, 9, 9]))
+    assert tokens[0] == logits[0].argmax() and tokens[1] == tokens[2]
+    again = sample(logits[1:2].clone(), [seeded], torch.tensor([5]), torch.tensor([9]))
     assert tokens[1] == again[0]
+
+
+def test_noise_is_exponential_and_keyed_by_seed_and_position():
+    """Exp(1) per entry (mean, variance, and uniform deciles of exp(-E)); entries of rows with
+    neighbouring seeds or positions uncorrelated; the same key gives the same noise."""
+    probs = torch.zeros(512, 4096)
+    by_seed = exponential_noise(probs, torch.arange(512), torch.full((512,), 7))
+    by_position = exponential_noise(probs, torch.full((512,), 7), torch.arange(512))
+    for noise in (by_seed, by_position):
+        assert abs(noise.mean() - 1) < 0.01 and abs(noise.var() - 1) < 0.02
+        deciles = torch.histc(torch.exp(-noise), 10, 0, 1) / noise.numel()
+        assert (deciles - 0.1).abs().max() < 0.002
+        centred = noise - 1
+        assert abs((centred[1:] * centred[:-1]).mean()) < 0.01  # neighbouring rows
+        assert abs((centred[:, 1:] * centred[:, :-1]).mean()) < 0.01  # neighbouring vocabulary entries
+    assert torch.equal(by_seed[7], by_position[7])  # seed 7 at position 7 in both
+    assert not torch.equal(by_seed[6], by_position[6])

@@ -201,5 +201,10 @@ def test_speculative_counters_move_per_position():
             assert list(stats.accepted_per_position) == [per_position["0"], per_position["1"]]
             assert control.SetLimits(pb.SetLimitsRequest(num_speculative_tokens=1), timeout=10) \
                 .num_speculative_tokens == 1
+            try:  # above the k the engine started with: graphs and KV lookahead are sized for that
+                control.SetLimits(pb.SetLimitsRequest(num_speculative_tokens=3), timeout=10)
+                raise AssertionError("SetLimits accepted a draft length above the started one")
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT and "at most 2" in exc.details()
     finally:
         server.stop()
