@@ -97,7 +97,7 @@ class LLMEngine:
         batch = self.scheduler.schedule(num_lookahead_slots=num_drafts)
         if not batch:
             return []
-        verified = self.runner.speculative_shape(batch) if self.draft_length else None
+        verified = self.runner.speculative_shape(batch, num_drafts) if self.draft_length else None
         start = time.perf_counter()
         sampled, drafts = self.runner.execute(batch, num_drafts)
         if verified is not None:  # a decode step: its time tells the draft length what k costs

@@ -126,7 +126,7 @@ class ModelRunner:
         whose tokens are now all computed, the tokens it gains (accepted drafts + one), None for
         one still part-way through its prompt; and the drafts (up to `num_drafts`) each one
         proposes for the next step."""
-        if self.proposer is not None and self.speculative_shape(batch) is not None:
+        if self.proposer is not None and self.speculative_shape(batch, num_drafts) is not None:
             return self._speculative(batch, num_drafts)
         step = self._run(batch)
         sampled = [seq for seq, d in zip(batch.seqs, step.sampled) if d]
@@ -138,13 +138,15 @@ class ModelRunner:
                                        batch.num_tokens, step.hidden, step.positions, step.meta, emitted, num_drafts)
         return emitted, drafts
 
-    @staticmethod
-    def speculative_shape(batch: ScheduledBatch) -> int | None:
-        """The drafts every sequence verifies when all decode with the same number (then the step
-        is one `speculative_step`, one graph where captured); None: the general path runs it."""
+    def speculative_shape(self, batch: ScheduledBatch, num_drafts: int) -> int | None:
+        """The drafts every sequence verifies when all decode with the same number and have room
+        for `num_drafts` more past them before max_model_len (then the step is one
+        `speculative_step`, one graph where captured); None: the general path runs it."""
         q = batch.num_tokens[0]
-        if q > MAX_UNIFORM_Q or not all(n == q and len(seq.spec_token_ids) == q - 1 and seq.num_uncomputed_tokens == 1
-                                        for seq, n in zip(batch.seqs, batch.num_tokens)):
+        if q > MAX_UNIFORM_Q or not all(
+                n == q and len(seq.spec_token_ids) == q - 1 and seq.num_uncomputed_tokens == 1
+                and seq.num_tokens + q + num_drafts - 2 <= self.config.max_model_len  # the last draft's position
+                for seq, n in zip(batch.seqs, batch.num_tokens)):
             return None
         return q - 1
 

@@ -45,6 +45,7 @@ def test_draws_follow_the_filtered_distribution():
 
 def test_greedy_rows_take_the_argmax_and_seeds_repeat():
     logits = torch.randn(3, 30)
+    logits[2] = logits[1]
     seeded = SamplingParams(temperature=1.0, seed=5)
     tokens = sample(logits.clone(), [SamplingParams(temperature=0), seeded, seeded], torch.tensor([0, 5, 5]),
                     torch.tensor([0, 9, 9]))
