@@ -14,7 +14,7 @@ import sys
 BENCHMARKS = (
     ("decode", "TPOT by batch size: ours eager/graphs vs transformers vs the bandwidth roofline"),
     ("prefill", "streaming ITL while a long prompt arrives: chunked prefill on/off, TTFT"),
-    ("mtp", "MTP drafting: acceptance per position and tok/s vs no drafting"),
+    ("mtp", "MTP drafting: tok/s vs no drafting on held-out prompts, acceptance, step-time ratios"),
     ("forward", "greedy tokens and logits of the engine vs transformers on one device"),
     ("profile", "where the time of a batch-1 decode step goes (torch.profiler)"),
     ("kernels", "the decode kernels alone: skinny matmul vs cuBLAS bandwidth, split-context attention"),

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from jetserve.engine.config import EngineConfig
 from jetserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput

@@ -10,7 +10,6 @@ context moves it), and "agreeing" MTP heads pass the embedding of token t+1 stra
 """
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
