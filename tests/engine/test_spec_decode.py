@@ -202,6 +202,22 @@ def test_stops_inside_accepted_drafts_end_as_without_drafting(model_with_tokeniz
         config.write_text(saved)
 
 
+def test_issue_repro_stop_string_on_the_demo_model():
+    """The bundled demo model, prompt "import os\n", stop at the next newline: k=3 used to
+    return two tokens past the stop (and count them)."""
+    from jetserve.server.cli import demo_model_dir
+
+    params = SamplingParams(temperature=0, max_tokens=32, stop=["\n"])
+    common = {"max_num_seqs": 2, "max_model_len": 256}
+    plain = LLM(demo_model_dir(), **common).generate(["import os\n"], params, use_tqdm=False)[0].outputs[0]
+    spec = {"method": "mtp", "num_speculative_tokens": 3, "adaptive": False}
+    llm = LLM(demo_model_dir(), speculative_config=spec, **common)
+    drafted = llm.generate(["import os\n"], params, use_tqdm=False)[0].outputs[0]
+    assert plain.finish_reason == "stop" and "\n" not in plain.text
+    assert (drafted.token_ids, drafted.text, drafted.finish_reason) == (plain.token_ids, plain.text, "stop")
+    assert llm.engine.stats().num_accepted_tokens > 0
+
+
 # -- cost-aware draft length ---------------------------------------------------------------------
 
 ADAPTIVE = {"adaptive": True, "acceptance_window": 128, "min_samples": 8, "probe_interval": 4}
