@@ -23,6 +23,7 @@ COLUMNS = ("fleet", "device", "online", "reason", "bdseq", "report_interval", "l
            "gap_since")
 SEEN_WINDOW = 4096  # how far below the highest n a replay is still recognised
 JSON_COLUMNS = ("birth", "health", "conditions")
+WRITE_COLUMNS = tuple(c for c in COLUMNS if c not in ("birth", "health"))  # what a write reads
 DEFAULT_INTERVAL = 10.0  # s, for a device whose birth has not been seen (yet)
 NO_LIMIT = 2 ** 62  # rows; LIMIT takes a number in both databases
 
@@ -60,10 +61,12 @@ class Registry:
         return self._store.write()
 
     def _device(self, execute, fleet, device):
+        """The device's row, locked for this transaction (made if new), without its documents: a
+        write never needs the stored birth or health, and decoding them each message is costly."""
         execute("INSERT INTO devices (fleet, device) VALUES (?, ?) ON CONFLICT DO NOTHING", (fleet, device))
         row = execute("SELECT %s FROM devices WHERE fleet = ? AND device = ?%s"
-                      % (", ".join(COLUMNS), self._store.row_lock), (fleet, device)).fetchone()
-        return _decode(row)
+                      % (", ".join(WRITE_COLUMNS), self._store.row_lock), (fleet, device)).fetchone()
+        return _decode(row, WRITE_COLUMNS)
 
     @staticmethod
     def _update(execute, fleet, device, **values):
@@ -250,9 +253,9 @@ def _where(**equal):
     return ("WHERE " + " AND ".join("%s = ?" % c for c in columns) if columns else ""), [equal[c] for c in columns]
 
 
-def _decode(row):
-    device = dict(zip(COLUMNS, row))
-    for key in JSON_COLUMNS:
+def _decode(row, columns=COLUMNS):
+    device = dict(zip(columns, row))
+    for key in set(JSON_COLUMNS) & set(columns):
         device[key] = json.loads(device[key]) if device[key] else ([] if key == "conditions" else None)
     device["online"] = bool(device["online"])
     return device
