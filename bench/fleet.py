@@ -480,6 +480,8 @@ def _registry_location(args, workdir):
     """An SQLite file in the run's folder, or a database of its own on the PostgreSQL server."""
     if args.backend == "sqlite":
         return os.path.join(workdir, "fleet.db")
+    import urllib.parse
+
     import psycopg
 
     name = "jetserve_load_" + secrets.token_hex(6)
@@ -487,7 +489,7 @@ def _registry_location(args, workdir):
         admin.execute("CREATE DATABASE %s" % name)
     info = psycopg.conninfo.conninfo_to_dict(args.postgres)
     info.pop("dbname", None)
-    return "postgresql:///%s?%s" % (name, "&".join("%s=%s" % item for item in info.items()))
+    return "postgresql:///%s?%s" % (name, urllib.parse.urlencode(info, quote_via=urllib.parse.quote))
 
 
 def _drop_database(args, location):
