@@ -1,65 +1,62 @@
-"""The streaming engine for the service: submit → async iterator of deltas.
+"""The streaming engine for the service (vLLM V1's AsyncLLM): submit → async iterator of deltas.
 
-The step loop runs in its own thread, so the event loop never waits on a forward pass.
-Requests and aborts cross into that thread through a queue and are applied between steps;
-deltas cross back with `call_soon_threadsafe`. The loop turns at least every
-`IDLE_TICK` seconds, so `last_heartbeat` going stale means the engine is wedged.
+This is the front end: it tokenizes and checks prompts in the caller's frame, hands token ids to
+the engine core (its own process by default on a GPU, see `EngineConfig.engine_core_process`, or
+a thread), and turns the core's token deltas into text (`OutputProcessor`) on the client's
+thread, never in the step loop. Each stream reads from a `RequestOutputCollector` on its own
+event loop, so several servers (gRPC, HTTP) on different loops may share one engine.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
-import queue
+import dataclasses
 import threading
 import time
 import uuid
+from collections import defaultdict
 from collections.abc import AsyncIterator
 
 from jetserve.engine.config import EngineConfig
+from jetserve.engine.core import AddRequest, CoreOutput
+from jetserve.engine.core_client import InprocClient, MPClient
 from jetserve.engine.errors import EngineError, QueueFullError
-from jetserve.engine.llm_engine import LLMEngine
+from jetserve.engine.output_processor import OutputProcessor, RequestOutputCollector
 from jetserve.engine.outputs import RequestOutput
+from jetserve.engine.prompts import check_prompt
 from jetserve.engine.protocol import EngineClient, EngineStats, ModelInfo
 from jetserve.engine.sampling_params import SamplingParams
-
-log = logging.getLogger(__name__)
-
-IDLE_TICK = 0.5
+from jetserve.engine.tokenizer import Tokenizer
 
 
 class AsyncLLM:
     def __init__(self, config: EngineConfig, on_status=None):
-        self.engine = LLMEngine(config, on_status=on_status)
-        self.max_waiting = config.max_waiting
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake = threading.Event()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._lock = threading.Lock()
-        self._stats = self.engine.stats()
+        self.config = config
+        self.tokenizer = Tokenizer.from_pretrained(config.model) if config.has_tokenizer else None
+        self._processor = OutputProcessor(self.tokenizer)
+        self._streams: dict[str, RequestOutputCollector] = {}
+        self._lock = threading.Lock()  # streams and processor: the caller's loops and the core's reader
         self._error: BaseException | None = None
         self._stopping = False
-        self._thread: threading.Thread | None = None
-        self.last_heartbeat = time.monotonic()
-
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
+        client = MPClient if config.engine_core_process else InprocClient
+        self.core = client(config, on_status, self._on_outputs, self._on_death)
 
     @property
     def model_info(self) -> ModelInfo:
-        return self.engine.model_info
+        info = self.core.model_info
+        k = self.core.stats().num_speculative_tokens
+        return dataclasses.replace(info, num_speculative_tokens=k)
+
+    @property
+    def last_heartbeat(self) -> float:
+        return self.core.last_heartbeat
 
     def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="jetserve-engine", daemon=True)
-            self._thread.start()
+        self.core.start()
 
     def shutdown(self) -> None:
         self._stopping = True
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+        self.core.shutdown()
 
     # -- the caller's side (event loop) ---------------------------------------------------
 
@@ -70,123 +67,97 @@ class AsyncLLM:
             raise EngineError(f"engine is not running: {self._error or 'shut down'}")
         request_id = request_id or uuid.uuid4().hex
         params = sampling_params or SamplingParams()
-        text, ids = self.engine.tokenize_prompt(prompt)  # bad prompts fail here, in the caller's frame
-        prompt = {"prompt": text, "prompt_token_ids": ids}  # tokenized once: the engine only checks the ids
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        cfg = self.config
+        text, ids = check_prompt(prompt, self.tokenizer, cfg.model_config.vocab_size, cfg.max_model_len)
+        arrival = time.monotonic()
+        collector = RequestOutputCollector(asyncio.get_running_loop())
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already streaming")
             # At most max_num_seqs of the open streams run; the rest wait. Counted here, under
             # the lock, so a burst between two steps cannot slip past the bound.
-            if len(self._streams) >= self.engine.scheduler.max_num_seqs + self.max_waiting:
-                raise QueueFullError(f"waiting queue is full ({self.max_waiting} requests); retry later")
-            stream: asyncio.Queue = asyncio.Queue()
-            self._streams[request_id] = (asyncio.get_running_loop(), stream)
-        self._submit(("add", request_id, prompt, params, time.monotonic()))
+            if len(self._streams) >= self.core.stats().max_num_seqs + cfg.max_waiting:
+                raise QueueFullError(f"waiting queue is full ({cfg.max_waiting} requests); retry later")
+            self._streams[request_id] = collector
+            self._processor.add(request_id, text, ids, params, arrival)
+        self.core.add_request(AddRequest(request_id, ids, params, arrival))
         finished = False
         try:
-            while True:
-                item = await stream.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
+            while not finished:
+                output = await collector.get()
+                finished = output.finished
+                yield output
         finally:
             if not finished:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        self._submit(("abort", request_id))
+        with self._lock:
+            self._streams.pop(request_id, None)
+            self._processor.drop(request_id)
+        self.core.abort([request_id])
 
     def set_max_num_seqs(self, n: int) -> None:
-        self._call(self.engine.set_max_num_seqs, n)
+        """Returns once the new cap is in effect (and in `stats()`)."""
+        self.core.call("set_max_num_seqs", n)
 
     def set_num_speculative_tokens(self, k: int) -> None:
-        self._call(self.engine.set_num_speculative_tokens, k)
+        """Returns once the new draft length cap is in effect (and in `stats()`)."""
+        self.core.call("set_num_speculative_tokens", k)
 
     def stats(self) -> EngineStats:
-        """A snapshot taken after the latest step (never blocks on a forward pass)."""
-        return self._stats
+        """A snapshot taken after the core's latest step or control call (never blocks on a step)."""
+        return self.core.stats()
 
-    def _call(self, fn, *args) -> None:
-        """Run `fn` between steps on the engine thread and re-raise its error here."""
-        done = threading.Event()
-        result: list = []
-        self._submit(("call", lambda: fn(*args), result, done))
-        if not done.wait(timeout=30):
-            raise EngineError("engine did not answer within 30 s")
-        if result:
-            raise result[0]
+    # -- the core client's thread ---------------------------------------------------------
 
-    def _submit(self, command) -> None:
-        self._commands.put(command)
-        self._wake.set()
-
-    # -- the engine thread ----------------------------------------------------------------
-
-    def _run(self) -> None:
-        try:
-            while not self._stopping:
-                self.last_heartbeat = time.monotonic()
-                self._apply_commands()
-                if self.engine.has_unfinished_requests():
-                    for output in self.engine.step():
-                        self._deliver(output)
+    def _on_outputs(self, outputs: list[CoreOutput]) -> None:
+        """Text for the core's deltas; one wake-up per event loop for the whole step."""
+        now = time.monotonic()
+        deliveries: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
+        stopped = []
+        with self._lock:
+            for o in outputs:
+                if o.error is not None:
+                    item, done = ValueError(o.error), True
+                    self._processor.drop(o.request_id)
                 else:
-                    self._wake.wait(IDLE_TICK)
-                    self._wake.clear()
-                self._stats = self.engine.stats()
-        except BaseException as exc:  # the engine is dead: fail every stream, stop the heartbeat
-            log.exception("engine step loop died")
-            self._error = exc
-            for request_id in list(self._streams):
-                self._deliver_error(request_id, EngineError(f"engine failed: {exc}"))
+                    item, stopped_here = self._processor.process(o.request_id, o.token_ids, o.finish_reason,
+                                                                 o.stop_reason, now)
+                    if item is None:
+                        continue
+                    if stopped_here:
+                        stopped.append(o.request_id)
+                    done = item.finished
+                collector = self._streams.pop(o.request_id, None) if done else self._streams.get(o.request_id)
+                if collector is not None:
+                    deliveries[collector.loop].append((collector, item))
+        if stopped:  # a stop string ended these here: the core stops them too and frees their blocks
+            self.core.abort(stopped)
+        for loop, items in deliveries.items():
+            _call_soon(loop, _put_all, items)
 
-    def _apply_commands(self) -> None:
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            kind = command[0]
-            if kind == "add":
-                _, request_id, prompt, params, arrival = command
-                if request_id not in self._streams:  # cancelled before it reached the engine
-                    continue
-                try:
-                    self.engine.add_request(request_id, prompt, params, arrival)
-                except ValueError as exc:
-                    self._deliver_error(request_id, exc)
-            elif kind == "abort":
-                output = self.engine.abort(command[1])
-                if output is not None:
-                    self._deliver(output)
-                with self._lock:
-                    self._streams.pop(command[1], None)
-            else:
-                _, fn, result, done = command
-                try:
-                    fn()
-                except Exception as exc:
-                    result.append(exc)
-                done.set()
-
-    def _deliver(self, output: RequestOutput) -> None:
+    def _on_death(self, exc: BaseException) -> None:
+        self._error = exc
         with self._lock:
-            target = self._streams.get(output.request_id)
-            if output.finished:
-                self._streams.pop(output.request_id, None)
-        if target is not None:
-            loop, stream = target
-            loop.call_soon_threadsafe(stream.put_nowait, output)
+            streams, self._streams = self._streams, {}
+            self._processor.requests.clear()
+        for collector in streams.values():
+            _call_soon(collector.loop, collector.put, exc)
 
-    def _deliver_error(self, request_id: str, exc: BaseException) -> None:
-        with self._lock:
-            target = self._streams.pop(request_id, None)
-        if target is not None:
-            loop, stream = target
-            loop.call_soon_threadsafe(stream.put_nowait, exc)
+
+def _put_all(items) -> None:
+    for collector, item in items:
+        collector.put(item)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # that loop is closed: its streams are gone with it
+        pass
 
 
 def open_engine(config: EngineConfig, on_status=None) -> EngineClient:

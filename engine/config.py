@@ -178,6 +178,7 @@ class EngineConfig:
     cuda_graphs: CUDAGraphConfig | None  # None: every step eager
     fused_kernels: bool  # the Triton kernels (CUDA with Triton); else plain torch
     has_tokenizer: bool
+    engine_core_process: bool  # AsyncLLM runs the step loop in its own process (else in a thread)
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -214,6 +215,7 @@ class EngineArgs:
     cudagraph_capture_sizes: list[int] | None = None
     max_cudagraph_capture_size: int | None = None
     cuda_graph_num_warmup_steps: int = 2  # eager runs of each step shape before it is captured
+    engine_core_process: bool | None = None  # None: a process on a GPU, a thread on a CPU (measured: bench/results/serve)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -250,6 +252,9 @@ class EngineArgs:
                        default=d.max_cudagraph_capture_size, dest="max_cudagraph_capture_size")
         g.add_argument("--cuda-graph-num-warmup-steps", type=int, default=d.cuda_graph_num_warmup_steps,
                        help="eager runs of each step shape before its CUDA graph is captured")
+        g.add_argument("--engine-core-process", action=argparse.BooleanOptionalAction, default=d.engine_core_process,
+                       help="serve with the step loop in its own process (default: on a GPU; "
+                            "on a CPU it runs in a thread)")
         return parser
 
     @classmethod
@@ -297,7 +302,9 @@ class EngineArgs:
             enable_prefix_caching=self.enable_prefix_caching, gpu_memory_utilization=self.gpu_memory_utilization,
             block_size=self.block_size, num_kv_blocks=self.num_kv_blocks, max_waiting=self.max_waiting,
             seed=self.seed, async_scheduling=self.async_scheduling, speculative=spec, cuda_graphs=graphs,
-            fused_kernels=fused, has_tokenizer=(Path(self.model) / "tokenizer.json").exists())
+            fused_kernels=fused, has_tokenizer=(Path(self.model) / "tokenizer.json").exists(),
+            engine_core_process=(device.startswith("cuda") if self.engine_core_process is None
+                                 else self.engine_core_process))
 
     def _device(self) -> str:
         return "cuda" if self.backend == "tensorrt-llm" else resolve_device(self.device)

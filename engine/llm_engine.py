@@ -1,7 +1,9 @@
 """The synchronous engine: requests in, one scheduled step at a time, output deltas out.
 
 request → scheduler → runner → sampler → (detokenizer, stop checks) → RequestOutput delta.
-`LLM` drives it in a loop; `AsyncLLM` drives it from a thread and streams the deltas.
+`LLM` drives it in a loop. Under `AsyncLLM` it is the engine core (`core.py`), built with
+`detokenize=False`: its deltas are token ids with the token-level finish reasons, and the text
+(detokenizer, stop strings) is the front end's (`output_processor.py`).
 """
 
 from __future__ import annotations
@@ -37,11 +39,12 @@ class _Request:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, on_status=None):
+    def __init__(self, config: EngineConfig, on_status=None, detokenize: bool = True):
         if config.backend != "torch":
             raise ValueError(f"backend {config.backend!r}: this engine is the torch backend (see open_engine)")
         self.config = config
         self.tokenizer = Tokenizer.from_pretrained(config.model) if config.has_tokenizer else None
+        self.detokenize = detokenize and self.tokenizer is not None
         self.runner = ModelRunner(config, progress=on_status)
         self.scheduler = Scheduler(config, self.runner.num_blocks)
         self.draft_length = DraftLength(config.speculative) if config.speculative else None
@@ -70,8 +73,8 @@ class LLMEngine:
         # one drawn here, so unseeded runs of the same workload repeat under the engine's seed.
         seed = self._seeds.getrandbits(63) if params.seed is None else params.seed % 2**63
         seq = Sequence(request_id, ids, params, arrival_time, seed)
-        detok = Detokenizer(self.tokenizer, ids, params.skip_special_tokens) if self.tokenizer else None
-        self.requests[request_id] = _Request(seq, text, detok, StopStrings(params.stop))
+        detok = Detokenizer(self.tokenizer, ids, params.skip_special_tokens) if self.detokenize else None
+        self.requests[request_id] = _Request(seq, text, detok, StopStrings(params.stop if detok else ()))
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> RequestOutput | None:

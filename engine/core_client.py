@@ -1,0 +1,300 @@
+"""How the front end (`AsyncLLM`) reaches the engine core (vLLM V1's EngineCoreClient).
+
+`MPClient`: the core in its own process (`core.run_engine_core`), so the step loop never shares
+a GIL with the servers; requests in and deltas out over ZMQ, one thread here reading the deltas.
+Its death is seen at once: that thread polls the process sentinel beside the socket.
+`InprocClient`: the core in a thread of this process (no spawn, no IPC).
+
+Both call `on_outputs(list[CoreOutput])` from their own thread and `on_death(exc)` once if the
+core dies; `call` returns only once a control is in effect, and `stats()` is never older than it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import pickle
+import queue
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import msgspec
+
+from jetserve.engine.config import EngineConfig
+from jetserve.engine.core import (
+    IDLE_TICK, Abort, AddRequest, Call, CoreMessage, EngineCore, Failed, Outputs, Ready, Reply, Shutdown, Status)
+from jetserve.engine.errors import EngineError
+from jetserve.engine.protocol import EngineStats, ModelInfo
+
+log = logging.getLogger(__name__)
+
+CALL_TIMEOUT_S = 30.0
+
+
+class _Calls:
+    """Control calls waiting for their Reply."""
+
+    def __init__(self):
+        self._ids = itertools.count()
+        self._waiting: dict[int, tuple[threading.Event, list]] = {}
+        self._lock = threading.Lock()
+
+    def new(self) -> tuple[int, threading.Event, list]:
+        call_id, done, result = next(self._ids), threading.Event(), []
+        with self._lock:
+            self._waiting[call_id] = (done, result)
+        return call_id, done, result
+
+    def answer(self, reply: Reply) -> None:
+        with self._lock:
+            done, result = self._waiting.pop(reply.call_id, (None, None))
+        if done is not None:
+            result.append(reply.error)
+            done.set()
+
+    def wait(self, call_id: int, done: threading.Event, result: list) -> None:
+        if not done.wait(CALL_TIMEOUT_S):
+            with self._lock:
+                self._waiting.pop(call_id, None)
+            raise EngineError(f"engine did not answer within {CALL_TIMEOUT_S:g} s")
+        if result[0] is None:
+            return
+        if result[0] == _DEAD:
+            raise EngineError("engine core died")
+        raise ValueError(result[0])
+
+    def fail_all(self) -> None:
+        with self._lock:
+            waiting, self._waiting = self._waiting, {}
+        for done, result in waiting.values():
+            result.append(_DEAD)
+            done.set()
+
+
+_DEAD = "\0dead"
+
+
+class InprocClient:
+    """The core driven by a thread of this process."""
+
+    def __init__(self, config: EngineConfig, on_status, on_outputs, on_death):
+        self.core = EngineCore(config, on_status=on_status)
+        self.model_info: ModelInfo = self.core.engine.model_info
+        self._on_outputs, self._on_death = on_outputs, on_death
+        self._stats = self.core.stats()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._calls = _Calls()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.last_heartbeat = time.monotonic()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="jetserve-engine-core", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def add_request(self, request: AddRequest) -> None:
+        self._send(request)
+
+    def abort(self, request_ids: list[str]) -> None:
+        self._send(Abort(request_ids))
+
+    def call(self, method: str, *args) -> None:
+        call_id, done, result = self._calls.new()
+        self._send(Call(call_id, method, list(args)))
+        self._calls.wait(call_id, done, result)
+
+    def _send(self, request) -> None:
+        self._inbox.put(request)
+        self._wake.set()
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self.last_heartbeat = time.monotonic()
+                outputs = self._apply()
+                if self.core.has_work():
+                    outputs.extend(self.core.step())
+                elif not outputs:
+                    self._wake.wait(IDLE_TICK)
+                    self._wake.clear()
+                self._stats = self.core.stats()
+                if outputs:
+                    self._on_outputs(outputs)
+        except BaseException as exc:  # noqa: BLE001 - the engine is dead: say so, stop the heartbeat
+            log.exception("engine step loop died")
+            self.last_heartbeat = float("-inf")
+            self._calls.fail_all()
+            self._on_death(EngineError(f"engine failed: {exc}"))
+
+    def _apply(self) -> list:
+        outputs = []
+        while True:
+            try:
+                request = self._inbox.get_nowait()
+            except queue.Empty:
+                return outputs
+            if isinstance(request, AddRequest):
+                refused = self.core.add(request)
+                if refused is not None:
+                    outputs.append(refused)
+            elif isinstance(request, Abort):
+                outputs.extend(self.core.abort(request))
+            else:
+                reply = self.core.call(request)
+                self._stats = reply.stats
+                self._calls.answer(reply)
+
+
+class MPClient:
+    """The core in its own process, over ZMQ. A fresh interpreter (`python -m jetserve.engine.core`,
+    the config pickled on its stdin): CUDA does not survive a fork, and unlike multiprocessing's
+    spawn it never re-runs the caller's `__main__`. The process holds the write end of a pipe
+    whose read end here turns readable the moment it exits, however it exits."""
+
+    def __init__(self, config: EngineConfig, on_status, on_outputs, on_death):
+        import zmq
+
+        self._on_outputs, self._on_death = on_outputs, on_death
+        self._dir = tempfile.mkdtemp(prefix="jetserve-core-")
+        self._context = zmq.Context(io_threads=1)
+        self._inbox = self._context.socket(zmq.PUSH)  # the core's inbox
+        self._outbox = self._context.socket(zmq.PULL)
+        input_address, output_address = (f"ipc://{Path(self._dir) / name}" for name in ("input", "output"))
+        self._inbox.bind(input_address)
+        self._outbox.bind(output_address)
+        self._send_lock = threading.Lock()  # ZMQ sockets are not thread-safe; several threads send
+        self._encode = msgspec.msgpack.Encoder().encode
+        self._decode = msgspec.msgpack.Decoder(CoreMessage).decode
+        self._calls = _Calls()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.sentinel, alive = os.pipe()
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "jetserve.engine.core", input_address, output_address, str(alive)],
+                stdin=subprocess.PIPE, pass_fds=(alive,))
+        finally:
+            os.close(alive)
+        self.process.stdin.write(pickle.dumps(config))
+        self.process.stdin.close()
+        try:
+            ready = self._wait_ready(on_status)
+        except BaseException:
+            self._close()
+            raise
+        self.model_info: ModelInfo = ready.model_info
+        self._stats: EngineStats = ready.stats
+        self.last_heartbeat = time.monotonic()
+
+    def _wait_ready(self, on_status) -> Ready:
+        """Forward the core's loading progress until it is Ready; its failure is raised here."""
+        import zmq
+
+        poller = zmq.Poller()
+        poller.register(self._outbox, zmq.POLLIN)
+        poller.register(self.sentinel, zmq.POLLIN)
+        while True:
+            events = dict(poller.poll())
+            if self._outbox in events:
+                message = self._decode(self._outbox.recv())
+                if isinstance(message, Ready):
+                    return message
+                if isinstance(message, Failed):
+                    raise EngineError(f"the engine core failed to start: {message.message}")
+                if isinstance(message, Status) and on_status is not None:
+                    on_status(message.text)
+            elif self.sentinel in events:
+                raise EngineError(f"the engine core exited while loading (exit code {self.process.wait()})")
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._read_outputs, name="jetserve-core-output", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        if self.process.poll() is None:
+            self._send(Shutdown())
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                log.warning("the engine core did not stop within 10 s: killing it")
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        self._close()
+
+    def _close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        os.close(self.sentinel)
+        self._context.destroy(linger=0)
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def add_request(self, request: AddRequest) -> None:
+        self._send(request)
+
+    def abort(self, request_ids: list[str]) -> None:
+        self._send(Abort(request_ids))
+
+    def call(self, method: str, *args) -> None:
+        call_id, done, result = self._calls.new()
+        self._send(Call(call_id, method, list(args)))
+        self._calls.wait(call_id, done, result)
+
+    def _send(self, request) -> None:
+        frame = self._encode(request)
+        with self._send_lock:
+            if not self._stopping or isinstance(request, Shutdown):
+                self._inbox.send(frame, copy=False)
+
+    def _read_outputs(self) -> None:
+        """The one reader of the core's socket: deltas, replies and heartbeats, until the process ends."""
+        import zmq
+
+        poller = zmq.Poller()
+        poller.register(self._outbox, zmq.POLLIN)
+        poller.register(self.sentinel, zmq.POLLIN)
+        while True:
+            events = dict(poller.poll())
+            if self._outbox in events:  # drain first: the core's last words come before its exit
+                while True:
+                    try:
+                        message = self._decode(self._outbox.recv(zmq.NOBLOCK, copy=False).buffer)
+                    except zmq.Again:
+                        break
+                    self.last_heartbeat = time.monotonic()
+                    if isinstance(message, Outputs):
+                        self._stats = message.stats
+                        if message.outputs:
+                            self._on_outputs(message.outputs)
+                    elif isinstance(message, Reply):
+                        self._stats = message.stats
+                        self._calls.answer(message)
+            elif self.sentinel in events:
+                if self._stopping:
+                    return
+                code = self.process.wait()
+                log.error("the engine core process died (exit code %s)", code)
+                self.last_heartbeat = float("-inf")
+                self._calls.fail_all()
+                self._on_death(EngineError(f"the engine core process died (exit code {code})"))
+                return
