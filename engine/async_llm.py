@@ -94,9 +94,13 @@ class AsyncLLM:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
+        """Stop the request in the core (its blocks are freed there); a stream still being read
+        ends with a last delta whose finish_reason is "abort"."""
         with self._lock:
-            self._streams.pop(request_id, None)
-            self._processor.drop(request_id)
+            collector = self._streams.pop(request_id, None)
+            last, _ = self._processor.process(request_id, [], "abort", None, time.monotonic())
+        if collector is not None and last is not None:
+            _call_soon(collector.loop, collector.put, last)
         self.core.abort([request_id])
 
     def set_max_num_seqs(self, n: int) -> None:

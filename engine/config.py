@@ -15,6 +15,7 @@ import json
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from jetserve import DEMO_MODEL, demo_model_dir
 from jetserve.engine.model.checkpoint import CheckpointError, num_mtp_layers, read_json
 
 DEFAULT_MAX_MODEL_LEN = 4096  # when the model allows more: KV for a longer default rarely fits a Jetson
@@ -275,7 +276,8 @@ class EngineArgs:
             raise ValueError(f"backend must be 'torch' or 'tensorrt-llm', got {self.backend!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        model_config = ModelConfig.from_dict(read_json(Path(self.model) / "config.json"))
+        model = demo_model_dir() if self.model == DEMO_MODEL and not Path(self.model).is_dir() else str(self.model)
+        model_config = ModelConfig.from_dict(read_json(Path(model) / "config.json"))
         limit = model_config.max_position_embeddings
         if self.max_model_len and self.max_model_len > limit:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings={limit}")
@@ -296,13 +298,13 @@ class EngineArgs:
                 tuple(capture_sizes(self.cudagraph_capture_sizes, self.max_cudagraph_capture_size, self.max_num_seqs)),
                 tuple(step_shapes(k)), self.cuda_graph_num_warmup_steps)
         return EngineConfig(
-            model=str(self.model), model_config=model_config, backend=self.backend, device=device,
+            model=model, model_config=model_config, backend=self.backend, device=device,
             dtype=self._dtype(model_config, device), max_model_len=max_model_len, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=budget, enable_chunked_prefill=self.enable_chunked_prefill,
             enable_prefix_caching=self.enable_prefix_caching, gpu_memory_utilization=self.gpu_memory_utilization,
             block_size=self.block_size, num_kv_blocks=self.num_kv_blocks, max_waiting=self.max_waiting,
             seed=self.seed, async_scheduling=self.async_scheduling, speculative=spec, cuda_graphs=graphs,
-            fused_kernels=fused, has_tokenizer=(Path(self.model) / "tokenizer.json").exists(),
+            fused_kernels=fused, has_tokenizer=(Path(model) / "tokenizer.json").exists(),
             engine_core_process=(device.startswith("cuda") if self.engine_core_process is None
                                  else self.engine_core_process))
 

@@ -72,7 +72,9 @@ class EngineClient(Protocol):
     def generate(self, prompt, sampling_params: SamplingParams | None = None,
                  request_id: str | None = None) -> AsyncIterator[RequestOutput]: ...
 
-    def abort(self, request_id: str) -> None: ...
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its resources; its stream, if still read, ends with a last
+        delta whose finish_reason is "abort"."""
 
     def set_max_num_seqs(self, n: int) -> None: ...
 

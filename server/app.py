@@ -34,8 +34,15 @@ SERVICES = tuple(pb.DESCRIPTOR.services_by_name[name].full_name for name in ("In
 # The engine's step loop turns at least every 0.5 s even when idle; a heartbeat older than this
 # (or than the watchdog period, if that is longer) means it is wedged or dead.
 STALE_AFTER_S = 2.0
+HEARTBEAT_CHECK_S = 0.1
+# After the drain's grace period: time for the aborted streams' last messages to leave.
+ABORT_FLUSH_S = 5.0
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class StartError(Exception):
+    """The server cannot start (a port in use): one line for the operator, no traceback."""
 
 
 @dataclass
@@ -104,7 +111,7 @@ class JetServer:
         self.loading: asyncio.Task | None = None
         self._make_engine = make_engine
         self._health = health.aio.HealthServicer()
-        self._open = 0  # streams between admission and their last delta, on every front end
+        self._open: dict[str, object] = {}  # request id → engine: streams between admission and their last delta
         self._idle = asyncio.Event()
         self._idle.set()
         self._grpc: grpc.aio.Server | None = None
@@ -136,7 +143,7 @@ class JetServer:
         streams the drain waits for, metrics, and an abort in the engine if the consumer leaves early."""
         engine = self.admit()
         timer = self.metrics.request(params)
-        self._open += 1
+        self._open[request_id] = engine
         self._idle.clear()
         try:
             async with aclosing(engine.generate(prompt, params, request_id)) as outputs:
@@ -147,9 +154,14 @@ class JetServer:
             timer.abandoned()
             raise
         finally:
-            self._open -= 1
+            self._open.pop(request_id, None)
             if not self._open:
                 self._idle.set()
+
+    def abort_all(self) -> None:
+        """End every open stream: each gets a last delta whose finish_reason is abort."""
+        for request_id, engine in list(self._open.items()):
+            engine.abort(request_id)
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no stream is open; False if some still are after `timeout` seconds."""
@@ -171,7 +183,8 @@ class JetServer:
         """Listen on every configured address, then start loading the engine."""
         opts = self.options
         token_check = [BearerTokenInterceptor(opts.api_key)] if opts.api_key else []
-        self._grpc = grpc.aio.server(interceptors=token_check)
+        # grpcio turns SO_REUSEPORT on by default: a second server would silently share the port.
+        self._grpc = grpc.aio.server(interceptors=token_check, options=[("grpc.so_reuseport", 0)])
         pb_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(self), self._grpc)
         pb_grpc.add_ControlServiceServicer_to_server(ControlServicer(self), self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
@@ -181,18 +194,30 @@ class JetServer:
         host = "[%s]" % opts.host if ":" in opts.host and not opts.host.startswith("[") else opts.host
         address = "%s:%d" % (host, opts.port)
         credentials = _credentials(opts)
-        if credentials is not None:
-            self.port = self._grpc.add_secure_port(address, credentials)
-        else:
-            self.port = self._grpc.add_insecure_port(address)
+        try:
+            if credentials is not None:
+                self.port = self._grpc.add_secure_port(address, credentials)
+            else:
+                self.port = self._grpc.add_insecure_port(address)
+        except RuntimeError:
+            raise StartError("port %d is in use (or %s cannot be bound): is another jetserve serving there?"
+                             % (opts.port, host)) from None
         if opts.unix_socket:  # local clients; file permissions guard it, TLS would add nothing
-            self._grpc.add_insecure_port("unix:" + opts.unix_socket)
+            try:
+                self._grpc.add_insecure_port("unix:" + opts.unix_socket)
+            except RuntimeError:
+                raise StartError("unix socket %s cannot be bound (in use, or its directory is missing)"
+                                 % opts.unix_socket) from None
         await self._grpc.start()
         self.address = "%s:%d" % (host, self.port)
         log.info("gRPC listening on %s%s%s", self.address, " (TLS)" if credentials else "",
                  " and unix:" + opts.unix_socket if opts.unix_socket else "")
         if opts.metrics_port:
-            self._metrics_http = self.metrics.serve_http(opts.host, opts.metrics_port)
+            try:
+                self._metrics_http = self.metrics.serve_http(opts.host, opts.metrics_port)
+            except OSError as exc:
+                await self._grpc.stop(0)
+                raise StartError("metrics port %d is in use (%s)" % (opts.metrics_port, exc.strerror)) from None
             self.metrics_port = self._metrics_http.server_port
             log.info("metrics on http://%s:%d/metrics", host, self.metrics_port)
         if opts.openai_port:
@@ -231,6 +256,7 @@ class JetServer:
         systemd restarts the service even though gRPC still answers."""
         period = notify.watchdog_period()
         stale_after = max(STALE_AFTER_S, period or 0.0)
+        last_ping = 0.0
         while True:
             age = time.monotonic() - engine.last_heartbeat
             alive = age <= stale_after
@@ -241,9 +267,11 @@ class JetServer:
                     log.error("engine heartbeat is %.1f s old: health NOT_SERVING, watchdog not pinged", age)
                 self.engine_alive = alive
                 await self._update_health()
-            if alive and period:
+            if alive and period and time.monotonic() - last_ping >= min(period, 1.0):
                 notify.notify("WATCHDOG=1")
-            await asyncio.sleep(min(period or 1.0, 1.0))
+                last_ping = time.monotonic()
+            # Often enough that a dead core (its heartbeat set to -inf) turns health off at once.
+            await asyncio.sleep(HEARTBEAT_CHECK_S)
 
     async def _update_health(self) -> None:
         status = SERVING if self.engine_alive and not self.draining else NOT_SERVING
@@ -256,15 +284,16 @@ class JetServer:
         await self.set_draining(True)
         notify.notify("STOPPING=1", "STATUS=draining")
         grace = self.options.drain_grace_period
-        idle = await self.wait_idle(grace)
-        if not idle:
-            log.warning("streams still open after the %g s grace period: cancelling them", grace)
+        if not await self.wait_idle(grace):
+            # Every client, whatever its language, gets a last delta with finish_reason abort and
+            # a clean end (gRPC status OK; the HTTP stream's last chunk), not a cancelled call.
+            log.warning("streams still open after the %g s grace period: aborting them", grace)
+            self.abort_all()
+            await self.wait_idle(ABORT_FLUSH_S)
         await self._health.enter_graceful_shutdown()
-        # Idle: a second for the last trailers to leave. Otherwise cancel now, which aborts the
-        # streams' engine requests.
-        await self._grpc.stop(1.0 if idle else 0)
+        await self._grpc.stop(1.0)
         if self._openai_http is not None:
-            self._openai_http.config.timeout_graceful_shutdown = 1.0 if idle else 0
+            self._openai_http.config.timeout_graceful_shutdown = 1.0
             self._openai_http.should_exit = True
             await self._openai_task
         if self.loading is not None:
@@ -289,8 +318,8 @@ async def serve(make_engine, options: ServeOptions) -> int:
     stopped = asyncio.create_task(stop.wait())
     await asyncio.wait([stopped, server.loading], return_when=asyncio.FIRST_COMPLETED)
     failed = server.loading.done() and not server.loading.cancelled() and server.loading.exception()
-    if failed:
-        log.error("the model failed to load: %s", failed, exc_info=failed)
+    if failed:  # one line; the traceback only at --log-level DEBUG
+        log.error("the model failed to load: %s", failed, exc_info=failed if log.isEnabledFor(logging.DEBUG) else None)
         notify.status("failed to load the model: %s" % failed)
     else:
         await stopped

@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 
+from jetserve import DEMO_MODEL, demo_model_dir
 from jetserve.config import add_config_flag
 
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -97,19 +98,17 @@ def _client():
 DEMO_SPECULATIVE_CONFIG = {"method": "mtp", "num_speculative_tokens": 3}
 
 
-def demo_model_dir():
-    import jetserve
-    return os.path.join(os.path.dirname(jetserve.__file__), "models", "demo")
-
-
 def run_serve(args):
-    if not args.model:
+    if not args.model or (args.model == DEMO_MODEL and not os.path.isdir(args.model)):
         demo = demo_model_dir()
         if not os.path.exists(os.path.join(demo, "config.json")):
             sys.exit("jetserve serve: " + NO_DEMO % demo)
         args.model = demo
         if args.speculative_config is None:  # the demo exists to show drafting: on unless asked otherwise
             args.speculative_config = DEMO_SPECULATIVE_CONFIG
+    elif not os.path.isfile(os.path.join(args.model, "config.json")):
+        what = "is not a directory" if not os.path.isdir(args.model) else "has no config.json"
+        sys.exit("jetserve serve: --model %s %s (expected a Hugging Face checkpoint directory)" % (args.model, what))
     if bool(args.tls_cert) != bool(args.tls_key):
         sys.exit("jetserve serve: --tls-cert and --tls-key go together")
     if args.tls_client_ca and not args.tls_cert:
@@ -117,7 +116,7 @@ def run_serve(args):
     import asyncio
 
     from jetserve.engine import EngineArgs, open_engine
-    from jetserve.server.app import ServeOptions, serve
+    from jetserve.server.app import ServeOptions, StartError, serve
     from jetserve.server.auth import read_token
 
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
@@ -127,7 +126,10 @@ def run_serve(args):
         openai_port=args.openai_port,
         api_key=read_token(args.api_key, args.api_key_file), tls_cert=args.tls_cert, tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca, drain_grace_period=args.drain_grace_period)
-    return asyncio.run(serve(lambda on_status: open_engine(engine_args.resolve(), on_status=on_status), options))
+    try:
+        return asyncio.run(serve(lambda on_status: open_engine(engine_args.resolve(), on_status=on_status), options))
+    except StartError as exc:
+        sys.exit("jetserve serve: %s" % exc)
 
 
 def apply_compat_gate(engine_args, sysroot="/"):

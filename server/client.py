@@ -41,7 +41,9 @@ def stream(responses, out=sys.stdout, err=sys.stderr) -> str:
     first = last = None
     tokens = 0
     pieces = []
+    reason = pb.FINISH_REASON_UNSPECIFIED
     for reply in responses:
+        reason = reply.finish_reason or reason
         if reply.token_ids:
             last = time.monotonic()
             first = first or last
@@ -50,12 +52,15 @@ def stream(responses, out=sys.stdout, err=sys.stderr) -> str:
         out.write(reply.text)
         out.flush()
     out.write("\n")
+    # "length" says the reply was cut (max_tokens, or the end of max_model_len), "stop" that it ended.
+    finish = pb.FinishReason.Name(reason).replace("FINISH_REASON_", "").lower()
     if first is None:
-        err.write("(no tokens)\n")
+        err.write("(no tokens), finish_reason %s\n" % finish)
     else:
         # Decode speed: the tokens after the first, over the time after the first.
         rate = (tokens - 1) / (last - first) if tokens > 1 and last > first else 0.0
-        err.write("%d tokens, TTFT %.0f ms, %.1f tok/s\n" % (tokens, (first - start) * 1e3, rate))
+        err.write("%d tokens, finish_reason %s, TTFT %.0f ms, %.1f tok/s\n"
+                  % (tokens, finish, (first - start) * 1e3, rate))
     return "".join(pieces)
 
 
@@ -87,7 +92,11 @@ def chat(args) -> int:
         if not line:
             return 0
         if line.strip():
+            if not interactive:  # a transcript: each question above its reply, a blank line between turns
+                sys.stdout.write("> %s\n" % line.strip())
             status = _run(lambda: turn(line.strip()))
+            if not interactive:
+                sys.stdout.write("\n")
             if status:
                 return status
 

@@ -156,21 +156,19 @@ class ControlServicer(pb_grpc.ControlServiceServicer):
     @answers_with_status
     async def SetLimits(self, request, context):
         engine = self._server.loaded()
-        # Applied between engine steps: wait for that off the event loop.
-        changed = {}
+        # Each returns once the engine applies it between steps (so GetStats already shows it):
+        # wait for that off the event loop.
         if request.HasField("max_num_seqs"):
             await asyncio.to_thread(engine.set_max_num_seqs, request.max_num_seqs)
-            changed["max_num_seqs"] = request.max_num_seqs
         if request.HasField("num_speculative_tokens"):
             await asyncio.to_thread(engine.set_num_speculative_tokens, request.num_speculative_tokens)
-            changed["num_speculative_tokens"] = request.num_speculative_tokens
-        return self._reply(pb.SetLimitsResponse, "limits set", **changed)
+        return self._reply(pb.SetLimitsResponse, "limits set")
 
-    def _reply(self, response_type, message, **changed):
-        """The current limits; the engine's stats snapshot trails a change by one step, hence `changed`."""
+    def _reply(self, response_type, message):
+        """The limits in effect now."""
         reply = response_type(draining=self._server.draining, message=message)
         if self._server.engine is not None:
             stats = self._server.engine.stats()
-            reply.max_num_seqs = changed.get("max_num_seqs", stats.max_num_seqs)
-            reply.num_speculative_tokens = changed.get("num_speculative_tokens", stats.num_speculative_tokens)
+            reply.max_num_seqs = stats.max_num_seqs
+            reply.num_speculative_tokens = stats.num_speculative_tokens
         return reply

@@ -16,7 +16,7 @@ from jetserve.server.cli import apply_compat_gate
 from jetserve.v1 import inference_pb2 as pb
 
 ROOT = Path(__file__).resolve().parents[2]
-SUMMARY = re.compile(r"^(\d+) tokens, TTFT \d+ ms, [\d.]+ tok/s$")
+SUMMARY = re.compile(r"^(\d+) tokens, finish_reason (\w+), TTFT \d+ ms, [\d.]+ tok/s$")
 
 
 def jetserve(*args, stdin=None):
@@ -32,7 +32,7 @@ def test_generate_streams_the_text_then_ttft_and_speed(live, stubs):
                     "--max-tokens", "12", "--ignore-eos")
     assert done.returncode == 0, done.stderr
     assert done.stdout == expected + "\n"
-    assert SUMMARY.match(done.stderr.strip()).group(1) == "12"
+    assert SUMMARY.match(done.stderr.strip()).groups() == ("12", "length")
 
 
 def test_chat_reads_one_message_per_line_and_keeps_the_conversation(live):
@@ -40,7 +40,10 @@ def test_chat_reads_one_message_per_line_and_keeps_the_conversation(live):
                     "--max-tokens", "5", "--ignore-eos", stdin="Opening hours?\n\nAnd on Sunday?\n")
     assert done.returncode == 0, done.stderr
     summaries = done.stderr.strip().splitlines()
-    assert len(summaries) == 2 and all(SUMMARY.match(line).group(1) == "5" for line in summaries)
+    assert len(summaries) == 2 and all(SUMMARY.match(line).groups() == ("5", "length") for line in summaries)
+    # Piped, stdout is a transcript: each question above its reply, a blank line between turns.
+    turns = done.stdout.split("\n\n")
+    assert [t.splitlines()[0] for t in turns if t.strip()] == ["> Opening hours?", "> And on Sunday?"]
 
 
 def test_client_errors_show_the_status_not_a_traceback(live):
