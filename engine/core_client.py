@@ -174,6 +174,7 @@ class MPClient:
         self._dir = tempfile.mkdtemp(prefix="jetserve-core-")
         self._context = zmq.Context(io_threads=1)
         self._inbox = self._context.socket(zmq.PUSH)  # the core's inbox
+        self._inbox.setsockopt(zmq.SNDHWM, 0)  # requests are small and few: queue them, never block
         self._outbox = self._context.socket(zmq.PULL)
         input_address, output_address = (f"ipc://{Path(self._dir) / name}" for name in ("input", "output"))
         self._inbox.bind(input_address)
@@ -182,7 +183,7 @@ class MPClient:
         self._encode = msgspec.msgpack.Encoder().encode
         self._decode = msgspec.msgpack.Decoder(CoreMessage).decode
         self._calls = _Calls()
-        self._stopping = False
+        self._stopping = self._dead = False
         self._thread: threading.Thread | None = None
         self.sentinel, alive = os.pipe()
         try:
@@ -261,10 +262,16 @@ class MPClient:
         self._calls.wait(call_id, done, result)
 
     def _send(self, request) -> None:
+        import zmq
+
         frame = self._encode(request)
         with self._send_lock:
-            if not self._stopping or isinstance(request, Shutdown):
-                self._inbox.send(frame, copy=False)
+            if self._dead or (self._stopping and not isinstance(request, Shutdown)):
+                return
+            try:
+                self._inbox.send(frame, zmq.NOBLOCK, copy=False)
+            except zmq.Again:  # the core is gone (nobody reads): its death is reported by the reader
+                pass
 
     def _read_outputs(self) -> None:
         """The one reader of the core's socket: deltas, replies and heartbeats, until the process ends."""
@@ -292,6 +299,7 @@ class MPClient:
             elif self.sentinel in events:
                 if self._stopping:
                     return
+                self._dead = True
                 code = self.process.wait()
                 log.error("the engine core process died (exit code %s)", code)
                 self.last_heartbeat = float("-inf")
