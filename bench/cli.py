@@ -18,6 +18,7 @@ BENCHMARKS = (
     ("forward", "greedy tokens and logits of the engine vs transformers on one device"),
     ("profile", "where the time of a batch-1 decode step goes (torch.profiler)"),
     ("kernels", "the decode kernels alone: skinny matmul vs cuBLAS bandwidth, split-context attention"),
+    ("serve", "the service under load over gRPC: TTFT, ITL, TPOT and tok/s next to the engine's own step"),
     ("fleet", "simulated devices over MQTT against real controllers: lost messages, registry lag, offline detection"),
 )
 

@@ -102,3 +102,22 @@ def test_the_compat_gate_forces_eager_below_jetpack_51(tmp_path, caplog):
 
 def test_the_compat_gate_leaves_graphs_on_elsewhere(tmp_path):
     assert not apply_compat_gate(EngineArgs(model="m"), _sysroot(tmp_path)).enforce_eager
+
+
+def test_the_readme_client_snippet_runs_as_written(live, monkeypatch, capsys):
+    """The snippet, with only the address swapped for the test server's, and no token set."""
+    readme = (ROOT / "README.md").read_text()
+    snippet = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "InferenceServiceStub" in b)
+    assert "127.0.0.1:50051" in snippet
+    monkeypatch.delenv("JETSERVE_API_KEY", raising=False)
+    exec(compile(snippet.replace("127.0.0.1:50051", live.target), "README.md", "exec"), {})
+    # The streamed text, then (on the same line) completion tokens and TTFT.
+    completion_tokens, ttft = re.search(r"(\d+) (\S+)\n$", capsys.readouterr().out).groups()
+    assert int(completion_tokens) > 0 and float(ttft) > 0
+
+
+def test_the_demo_model_is_named_demo_from_any_directory(tmp_path, monkeypatch):
+    from jetserve import demo_model_dir
+
+    monkeypatch.chdir(tmp_path)
+    assert EngineArgs(model="demo", device="cpu").resolve().model == demo_model_dir()
