@@ -44,10 +44,13 @@ class _Calls:
         self._ids = itertools.count()
         self._waiting: dict[int, tuple[threading.Event, list]] = {}
         self._lock = threading.Lock()
+        self._dead = False
 
     def new(self) -> tuple[int, threading.Event, list]:
         call_id, done, result = next(self._ids), threading.Event(), []
         with self._lock:
+            if self._dead:
+                raise EngineError("engine core died")
             self._waiting[call_id] = (done, result)
         return call_id, done, result
 
@@ -70,7 +73,9 @@ class _Calls:
         raise ValueError(result[0])
 
     def fail_all(self) -> None:
+        """The core died: every waiting call and every later one fails at once."""
         with self._lock:
+            self._dead = True
             waiting, self._waiting = self._waiting, {}
         for done, result in waiting.values():
             result.append(_DEAD)
