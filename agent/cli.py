@@ -20,6 +20,8 @@ def register(subparsers):
     agent.add_argument("--service", default="127.0.0.1:50051",
                        help="inference service gRPC address (or unix:///run/jetserve/grpc.sock)")
     agent.add_argument("--service-timeout", type=float, default=2.0, help="seconds per gRPC call")
+    agent.add_argument("--service-token-file", metavar="FILE",
+                       help="the service's control-plane token (its --control-api-key-file)")
     agent.add_argument("--interval", type=float, default=10.0, help="seconds between health reports")
     agent.add_argument("--state-dir", default="/var/lib/jetserve-agent", help="where the outbox lives")
     agent.add_argument("--outbox-limit", type=int, default=10000,

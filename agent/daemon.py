@@ -14,7 +14,7 @@ from jetserve import __version__
 from jetserve.agent import commands, health, thermal
 from jetserve.agent.outbox import Outbox
 from jetserve.agent.publisher import Publisher
-from jetserve.agent.service import ServiceClient
+from jetserve.agent.service import ServiceClient, read_control_token
 from jetserve.device import compat
 from jetserve.device.probe import JtopReader, probe
 from jetserve.wire.mqtt import MqttOptions
@@ -30,7 +30,8 @@ class Agent:
         self.jtop = self._open_jtop()
         first = probe(args.sysroot, self.jtop)
         self.verdict = compat.check(first)
-        self.service = ServiceClient(args.service, timeout=args.service_timeout)
+        self.service = ServiceClient(args.service, timeout=args.service_timeout,
+                                     control_token=read_control_token(args.service_token_file))
         self.policy = thermal.ThermalPolicy(args.passive_margin, args.critical_margin, args.hysteresis)
         self.shedder = thermal.Shedder(self.service)
         self.manual_drain = False

@@ -31,9 +31,24 @@ def _reply_dict(reply):
     return MessageToDict(reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
 
 
+def read_control_token(path):
+    """The service's control-plane token (`--control-api-key-file` there), or None without a file."""
+    if not path:
+        return None
+    with open(path, encoding="utf-8") as f:
+        token = f.readline().strip()
+    if not token:
+        raise ValueError("--service-token-file %s is empty" % path)
+    return token
+
+
 class ServiceClient:
-    def __init__(self, address, timeout=2.0):
+    """`control_token`: sent on every call when the service has a control-plane token; without
+    one the service answers Control to local peers only, which is where the agent runs."""
+
+    def __init__(self, address, timeout=2.0, control_token=None):
         self.address, self.timeout = address, timeout
+        self._metadata = (("authorization", "Bearer " + control_token),) if control_token else ()
         self._channel = grpc.insecure_channel(address)
         self._control = inference_pb2_grpc.ControlServiceStub(self._channel)
         self._inference = inference_pb2_grpc.InferenceServiceStub(self._channel)
@@ -41,7 +56,7 @@ class ServiceClient:
 
     def _call(self, method, request):
         try:
-            return method(request, timeout=self.timeout)
+            return method(request, timeout=self.timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
             raise ServiceError("%s: %s %s" % (self.address, exc.code().name, exc.details() or ""),
                                exc.code())

@@ -5,6 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+# Every stop string is matched against every token's text: the list is bounded, so a request
+# cannot make matching (or its own memory) expensive for the engine that serves everyone.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
 
 
 @dataclass
@@ -45,8 +50,15 @@ class SamplingParams:
             fail("max_tokens", "must be an integer >= 1 (or None for up to max_model_len)")
         if not all(isinstance(s, str) and s for s in self.stop):
             fail("stop", "must be non-empty strings")
+        if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise ValueError(f"SamplingParams.stop takes at most {MAX_STOP_STRINGS} strings of at most "
+                             f"{MAX_STOP_CHARS} characters, got {len(self.stop)} (longest "
+                             f"{max(map(len, self.stop))})")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
             fail("stop_token_ids", "must be token ids >= 0")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"SamplingParams.stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, "
+                             f"got {len(self.stop_token_ids)}")
         if self.seed is not None and not isinstance(self.seed, int):
             fail("seed", "must be an integer")
 

@@ -14,7 +14,7 @@ from datetime import datetime
 from functools import cached_property, lru_cache
 from pathlib import Path
 
-from jetserve.engine.errors import NoChatTemplateError
+from jetserve.engine.errors import NoChatTemplateError, PromptTooLongError
 from jetserve.engine.model.checkpoint import CheckpointError, read_json
 
 # Special-token strings a chat template may read, as transformers passes them.
@@ -132,8 +132,23 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of `text`, adding no special tokens (a chat template writes its own)."""
-        return self.backend.encode(text, add_special_tokens=False).ids
+        """Token ids of `text`, adding no special tokens (a chat template writes its own).
+        Through `encode_batch`, which releases the GIL (`encode` holds it): a long prompt
+        tokenized in a worker thread never stalls the event loop's health checks."""
+        return self.backend.encode_batch([text], add_special_tokens=False)[0].ids
+
+    @cached_property
+    def max_token_chars(self) -> int:
+        """The longest token's string: a text of n characters has at least n / this many tokens."""
+        return max(map(len, self.backend.get_vocab(with_added_tokens=True)), default=1)
+
+    def encode_at_most(self, text: str, max_tokens: int) -> list[int]:
+        """`encode`, refusing without tokenizing a text too long to have fewer than `max_tokens`
+        tokens, so the work a request can cause is bounded by max_model_len."""
+        if len(text) > max_tokens * self.max_token_chars:
+            raise PromptTooLongError(f"prompt is {len(text)} characters, more than max_model_len={max_tokens} "
+                                     f"tokens can hold (at most {self.max_token_chars} characters a token)")
+        return self.encode(text)
 
     @cached_property
     def _literal(self):
@@ -240,6 +255,9 @@ class StopStrings:
         self.stops = tuple(s for s in stops if s)
         self.matched: str | None = None
         self._held = ""
+        # Every proper prefix of a stop string: a tail is held back iff it is one of these.
+        self._prefixes = frozenset(s[:i] for s in self.stops for i in range(1, len(s)))
+        self._longest_prefix = max((len(s) - 1 for s in self.stops), default=0)
 
     @property
     def stopped(self) -> bool:
@@ -259,11 +277,10 @@ class StopStrings:
         return text[:len(text) - keep]
 
     def _partial_match(self, text: str) -> int:
-        """Length of the longest tail of `text` that some stop string starts with."""
-        longest = max((len(s) for s in self.stops), default=1)
-        for keep in range(min(len(text), longest - 1), 0, -1):
-            tail = text[-keep:]
-            if any(stop.startswith(tail) for stop in self.stops):
+        """Length of the longest tail of `text` that some stop string starts with: one set lookup
+        per candidate length, so the cost per token stays bounded by the longest stop string."""
+        for keep in range(min(len(text), self._longest_prefix), 0, -1):
+            if text[-keep:] in self._prefixes:
                 return keep
         return 0
 

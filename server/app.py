@@ -21,8 +21,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from jetserve import notify
-from jetserve.server.auth import BearerTokenInterceptor
+from jetserve.server.auth import BearerTokenInterceptor, is_local_peer
 from jetserve.server.errors import RpcError
+from jetserve.server.guard import MAX_MESSAGE_BYTES, MalformedRequestInterceptor
 from jetserve.server.metrics import Metrics
 from jetserve.server.servicer import ControlServicer, InferenceServicer
 from jetserve.v1 import inference_pb2 as pb
@@ -51,8 +52,10 @@ class ServeOptions:
     port: int = 50051  # 0: pick a free one (JetServer.port tells which)
     unix_socket: str | None = None
     metrics_port: int = 9400  # 0: no metrics endpoint
+    metrics_host: str = "127.0.0.1"  # plain HTTP without auth: loopback unless asked otherwise
     openai_port: int = 8000  # OpenAI-compatible HTTP API; 0: off
     api_key: str | None = None
+    control_api_key: str | None = None  # Control's own token; None: Control only from local peers
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_client_ca: str | None = None  # set: clients must present a certificate it signed (mTLS)
@@ -132,6 +135,13 @@ class JetServer:
             raise RpcError(grpc.StatusCode.UNAVAILABLE, "model is still loading; retry when health says SERVING")
         return self.engine
 
+    def authorize_control(self, context) -> None:
+        """Control without a token of its own is a local operation (the agent's): refuse remote peers."""
+        if not self.options.control_api_key and not is_local_peer(context.peer()):
+            raise RpcError(grpc.StatusCode.PERMISSION_DENIED,
+                           "ControlService is served to local peers only (Unix socket, loopback) unless the "
+                           "server has --control-api-key-file; the inference token does not grant it")
+
     def admit(self):
         """The engine, if a new stream may start now."""
         if self.draining:
@@ -182,9 +192,12 @@ class JetServer:
     async def start(self) -> None:
         """Listen on every configured address, then start loading the engine."""
         opts = self.options
-        token_check = [BearerTokenInterceptor(opts.api_key)] if opts.api_key else []
+        token_check = [BearerTokenInterceptor(opts.api_key, opts.control_api_key)] \
+            if opts.api_key or opts.control_api_key else []
         # grpcio turns SO_REUSEPORT on by default: a second server would silently share the port.
-        self._grpc = grpc.aio.server(interceptors=token_check, options=[("grpc.so_reuseport", 0)])
+        self._grpc = grpc.aio.server(interceptors=token_check + [MalformedRequestInterceptor()],
+                                     options=[("grpc.so_reuseport", 0),
+                                              ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
         pb_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(self), self._grpc)
         pb_grpc.add_ControlServiceServicer_to_server(ControlServicer(self), self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
@@ -214,12 +227,12 @@ class JetServer:
                  " and unix:" + opts.unix_socket if opts.unix_socket else "")
         if opts.metrics_port:
             try:
-                self._metrics_http = self.metrics.serve_http(opts.host, opts.metrics_port)
+                self._metrics_http = self.metrics.serve_http(opts.metrics_host, opts.metrics_port)
             except OSError as exc:
                 await self._grpc.stop(0)
                 raise StartError("metrics port %d is in use (%s)" % (opts.metrics_port, exc.strerror)) from None
             self.metrics_port = self._metrics_http.server_port
-            log.info("metrics on http://%s:%d/metrics", host, self.metrics_port)
+            log.info("metrics on http://%s:%d/metrics", opts.metrics_host, self.metrics_port)
         if opts.openai_port:
             await self._start_openai(host)
         self.loading = asyncio.create_task(self._load())

@@ -33,7 +33,13 @@ def register(subparsers):
     net.add_argument("--metrics-port", type=int, default=9400,
                      help="Prometheus endpoint port, 0 = off (default: %(default)s)")
     net.add_argument("--api-key", help="require 'authorization: Bearer KEY' (visible in ps: prefer --api-key-file)")
-    net.add_argument("--api-key-file", metavar="FILE", help="read the bearer token from the first line of FILE")
+    net.add_argument("--api-key-file", metavar="FILE", help="read the bearer token from the first line of FILE "
+                                                            "(mode 600: a file others can read is refused)")
+    net.add_argument("--control-api-key-file", metavar="FILE",
+                     help="ControlService's own token (drain, limits); without it Control is served to local "
+                          "peers only (Unix socket, loopback), never on the inference token")
+    net.add_argument("--metrics-host", default="127.0.0.1",
+                     help="address of the plain-HTTP metrics endpoint (default: %(default)s)")
     net.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate chain (needs --tls-key)")
     net.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert")
     net.add_argument("--tls-client-ca", metavar="PEM", help="require client certificates signed by this CA (mTLS)")
@@ -123,8 +129,10 @@ def run_serve(args):
     engine_args = apply_compat_gate(EngineArgs.from_cli_args(args))
     options = ServeOptions(
         host=args.host, port=args.port, unix_socket=args.unix_socket, metrics_port=args.metrics_port,
-        openai_port=args.openai_port,
-        api_key=read_token(args.api_key, args.api_key_file), tls_cert=args.tls_cert, tls_key=args.tls_key,
+        metrics_host=args.metrics_host, openai_port=args.openai_port,
+        api_key=read_token(args.api_key, args.api_key_file),
+        control_api_key=read_token(None, args.control_api_key_file, "--control-api-key-file"),
+        tls_cert=args.tls_cert, tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca, drain_grace_period=args.drain_grace_period)
     try:
         return asyncio.run(serve(lambda on_status: open_engine(engine_args.resolve(), on_status=on_status), options))

@@ -12,6 +12,7 @@ import grpc
 from jetserve import __version__
 from jetserve.engine import SamplingParams
 from jetserve.server.errors import RpcError, status_for
+from jetserve.server.guard import check_request_id
 from jetserve.server.metrics import percentiles
 from jetserve.v1 import inference_pb2 as pb
 from jetserve.v1 import inference_pb2_grpc as pb_grpc
@@ -54,12 +55,23 @@ def generate_prompt(request: pb.GenerateRequest, engine):
     return request.text if kind == "text" else {"prompt_token_ids": list(request.token_ids.ids)}
 
 
-def chat_prompt(request: pb.ChatRequest, engine) -> str:
+def chat_prompt(request: pb.ChatRequest, engine) -> dict:
+    """Text and token ids of the conversation; content never becomes control tokens."""
     if engine.tokenizer is None:
         raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
                        "messages: model %s has no tokenizer, so no chat template; use Generate with token_ids"
                        % engine.model_info.model)
-    return engine.tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in request.messages])
+    text, ids = engine.tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in request.messages])
+    return {"prompt": text, "prompt_token_ids": ids}
+
+
+def tokenized(prompt, engine):
+    """A text prompt as {"prompt", "prompt_token_ids"}: run off the event loop, so a huge prompt
+    never stalls health checks or other streams; the engine then only checks the ids."""
+    if isinstance(prompt, str) and engine.tokenizer is not None:
+        return {"prompt": prompt,
+                "prompt_token_ids": engine.tokenizer.encode_at_most(prompt, engine.model_info.max_model_len)}
+    return prompt
 
 
 class InferenceServicer(pb_grpc.InferenceServiceServicer):
@@ -81,9 +93,9 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
     async def _stream(self, context, request_id, sampling, make_prompt, response_type):
         try:
             engine = self._server.admit()
-            request_id = request_id or uuid.uuid4().hex
-            prompt = make_prompt(engine)
+            request_id = check_request_id(request_id) if request_id else uuid.uuid4().hex
             params = sampling_params(sampling)
+            prompt = await asyncio.to_thread(lambda: tokenized(make_prompt(engine), engine))
             completion_tokens = 0
             async for out in self._server.stream(prompt, params, request_id):
                 delta = out.outputs[0]
@@ -145,16 +157,19 @@ class ControlServicer(pb_grpc.ControlServiceServicer):
 
     @answers_with_status
     async def Drain(self, request, context):
+        self._server.authorize_control(context)
         await self._server.set_draining(True)
         return self._reply(pb.DrainResponse, "draining: new streams get UNAVAILABLE, open ones finish")
 
     @answers_with_status
     async def Resume(self, request, context):
+        self._server.authorize_control(context)
         await self._server.set_draining(False)
         return self._reply(pb.ResumeResponse, "accepting new streams")
 
     @answers_with_status
     async def SetLimits(self, request, context):
+        self._server.authorize_control(context)
         engine = self._server.loaded()
         # Each returns once the engine applies it between steps (so GetStats already shows it):
         # wait for that off the event loop.

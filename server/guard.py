@@ -1,0 +1,74 @@
+"""What the service refuses before a request reaches the engine: malformed messages and oversized
+fields, each with INVALID_ARGUMENT and a message that names the problem.
+
+grpcio parses a request before the method runs, and a parse error surfaces as UNKNOWN
+("Unexpected DecodeError"); the interceptor here parses it instead and answers the client.
+"""
+
+from __future__ import annotations
+
+import grpc
+from google.protobuf.message import DecodeError
+
+# Upper bounds of what one request may carry (the README's "Limits"). A message larger than
+# MAX_MESSAGE_BYTES is refused by grpcio itself with RESOURCE_EXHAUSTED.
+MAX_MESSAGE_BYTES = 4 * 2**20
+MAX_REQUEST_ID_CHARS = 256
+_OWN_METHODS = "/jetserve.v1."
+
+
+class _Malformed:
+    """Stands in for a request that did not parse; the wrapped method answers INVALID_ARGUMENT."""
+
+    def __init__(self, error: str):
+        self.error = error
+
+
+class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
+    """Parses jetserve's own unary-request methods leniently, so bad bytes (a varint that never
+    ends, a length past the end, wire type 7, invalid UTF-8 in a string) get INVALID_ARGUMENT."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if (handler is None or handler.request_streaming or handler.request_deserializer is None
+                or not handler_call_details.method.startswith(_OWN_METHODS)):
+            return handler
+        parse = handler.request_deserializer
+
+        def lenient(data: bytes):
+            try:
+                return parse(data)
+            except (DecodeError, ValueError) as exc:
+                return _Malformed(str(exc) or type(exc).__name__)
+
+        async def refuse(request, context):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"malformed request message ({request.error}): not a valid protobuf "
+                                f"encoding of the method's request type")
+
+        if handler.unary_unary is not None:
+            method = handler.unary_unary
+
+            async def unary(request, context):
+                if isinstance(request, _Malformed):
+                    return await refuse(request, context)
+                return await method(request, context)
+
+            return handler._replace(request_deserializer=lenient, unary_unary=unary)
+        method = handler.unary_stream
+
+        async def stream(request, context):
+            if isinstance(request, _Malformed):
+                await refuse(request, context)
+            async for reply in method(request, context):
+                yield reply
+
+        return handler._replace(request_deserializer=lenient, unary_stream=stream)
+
+
+def check_request_id(request_id: str) -> str:
+    """A client's request id is echoed in every message of its stream: bounded and printable."""
+    if len(request_id) > MAX_REQUEST_ID_CHARS or not request_id.isprintable():
+        raise ValueError(f"request_id must be at most {MAX_REQUEST_ID_CHARS} printable characters, got "
+                         f"{len(request_id)} characters")
+    return request_id
