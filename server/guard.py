@@ -72,3 +72,13 @@ def check_request_id(request_id: str) -> str:
         raise ValueError(f"request_id must be at most {MAX_REQUEST_ID_CHARS} printable characters, got "
                          f"{len(request_id)} characters")
     return request_id
+
+
+def tokenized(prompt, engine):
+    """A text prompt as {"prompt", "prompt_token_ids"}, for a worker thread: tokenizing a long
+    prompt never stalls the event loop (health, other streams), and a text too long for
+    max_model_len is refused by its length before any tokenizing; the engine only checks ids."""
+    if isinstance(prompt, str) and engine.tokenizer is not None:
+        return {"prompt": prompt,
+                "prompt_token_ids": engine.tokenizer.encode_at_most(prompt, engine.model_info.max_model_len)}
+    return prompt

@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from jetserve.server.errors import RpcError, status_for
+from jetserve.server.guard import tokenized
 from jetserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 
 HTTP_STATUS = {
@@ -151,7 +152,7 @@ def create_app(server) -> FastAPI:
         if body.echo or body.suffix:
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "echo and suffix are not supported")
         params = body.sampling_params(body.max_tokens, body.logprobs)
-        prompts = body.prompts()
+        prompts = [await asyncio.to_thread(tokenized, prompt, engine) for prompt in body.prompts()]
         return await respond(request, server, body, "cmpl", prompts, params, engine, chat=False)
 
     @app.post("/v1/chat/completions")
@@ -161,7 +162,9 @@ def create_app(server) -> FastAPI:
         if engine.tokenizer is None:
             raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "this model has no tokenizer, so no chat template")
         params = body.sampling_params(body.requested_max_tokens(), body.requested_logprobs())
-        prompt = engine.tokenizer.apply_chat_template([m.as_dict() for m in body.messages])
+        # Off the event loop; message content never becomes control tokens (no forged turns).
+        text, ids = await asyncio.to_thread(engine.tokenizer.encode_chat, [m.as_dict() for m in body.messages])
+        prompt = {"prompt": text, "prompt_token_ids": ids}
         return await respond(request, server, body, "chatcmpl", [prompt], params, engine, chat=True)
 
     return app

@@ -12,7 +12,7 @@ import grpc
 from jetserve import __version__
 from jetserve.engine import SamplingParams
 from jetserve.server.errors import RpcError, status_for
-from jetserve.server.guard import check_request_id
+from jetserve.server.guard import check_request_id, tokenized
 from jetserve.server.metrics import percentiles
 from jetserve.v1 import inference_pb2 as pb
 from jetserve.v1 import inference_pb2_grpc as pb_grpc
@@ -64,14 +64,6 @@ def chat_prompt(request: pb.ChatRequest, engine) -> dict:
     text, ids = engine.tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in request.messages])
     return {"prompt": text, "prompt_token_ids": ids}
 
-
-def tokenized(prompt, engine):
-    """A text prompt as {"prompt", "prompt_token_ids"}: run off the event loop, so a huge prompt
-    never stalls health checks or other streams; the engine then only checks the ids."""
-    if isinstance(prompt, str) and engine.tokenizer is not None:
-        return {"prompt": prompt,
-                "prompt_token_ids": engine.tokenizer.encode_at_most(prompt, engine.model_info.max_model_len)}
-    return prompt
 
 
 class InferenceServicer(pb_grpc.InferenceServiceServicer):
