@@ -51,3 +51,11 @@ def test_the_unit_is_a_sandboxed_notify_service_that_still_reaches_the_gpu():
     assert {"/dev/nvmap", "char-nvhost*", "char-nvidia*"} <= allowed
     assert "PrivateDevices" not in settings  # it would hide the GPU nodes
     assert "--unix-socket /run/jetserve/" in settings["ExecStart"][0]
+
+
+@needs_analyze
+def test_the_unit_stays_hardened():
+    """The inference service holds the model and the GPU: `systemd-analyze security` <= 3.5."""
+    from tests.fleet.test_units import exposure
+
+    assert exposure(UNIT) <= 3.5
