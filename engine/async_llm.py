@@ -69,6 +69,9 @@ class AsyncLLM:
         params = sampling_params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        if params.n != 1 or params.logprobs is not None or params.prompt_logprobs is not None:
+            raise ValueError("n > 1 and logprobs are served by LLM (offline) only for now, not by the "
+                             "engine-core process behind the service")
         cfg = self.config
         text, ids = check_prompt(prompt, self.tokenizer, cfg.model_config.vocab_size, cfg.max_model_len)
         arrival = time.monotonic()
@@ -129,7 +132,7 @@ class AsyncLLM:
                     self._processor.drop(o.request_id)
                 else:
                     item, stopped_here = self._processor.process(o.request_id, o.token_ids, o.finish_reason,
-                                                                 o.stop_reason, now)
+                                                                 o.stop_reason, now, o.first_scheduled_time)
                     if item is None:
                         continue
                     if stopped_here:

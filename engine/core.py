@@ -69,6 +69,7 @@ class CoreOutput(msgspec.Struct, array_like=True, gc=False):
     finish_reason: str | None = None
     stop_reason: int | None = None
     error: str | None = None
+    first_scheduled_time: float | None = None  # when the core first gave it compute (queue time's end)
 
 
 class Outputs(msgspec.Struct, tag=True, array_like=True, gc=False):
@@ -137,7 +138,8 @@ class EngineCore:
 
 def _core_output(output) -> CoreOutput:
     completion = output.outputs[0]
-    return CoreOutput(output.request_id, completion.token_ids, completion.finish_reason, completion.stop_reason)
+    return CoreOutput(output.request_id, completion.token_ids, completion.finish_reason, completion.stop_reason,
+                      first_scheduled_time=output.metrics.first_scheduled_time)
 
 
 def run_engine_core(config: EngineConfig, input_address: str, output_address: str) -> None:

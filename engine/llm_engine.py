@@ -8,6 +8,7 @@ request → scheduler → runner → sampler → (detokenizer, stop checks) → 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -35,7 +36,10 @@ class _Request:
     prompt: str | None
     detokenizer: Detokenizer | None
     stops: StopStrings
+    parent: str  # the request id the caller gave; several sequences share it when n > 1
+    index: int  # which of the n completions this is
     first_token_time: float | None = None
+    first_scheduled_time: float | None = None
 
 
 class LLMEngine:
@@ -49,7 +53,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.runner.num_blocks)
         self.draft_length = DraftLength(config.speculative) if config.speculative else None
         self.spec_counters = SpecCounters()
-        self.requests: dict[str, _Request] = {}
+        self.requests: dict[str, _Request] = {}  # by sequence id
+        self.families: dict[str, list[str]] = {}  # request id → its unfinished sequences' ids
         self.num_requests_finished = 0
         self._in_flight: Launch | None = None  # async scheduling: the step whose tokens are still out
         self._seeds = random.Random(config.seed)  # noise keys of requests without a seed
@@ -66,23 +71,38 @@ class LLMEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
-        if request_id in self.requests:
+        if request_id in self.families:
             raise ValueError(f"request_id {request_id!r} is already running")
+        params.update_from_tokenizer(self.tokenizer)
+        params.check_vocab(self.config.model_config.vocab_size)
+        if self.config.async_scheduling and (params.needs_history or params.logprobs is not None):
+            raise ValueError("penalties, bad_words, min_tokens and logprobs need the tokens on the host: "
+                             "not available with async_scheduling")
         text, ids = self.tokenize_prompt(prompt)
-        # The sampling noise is keyed by (seed, position) (sampler.py): a request's own seed, or
-        # one drawn here, so unseeded runs of the same workload repeat under the engine's seed.
-        seed = self._seeds.getrandbits(63) if params.seed is None else params.seed % 2**63
-        seq = Sequence(request_id, ids, params, arrival_time, seed)
-        detok = Detokenizer(self.tokenizer, ids, params.skip_special_tokens) if self.detokenize else None
-        self.requests[request_id] = _Request(seq, text, detok, StopStrings(params.stop if detok else ()))
-        self.scheduler.add(seq)
+        # n > 1: n sequences of one prompt (vLLM's parent request), seeds apart so they differ.
+        keys = [request_id] if params.n == 1 else [f"{request_id}[{i}]" for i in range(params.n)]
+        if any(key in self.requests for key in keys):
+            raise ValueError(f"request_id {request_id!r} is already running")
+        self.families[request_id] = list(keys)
+        for index, key in enumerate(keys):
+            child = params if params.n == 1 else dataclasses.replace(
+                params, n=1, seed=None if params.seed is None else params.seed + index)
+            # The sampling noise is keyed by (seed, position) (sampler.py): a request's own seed, or
+            # one drawn here, so unseeded runs of the same workload repeat under the engine's seed.
+            seed = self._seeds.getrandbits(63) if child.seed is None else child.seed % 2**63
+            seq = Sequence(key, ids, child, arrival_time, seed)
+            detok = Detokenizer(self.tokenizer, ids, params.skip_special_tokens) if self.detokenize else None
+            stops = StopStrings(params.stop if detok else (), params.include_stop_str_in_output)
+            self.requests[key] = _Request(seq, text, detok, stops, request_id, index)
+            self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Stop a request wherever it is and free its blocks; returns its last delta."""
-        request = self.requests.get(request_id)
-        if request is None:
-            return None
-        return self._finish(request, "abort", "", [], time.monotonic())
+        """Stop a request (all n of its sequences) wherever it is and free its blocks; returns
+        its last delta."""
+        output = None
+        for key in list(self.families.get(request_id, ())):
+            output = self._finish(self.requests[key], "abort", "", [], time.monotonic())
+        return output
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -100,6 +120,7 @@ class LLMEngine:
         batch = self.scheduler.schedule(num_lookahead_slots=num_drafts)
         if not batch:
             return []
+        self._mark_scheduled(batch)
         verified = self.runner.speculative_shape(batch, num_drafts) if self.draft_length else None
         start = time.perf_counter()
         sampled, drafts = self.runner.execute(batch, num_drafts)
@@ -121,6 +142,8 @@ class LLMEngine:
         device's work on N+1, whose inputs the runner takes from N's tokens on the device. A
         sequence that N finishes costs one wasted token in N+1, which the scheduler drops."""
         batch = self.scheduler.schedule()
+        if batch:
+            self._mark_scheduled(batch)
         launch = self.runner.launch(batch) if batch else None
         if launch is not None:
             self.scheduler.launched(batch, launch.seqs)
@@ -132,6 +155,14 @@ class LLMEngine:
             if self.scheduler.receive(seq, token):
                 outputs.append(self._process(self.requests[seq.request_id], [token], now))
         return outputs
+
+    def _mark_scheduled(self, batch) -> None:
+        """When each request first got compute: the end of its queue time (vLLM's metrics)."""
+        now = time.monotonic()
+        for seq in batch.seqs:
+            request = self.requests[seq.request_id]
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
 
     def _process(self, request: _Request, new: list[int], now: float) -> RequestOutput:
         """Detokenize the tokens a sequence gained, one at a time, and stop at the first that
@@ -167,18 +198,24 @@ class LLMEngine:
         seq = request.seq
         self.scheduler.finish(seq, reason, num_output_tokens)
         del self.requests[seq.request_id]
-        self.num_requests_finished += 1
+        family = self.families[request.parent]
+        family.remove(seq.request_id)
+        if not family:
+            del self.families[request.parent]
+            self.num_requests_finished += 1
         return self._output(request, text, new, now, stop_reason, finished_time=now)
 
     def _output(self, request: _Request, text: str, new: list[int], now: float, stop_reason=None,
                 finished_time: float | None = None) -> RequestOutput:
+        """A delta of one sequence, under the request's id; the request is finished with its last sequence."""
         seq = request.seq
-        finished = finished_time is not None
+        done = finished_time is not None
         return RequestOutput(
-            request_id=seq.request_id, prompt=request.prompt, prompt_token_ids=seq.prompt_token_ids,
-            outputs=[CompletionOutput(0, text, new, seq.finish_reason if finished else None, stop_reason)],
-            finished=finished,
-            metrics=RequestMetrics(seq.arrival_time, request.first_token_time, finished_time))
+            request_id=request.parent, prompt=request.prompt, prompt_token_ids=seq.prompt_token_ids,
+            outputs=[CompletionOutput(request.index, text, new, seq.finish_reason if done else None, stop_reason)],
+            finished=done and request.parent not in self.families,
+            metrics=RequestMetrics(seq.arrival_time, request.first_token_time, finished_time,
+                                   request.first_scheduled_time))
 
     # -- live controls and stats ----------------------------------------------------------
 

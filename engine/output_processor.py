@@ -26,6 +26,7 @@ class _RequestState:
     stops: StopStrings
     arrival_time: float
     first_token_time: float | None = None
+    first_scheduled_time: float | None = None
 
 
 class OutputProcessor:
@@ -40,13 +41,14 @@ class OutputProcessor:
         detok = (Detokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
                  if self.tokenizer else None)
         self.requests[request_id] = _RequestState(prompt, prompt_token_ids, detok,
-                                                  StopStrings(params.stop if detok else ()), arrival_time)
+                                                  StopStrings(params.stop if detok else (),
+                                                              params.include_stop_str_in_output), arrival_time)
 
     def drop(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
 
     def process(self, request_id: str, token_ids: list[int], finish_reason: str | None, stop_reason,
-                now: float) -> tuple[RequestOutput | None, bool]:
+                now: float, first_scheduled_time: float | None = None) -> tuple[RequestOutput | None, bool]:
         """The delta for the core's `token_ids` (None for a request no longer followed here), and
         whether a stop string ended it here while the core still runs it (so: abort it there)."""
         state = self.requests.get(request_id)
@@ -54,6 +56,8 @@ class OutputProcessor:
             return None, False
         if token_ids and state.first_token_time is None:
             state.first_token_time = now
+        if state.first_scheduled_time is None:
+            state.first_scheduled_time = first_scheduled_time
         text, kept = "", len(token_ids)
         if state.detokenizer:
             for i, token in enumerate(token_ids):
@@ -70,7 +74,8 @@ class OutputProcessor:
             request_id=request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
             outputs=[CompletionOutput(0, text, list(token_ids[:kept]), finish_reason, stop_reason if finished else None)],
             finished=finished,
-            metrics=RequestMetrics(state.arrival_time, state.first_token_time, now if finished else None))
+            metrics=RequestMetrics(state.arrival_time, state.first_token_time, now if finished else None,
+                                   state.first_scheduled_time))
         return output, stopped_here
 
 

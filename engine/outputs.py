@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 
@@ -19,6 +20,7 @@ class RequestMetrics:
     arrival_time: float  # time.monotonic()
     first_token_time: float | None = None
     finished_time: float | None = None
+    first_scheduled_time: float | None = None
 
 
 @dataclass
@@ -31,9 +33,14 @@ class RequestOutput:
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
 
     def merge(self, delta: RequestOutput) -> None:
-        """Fold a streamed delta into this (cumulative) output."""
-        mine, new = self.outputs[0], delta.outputs[0]
-        mine.text += new.text
-        mine.token_ids.extend(new.token_ids)
-        mine.finish_reason, mine.stop_reason = new.finish_reason, new.stop_reason
+        """Fold a streamed delta into this (cumulative) output, completion by completion (n > 1)."""
+        for new in delta.outputs:
+            mine = next((o for o in self.outputs if o.index == new.index), None)
+            if mine is None:
+                self.outputs.append(dataclasses.replace(new, token_ids=list(new.token_ids)))
+                self.outputs.sort(key=lambda o: o.index)
+                continue
+            mine.text += new.text
+            mine.token_ids.extend(new.token_ids)
+            mine.finish_reason, mine.stop_reason = new.finish_reason, new.stop_reason
         self.finished, self.metrics = delta.finished, delta.metrics

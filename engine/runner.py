@@ -17,7 +17,7 @@ from jetserve.engine.config import EngineConfig
 from jetserve.engine.cuda_graphs import CUDAGraphs
 from jetserve.engine.model.attention import MAX_UNIFORM_Q, AttentionMetadata, to_device
 from jetserve.engine.model.loader import load_model, torch_dtype
-from jetserve.engine.sampler import sample
+from jetserve.engine.sampler import History, process_logits, sample
 from jetserve.engine.scheduler import ScheduledBatch
 from jetserve.engine.sequence import Sequence
 from jetserve.engine.spec_decode import (MTPProposer, device_chain_inputs, host_chain_inputs, speculative_step,
@@ -161,7 +161,7 @@ class ModelRunner:
             positions += range(start, start + q)
             ctx_lens.append(start + q)
             tables.append(seq.block_table)
-        greedy = all(seq.params.greedy for seq in seqs)
+        greedy = all(seq.params.greedy and not seq.params.processes_logits for seq in seqs)
         key = self.graphs.key(num_drafts, q, len(seqs), max(map(len, tables))) if self.graphs else None
         if key is not None:
             graphs, n = self.graphs, len(ids)
@@ -190,11 +190,11 @@ class ModelRunner:
     def _sample_rows(self, seqs: list[Sequence], q: int, positions: torch.Tensor):
         """The token of each of a speculative step's rows (q a sequence): the argmax for greedy
         requests, the seeded race of the token's position for sampled ones."""
-        if all(seq.params.greedy for seq in seqs):
+        if all(seq.params.greedy and not seq.params.processes_logits for seq in seqs):
             return lambda logits: logits.argmax(dim=-1)
         params = [seq.params for seq in seqs for _ in range(q)]
         seeds = to_device(torch.tensor([seq.seed for seq in seqs for _ in range(q)]), self.device)
-        return lambda logits: sample(logits, params, seeds, positions.long() + 1)
+        return lambda logits: sample(logits, params, seeds, positions.long() + 1, _histories(seqs))
 
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch) -> Launch:
@@ -279,14 +279,15 @@ class ModelRunner:
         """Tokens each sequence gains: one sampled token, or accepted drafts + one with MTP."""
         if self.proposer is None:
             return [[t] for t in self._sample_tensor(step, seqs).tolist()]
-        return verify(*self._logits(step, seqs, [len(s.spec_token_ids) + 1 for s in seqs]))
+        logits, drafts, params, seeds, positions = self._logits(step, seqs, [len(s.spec_token_ids) + 1 for s in seqs])
+        return verify(process_logits(logits, params, _histories(seqs)), drafts, params, seeds, positions)
 
     def _sample_tensor(self, step: _Step, seqs: list[Sequence]) -> torch.Tensor:
         """One token per sequence, left on the device: the graph's argmax when all are greedy."""
-        if step.greedy is not None and all(s.params.greedy for s in seqs):
+        if step.greedy is not None and all(s.params.greedy and not s.params.processes_logits for s in seqs):
             return step.greedy
         logits, _, params, seeds, positions = self._logits(step, seqs, [1] * len(seqs))
-        return sample(logits, params, seeds, positions)
+        return sample(logits, params, seeds, positions, _histories(seqs))
 
     def _logits(self, step: _Step, seqs: list[Sequence], rows_per_seq: list[int]):
         """What sampling reads: fp32 logits of the sampled rows (the graph's, or the vocab
@@ -299,6 +300,13 @@ class ModelRunner:
         params = [s.params for s, n in zip(seqs, rows_per_seq) for _ in range(n)]
         seeds = to_device(torch.tensor([s.seed for s, n in zip(seqs, rows_per_seq) for _ in range(n)]), self.device)
         return logits, [s.spec_token_ids for s in seqs], params, seeds, step.positions[rows].long() + 1
+
+
+def _histories(seqs: list[Sequence]) -> list[History]:
+    """Per sampled row, the tokens its token follows: a sequence's rows are its draft positions
+    then the bonus one, row j after the output so far and the first j drafts."""
+    return [History(s.prompt_token_ids, s.token_ids[s.num_prompt_tokens:] + s.spec_token_ids[:j])
+            for s in seqs for j in range(len(s.spec_token_ids) + 1)]
 
 
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
-"""Batched sampling: greedy rows take the argmax; the rest go through temperature, top-k,
-top-p and min-p, then draw with the exponential-race trick (argmax p/E, E ~ Exp(1)).
+"""Batched sampling: the logits processors (vLLM's order: allowed tokens, bad words,
+min_tokens, logit bias, penalties), then greedy rows take the argmax; the rest go through
+temperature, top-k, top-p and min-p, then draw with the exponential-race trick (argmax p/E, E ~ Exp(1)).
 
 The noise is counter-based: E for vocabulary entry v of the token at position t of a request
 with seed s is a hash of (s, t, v), not the next draw of a stateful generator. So a token's
@@ -12,11 +13,88 @@ same bits on a CPU and a GPU.
 
 from __future__ import annotations
 
+from typing import NamedTuple, Sequence
+
 import torch
 
 from jetserve.engine.sampling_params import SamplingParams
 
 _MASK32 = 0xFFFFFFFF
+
+
+class History(NamedTuple):
+    """The tokens a row's next token follows: the prompt's, then the output's so far."""
+
+    prompt: Sequence[int]
+    output: Sequence[int]
+
+
+def process_logits(logits: torch.Tensor, params: list[SamplingParams],
+                   histories: list[History] | None) -> torch.Tensor:
+    """The per-request logits processors, each row with its own parameters and history."""
+    rows = [i for i, p in enumerate(params) if p.processes_logits]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    for i in rows:
+        p, row = params[i], logits[i]
+        history = histories[i] if histories is not None else History((), ())
+        if p.allowed_token_ids:
+            _allow_only(row, p.allowed_token_ids)
+        if p.bad_words_token_ids:
+            _ban_bad_words(row, p.bad_words_token_ids, history.output)
+        if len(history.output) < p.min_tokens:
+            _ban(row, set(p.stop_token_ids) | p.eos_token_ids)
+        if p.logit_bias:
+            _add_bias(row, p.logit_bias)
+        if p.repetition_penalty != 1:
+            _repetition_penalty(row, p.repetition_penalty, history)
+        if p.presence_penalty or p.frequency_penalty:
+            _presence_frequency_penalties(row, p.presence_penalty, p.frequency_penalty, history.output)
+    return logits
+
+
+def _ban(row: torch.Tensor, token_ids) -> None:
+    if token_ids:
+        row[list(token_ids)] = float("-inf")
+
+
+def _allow_only(row: torch.Tensor, allowed: list[int]) -> None:
+    keep = torch.full_like(row, float("-inf"))
+    keep[allowed] = 0.0
+    row += keep
+
+
+def _ban_bad_words(row: torch.Tensor, words: list[list[int]], output: Sequence[int]) -> None:
+    """A word's last token is banned where the output already ends with the rest of the word."""
+    for word in words:
+        prefix = word[:-1]
+        if not prefix or list(output[len(output) - len(prefix):]) == prefix:
+            row[word[-1]] = float("-inf")
+
+
+def _add_bias(row: torch.Tensor, bias: dict[int, float]) -> None:
+    ids = torch.tensor(list(bias), device=row.device)
+    row[ids] += torch.tensor(list(bias.values()), device=row.device, dtype=row.dtype)
+
+
+def _repetition_penalty(row: torch.Tensor, penalty: float, history: History) -> None:
+    """CTRL's penalty over prompt and output, as vLLM and transformers: positive logits are
+    divided by it, negative ones multiplied."""
+    seen = torch.tensor(sorted(set(history.prompt) | set(history.output)), dtype=torch.long, device=row.device)
+    if len(seen):
+        logit = row[seen]
+        row[seen] = torch.where(logit > 0, logit / penalty, logit * penalty)
+
+
+def _presence_frequency_penalties(row: torch.Tensor, presence: float, frequency: float,
+                                  output: Sequence[int]) -> None:
+    """OpenAI's: logit - count * frequency - (count > 0) * presence, counting the output only."""
+    if not len(output):
+        return
+    counts = torch.bincount(torch.tensor(list(output), device=row.device), minlength=row.shape[-1])
+    counts = counts[:row.shape[-1]].to(row.dtype)
+    row -= counts * frequency + (counts > 0).to(row.dtype) * presence
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -68,9 +146,12 @@ def processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: torch.Tensor,
-           positions: torch.Tensor) -> torch.Tensor:
+           positions: torch.Tensor, histories: list[History] | None = None) -> torch.Tensor:
     """logits: [B, V] fp32 → token ids [B]; row i is the token at `positions[i]` of a request
-    seeded `seeds[i]` (both [B] int64 tensors on the logits' device)."""
+    seeded `seeds[i]` (both [B] int64 tensors on the logits' device). With `histories` the
+    logits processors run first (without, the caller has run them)."""
+    if histories is not None:
+        logits = process_logits(logits, params, histories)
     tokens = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:

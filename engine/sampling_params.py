@@ -10,6 +10,17 @@ _GREEDY_EPS = 1e-5
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
+MAX_N = 16
+MAX_LOGPROBS = 20
+MAX_TOKEN_LIST = 4096  # stop_token_ids, logit_bias, allowed_token_ids, bad_words
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
 
 
 @dataclass
@@ -24,6 +35,20 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    n: int = 1  # completions of the one prompt, each its own sequence (the prompt's KV is shared)
+    presence_penalty: float = 0.0  # subtracted once from a token already in the output
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # divides (multiplies, if negative) the logit of a token seen in prompt or output
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens are out
+    logprobs: int | None = None  # None: none; N: the sampled token's logprob and the top N
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None  # token id → added to its logit
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] | None = None  # never generated (each word's tokens, as a sequence)
+    # Set by the engine from its tokenizer (update_from_tokenizer), as in vLLM.
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
+    eos_token_ids: frozenset[int] = field(default_factory=frozenset, repr=False)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -33,6 +58,17 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self._check()
+
+    def update_from_tokenizer(self, tokenizer) -> None:
+        """Resolve what needs the model's tokenizer: EOS ids (for min_tokens) and bad words' ids
+        (each word as written and with a leading space, as vLLM does)."""
+        if tokenizer is None:
+            if self.bad_words:
+                raise ValueError("SamplingParams.bad_words needs a model with a tokenizer")
+            return
+        self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
+        words = {tuple(tokenizer.encode(w)) for word in self.bad_words or () for w in (word, " " + word.lstrip())}
+        self.bad_words_token_ids = [list(w) for w in sorted(words) if w]
 
     def _check(self):
         def fail(name, why):
@@ -61,6 +97,55 @@ class SamplingParams:
                              f"got {len(self.stop_token_ids)}")
         if self.seed is not None and not isinstance(self.seed, int):
             fail("seed", "must be an integer")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            fail("n", f"must be an integer in [1, {MAX_N}]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not _is_number(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
+                fail(name, "must be a number in [-2, 2]")
+        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty <= 10:
+            fail("repetition_penalty", "must be a number in (0, 10] (1: off)")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            fail("min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            fail("min_tokens", f"must be at most max_tokens ({self.max_tokens})")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                fail(name, f"must be an integer in [0, {MAX_LOGPROBS}] (or None)")
+        if self.logit_bias is not None and not (
+                isinstance(self.logit_bias, dict) and len(self.logit_bias) <= MAX_TOKEN_LIST
+                and all(_is_int(t) and t >= 0 and _is_number(b) and -100 <= b <= 100
+                        for t, b in self.logit_bias.items())):
+            fail("logit_bias", f"must map at most {MAX_TOKEN_LIST} token ids >= 0 to numbers in [-100, 100]")
+        if self.allowed_token_ids is not None and not (
+                isinstance(self.allowed_token_ids, list) and 0 < len(self.allowed_token_ids) <= MAX_TOKEN_LIST
+                and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)):
+            fail("allowed_token_ids", f"must be a non-empty list of at most {MAX_TOKEN_LIST} token ids >= 0")
+        if self.bad_words is not None and not (
+                isinstance(self.bad_words, list) and len(self.bad_words) <= MAX_TOKEN_LIST
+                and all(isinstance(w, str) and w.strip() for w in self.bad_words)):
+            fail("bad_words", f"must be a list of at most {MAX_TOKEN_LIST} non-empty strings")
+        if len(self.stop) > MAX_TOKEN_LIST or len(self.stop_token_ids) > MAX_TOKEN_LIST:
+            fail("stop", f"and stop_token_ids take at most {MAX_TOKEN_LIST} entries")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids the model does not have are named here, not met as an index error later."""
+        for name in ("stop_token_ids", "allowed_token_ids", "logit_bias"):
+            bad = next((t for t in getattr(self, name) or () if t >= vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"SamplingParams.{name}: {bad} is not a token id of this model "
+                                 f"(0..{vocab_size - 1})")
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether sampling must see the sequence's tokens (penalties, bad words, min_tokens)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+                    or self.bad_words_token_ids or self.min_tokens)
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the logits change before greedy's argmax (so a graph's argmax will not do)."""
+        return self.needs_history or bool(self.logit_bias or self.allowed_token_ids)
 
     @property
     def greedy(self) -> bool:

@@ -251,8 +251,9 @@ class StopStrings:
     request ends for another reason, `flush` releases the held tail.
     """
 
-    def __init__(self, stops: Iterable[str]):
+    def __init__(self, stops: Iterable[str], include: bool = False):
         self.stops = tuple(s for s in stops if s)
+        self.include = include  # include_stop_str_in_output: the output ends after the stop string
         self.matched: str | None = None
         self._held = ""
         # Every proper prefix of a stop string: a tail is held back iff it is one of these.
@@ -271,7 +272,7 @@ class StopStrings:
         if hits:
             end, self.matched = min(hits)
             self._held = ""
-            return text[:end]
+            return text[:end + len(self.matched)] if self.include else text[:end]
         keep = self._partial_match(text)
         self._held = text[len(text) - keep:]
         return text[:len(text) - keep]
