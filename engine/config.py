@@ -94,6 +94,31 @@ def _int_list(text):
         raise argparse.ArgumentTypeError(f"expected integers, got {text!r}") from None
 
 
+class _IntList(argparse.Action):
+    """`--flag 1 2 4` and `--flag 1,2,4` alike (vLLM takes the first form)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, [n for value in values for n in value])
+
+
+def human_int(text) -> int:
+    """vLLM's human-readable integers: 4k = 4000, 4K = 4096 (m/M, g/G likewise)."""
+    text = str(text).strip()
+    scale = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+    try:
+        number = float(text[:-1] if scale != 1 else text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer like 4096, 4k or 4K, got {text!r}") from None
+    if number * scale != int(number * scale):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number")
+    return int(number * scale)
+
+
+# vLLM's dtype names and their torch spellings.
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+DTYPES = ("auto", "float32", "float16", "bfloat16", *DTYPE_ALIASES)
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """`speculative_config` (vLLM's name and keys), plus the adaptive draft length's knobs."""
@@ -160,6 +185,7 @@ class EngineConfig:
     """Every engine setting, resolved once (see the module docstring). Built by `EngineArgs.resolve()`."""
 
     model: str
+    served_model_name: str
     model_config: ModelConfig
     backend: str
     device: str  # "cpu", "cuda", "cuda:N": never "auto"
@@ -197,6 +223,7 @@ class EngineArgs:
     """Everything that shapes an engine; the CLI flags are these fields with dashes (vLLM's names)."""
 
     model: str | None = None
+    served_model_name: str | None = None  # the name clients and metrics use (default: model)
     backend: str = "torch"  # or "tensorrt-llm", where TensorRT-LLM is installed
     dtype: str = "auto"  # auto: the checkpoint's dtype on a GPU, float32 on the CPU
     device: str = "auto"  # auto: cuda when available, else cpu
@@ -222,12 +249,17 @@ class EngineArgs:
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         d = EngineArgs()
         g = parser.add_argument_group("engine (vLLM's flags)")
+        parser.add_argument("model_tag", nargs="?", metavar="MODEL",
+                            help="checkpoint directory (Hugging Face layout); the same as --model")
         g.add_argument("--model", default=d.model, help="checkpoint directory (Hugging Face layout)")
+        g.add_argument("--served-model-name", nargs="+", default=d.served_model_name,
+                       help="the name the API reports and metrics carry (default: --model); "
+                            "with several, the first is used")
         g.add_argument("--backend", default=d.backend, choices=["torch", "tensorrt-llm"],
                        help="torch runs everywhere; tensorrt-llm where NVIDIA ships it")
-        g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "float16", "bfloat16"])
+        g.add_argument("--dtype", default=d.dtype, choices=DTYPES, help="half = float16, float = float32")
         g.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
-        g.add_argument("--max-model-len", type=int, default=d.max_model_len)
+        g.add_argument("--max-model-len", type=human_int, default=d.max_model_len, help="e.g. 4096, 4k or 4K")
         g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
         g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
         g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
@@ -247,8 +279,9 @@ class EngineArgs:
         g.add_argument("--num-kv-blocks", type=int, default=d.num_kv_blocks)
         g.add_argument("--max-waiting", type=int, default=d.max_waiting)
         g.add_argument("--seed", type=int, default=d.seed)
-        g.add_argument("--cudagraph-capture-sizes", "--cuda-graph-batch-sizes", type=_int_list,
-                       default=d.cudagraph_capture_sizes, dest="cudagraph_capture_sizes")
+        g.add_argument("--cudagraph-capture-sizes", "--cuda-graph-batch-sizes", type=_int_list, nargs="+",
+                       action=_IntList, default=d.cudagraph_capture_sizes, dest="cudagraph_capture_sizes",
+                       help="batch sizes to capture, e.g. 1 2 4 8")
         g.add_argument("--max-cudagraph-capture-size", "--cuda-graph-max-batch-size", type=int,
                        default=d.max_cudagraph_capture_size, dest="max_cudagraph_capture_size")
         g.add_argument("--cuda-graph-num-warmup-steps", type=int, default=d.cuda_graph_num_warmup_steps,
@@ -261,7 +294,15 @@ class EngineArgs:
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in vars(args).items() if k in names})
+        values = {k: v for k, v in vars(args).items() if k in names}
+        tag = getattr(args, "model_tag", None)
+        if tag:
+            if values.get("model") and values["model"] != tag:
+                raise ValueError(f"MODEL {tag!r} and --model {values['model']!r} disagree: give one")
+            values["model"] = tag
+        if isinstance(values.get("served_model_name"), list):
+            values["served_model_name"] = values["served_model_name"][0]
+        return cls(**values)
 
     def resolve(self) -> EngineConfig:
         """Check every field and apply every default, once; errors name the field."""
@@ -298,7 +339,8 @@ class EngineArgs:
                 tuple(capture_sizes(self.cudagraph_capture_sizes, self.max_cudagraph_capture_size, self.max_num_seqs)),
                 tuple(step_shapes(k)), self.cuda_graph_num_warmup_steps)
         return EngineConfig(
-            model=model, model_config=model_config, backend=self.backend, device=device,
+            model=model, served_model_name=self.served_model_name or model,
+            model_config=model_config, backend=self.backend, device=device,
             dtype=self._dtype(model_config, device), max_model_len=max_model_len, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=budget, enable_chunked_prefill=self.enable_chunked_prefill,
             enable_prefix_caching=self.enable_prefix_caching, gpu_memory_utilization=self.gpu_memory_utilization,
@@ -312,8 +354,10 @@ class EngineArgs:
         return "cuda" if self.backend == "tensorrt-llm" else resolve_device(self.device)
 
     def _dtype(self, model_config: ModelConfig, device: str) -> str:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.dtype != "auto":
-            return self.dtype
+            return DTYPE_ALIASES.get(self.dtype, self.dtype)
         # CPUs rarely do half precision fast; GPUs run the checkpoint's own dtype.
         return "float32" if device == "cpu" else model_config.dtype
 

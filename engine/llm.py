@@ -48,3 +48,18 @@ class LLM:
                         results[delta.request_id] = delta
                     bar.update(delta.finished)
         return [results[i] for i in ids]
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = True, **template_kwargs) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`: one conversation (a list of {role, content}) or several, rendered
+        with the model's chat template (content is text: no forged control tokens), then completed."""
+        tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            raise ValueError("messages: this model has no tokenizer, so no chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for conversation in conversations:
+            text, ids = tokenizer.encode_chat(conversation, **template_kwargs)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm)

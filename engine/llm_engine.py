@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 
 from jetserve.engine.config import EngineConfig
-from jetserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jetserve.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jetserve.engine.prompts import check_prompt
 from jetserve.engine.protocol import EngineStats, ModelInfo
 from jetserve.engine.runner import Launch, ModelRunner
@@ -40,6 +40,7 @@ class _Request:
     index: int  # which of the n completions this is
     first_token_time: float | None = None
     first_scheduled_time: float | None = None
+    logprobs: list[dict] | None = None  # of the tokens of the delta being built
 
 
 class LLMEngine:
@@ -123,7 +124,7 @@ class LLMEngine:
         self._mark_scheduled(batch)
         verified = self.runner.speculative_shape(batch, num_drafts) if self.draft_length else None
         start = time.perf_counter()
-        sampled, drafts = self.runner.execute(batch, num_drafts)
+        sampled, drafts, logprobs = self.runner.execute(batch, num_drafts)
         if verified is not None:  # a decode step: its time tells the draft length what k costs
             self.draft_length.record_step(verified, num_drafts, len(batch), time.perf_counter() - start)
         for seq, new in zip(batch.seqs, sampled):
@@ -134,8 +135,8 @@ class LLMEngine:
         if self.draft_length:
             self.draft_length.update()
         now = time.monotonic()
-        return [self._process(self.requests[seq.request_id], new, now)
-                for seq, new in zip(batch.seqs, sampled) if new is not None]
+        return [self._process(self.requests[seq.request_id], new, now, lp)
+                for seq, new, lp in zip(batch.seqs, sampled, logprobs) if new is not None]
 
     def _step_async(self) -> list[RequestOutput]:
         """Launch step N+1, then read step N's tokens: the host's bookkeeping for N overlaps the
@@ -164,7 +165,8 @@ class LLMEngine:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
 
-    def _process(self, request: _Request, new: list[int], now: float) -> RequestOutput:
+    def _process(self, request: _Request, new: list[int], now: float,
+                 logprobs: list[dict] | None = None) -> RequestOutput:
         """Detokenize the tokens a sequence gained, one at a time, and stop at the first that
         ends the request (EOS, a stop token, max_tokens, max_model_len, or the completion of a
         stop string): a stop inside an accepted run of drafts ends the output exactly where it
@@ -188,9 +190,16 @@ class LLMEngine:
                 reason = "length"
             if reason:
                 break
+        request.logprobs = self._decode_logprobs(logprobs[:kept]) if logprobs is not None else None
         if reason:
             return self._finish(request, reason, text, new[:kept], now, stop_reason, base + kept)
         return self._output(request, text, new, now)
+
+    def _decode_logprobs(self, entries: list[dict]) -> list[dict[int, Logprob]]:
+        """{token: Logprob} with each token's text (its id as text on a model without a tokenizer)."""
+        def text(token):
+            return self.tokenizer.decode([token]) if self.tokenizer else str(token)
+        return [{t: Logprob(v, rank, text(t)) for t, (v, rank) in entry.items()} for entry in entries]
 
     def _finish(self, request: _Request, reason: str, text: str, new: list[int], now: float,
                 stop_reason=None, num_output_tokens: int | None = None) -> RequestOutput:
@@ -212,7 +221,8 @@ class LLMEngine:
         done = finished_time is not None
         return RequestOutput(
             request_id=request.parent, prompt=request.prompt, prompt_token_ids=seq.prompt_token_ids,
-            outputs=[CompletionOutput(request.index, text, new, seq.finish_reason if done else None, stop_reason)],
+            outputs=[CompletionOutput(request.index, text, new, seq.finish_reason if done else None, stop_reason,
+                                      request.logprobs if new else None)],
             finished=done and request.parent not in self.families,
             metrics=RequestMetrics(seq.arrival_time, request.first_token_time, finished_time,
                                    request.first_scheduled_time))
@@ -260,7 +270,8 @@ class LLMEngine:
     def model_info(self) -> ModelInfo:
         cfg = self.config
         return ModelInfo(
-            model=cfg.model, architecture=cfg.model_config.architecture, dtype=cfg.dtype, device=cfg.device,
+            model=cfg.model, served_model_name=cfg.served_model_name, architecture=cfg.model_config.architecture,
+            dtype=cfg.dtype, device=cfg.device,
             max_model_len=cfg.max_model_len, vocab_size=cfg.model_config.vocab_size,
             num_mtp_layers=cfg.model_config.num_mtp_layers,
             num_speculative_tokens=self.draft_length.k if self.draft_length else 0,

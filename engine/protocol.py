@@ -45,6 +45,7 @@ class ModelInfo:
     """What a client may ask about the loaded model (GetModelInfo, /v1/models, metrics labels)."""
 
     model: str
+    served_model_name: str  # what clients call it (/v1/models, metrics' model_name)
     architecture: str
     dtype: str
     device: str

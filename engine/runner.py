@@ -17,7 +17,7 @@ from jetserve.engine.config import EngineConfig
 from jetserve.engine.cuda_graphs import CUDAGraphs
 from jetserve.engine.model.attention import MAX_UNIFORM_Q, AttentionMetadata, to_device
 from jetserve.engine.model.loader import load_model, torch_dtype
-from jetserve.engine.sampler import History, process_logits, sample
+from jetserve.engine.sampler import History, process_logits, sample, token_logprobs
 from jetserve.engine.scheduler import ScheduledBatch
 from jetserve.engine.sequence import Sequence
 from jetserve.engine.spec_decode import (MTPProposer, device_chain_inputs, host_chain_inputs, speculative_step,
@@ -121,22 +121,25 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, num_drafts: int = 0
-                ) -> tuple[list[list[int] | None], list[list[int]]]:
+                ) -> tuple[list[list[int] | None], list[list[int]], list[list[dict] | None]]:
         """Compute the scheduled tokens (a sequence's pending drafts included); for each sequence
         whose tokens are now all computed, the tokens it gains (accepted drafts + one), None for
-        one still part-way through its prompt; and the drafts (up to `num_drafts`) each one
-        proposes for the next step."""
-        if self.proposer is not None and self.speculative_shape(batch, num_drafts) is not None:
+        one still part-way through its prompt; the drafts (up to `num_drafts`) each one
+        proposes for the next step; and, for those that asked, the gained tokens' logprobs."""
+        if (self.proposer is not None and self.speculative_shape(batch, num_drafts) is not None
+                and not any(seq.params.logprobs is not None for seq in batch.seqs)):
             return self._speculative(batch, num_drafts)
         step = self._run(batch)
         sampled = [seq for seq, d in zip(batch.seqs, step.sampled) if d]
-        tokens = iter(self._sample(step, sampled) if sampled else [])
+        tokens, logprobs = self._sample(step, sampled) if sampled else ([], [])
+        tokens, logprobs = iter(tokens), iter(logprobs)
         emitted = [next(tokens) if d else None for d in step.sampled]
+        emitted_logprobs = [next(logprobs) if d else None for d in step.sampled]
         if self.proposer is None:
-            return emitted, [[] for _ in batch.seqs]
+            return emitted, [[] for _ in batch.seqs], emitted_logprobs
         drafts = self.proposer.propose(self._draft_forward, self.model.compute_logits, batch.seqs,
                                        batch.num_tokens, step.hidden, step.positions, step.meta, emitted, num_drafts)
-        return emitted, drafts
+        return emitted, drafts, emitted_logprobs
 
     def speculative_shape(self, batch: ScheduledBatch, num_drafts: int) -> int | None:
         """The drafts every sequence verifies when all decode with the same number and have room
@@ -185,7 +188,7 @@ class ModelRunner:
         emitted = [row[:row[q] + 1] for row in rows]
         drafts = [row[q + 1:q + 1 + self.proposer.num_drafts(seq, new, num_drafts)]
                   for seq, row, new in zip(seqs, rows, emitted)]
-        return emitted, drafts
+        return emitted, drafts, [None] * len(seqs)
 
     def _sample_rows(self, seqs: list[Sequence], q: int, positions: torch.Tensor):
         """The token of each of a speculative step's rows (q a sequence): the argmax for greedy
@@ -275,12 +278,36 @@ class ModelRunner:
         """MTP draft step `step` (layer step % n, its own KV cache), eagerly: steps with prefill."""
         return self.model.mtp_forward(step, ids, positions, hidden, self.kv_cache, meta)
 
-    def _sample(self, step: _Step, seqs: list[Sequence]) -> list[list[int]]:
-        """Tokens each sequence gains: one sampled token, or accepted drafts + one with MTP."""
-        if self.proposer is None:
-            return [[t] for t in self._sample_tensor(step, seqs).tolist()]
+    def _sample(self, step: _Step, seqs: list[Sequence]) -> tuple[list[list[int]], list[list[dict] | None]]:
+        """Tokens each sequence gains (one sampled token, or accepted drafts + one with MTP), and
+        their logprobs for the sequences that asked."""
+        wants_logprobs = any(s.params.logprobs is not None for s in seqs)
+        if self.proposer is None and not wants_logprobs:
+            return [[t] for t in self._sample_tensor(step, seqs).tolist()], [None] * len(seqs)
         logits, drafts, params, seeds, positions = self._logits(step, seqs, [len(s.spec_token_ids) + 1 for s in seqs])
-        return verify(process_logits(logits, params, _histories(seqs)), drafts, params, seeds, positions)
+        tokens = verify(process_logits(logits, params, _histories(seqs)), drafts, [s.params for s in seqs],
+                        seeds, positions)
+        return tokens, self._logprobs(logits, seqs, tokens) if wants_logprobs else [None] * len(seqs)
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, seqs: list[Sequence], tokens: list[list[int]]) -> list[list[dict] | None]:
+        """Per sequence that asked, per gained token: {token: (logprob, rank)} for its top N and the
+        token itself. A sequence's rows are its draft positions then the bonus one, in order."""
+        rows, taken, row = [], [], 0
+        for seq, new in zip(seqs, tokens):
+            if seq.params.logprobs is not None:
+                rows += range(row, row + len(new))
+                taken += new
+            row += len(seq.spec_token_ids) + 1
+        most = max(s.params.logprobs for s in seqs if s.params.logprobs is not None)
+        entries = iter(token_logprobs(logits[rows], torch.tensor(taken, device=logits.device), most))
+        out = []
+        for seq, new in zip(seqs, tokens):
+            n = seq.params.logprobs
+            out.append(None if n is None else [
+                {t: v for t, v in entry.items() if v[1] <= n or t == token}
+                for token, entry in zip(new, (next(entries) for _ in new))])
+        return out
 
     def _sample_tensor(self, step: _Step, seqs: list[Sequence]) -> torch.Tensor:
         """One token per sequence, left on the device: the graph's argmax when all are greedy."""

@@ -161,3 +161,18 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: torch.Tens
             seeds, positions = seeds[index], positions[index]
         tokens[rows] = (probs / exponential_noise(probs, seeds, positions)).argmax(dim=-1)
     return tokens
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num: int) -> list[dict[int, tuple[float, int]]]:
+    """Per row, {token: (logprob, rank)} for the `num` most likely tokens and the one taken, from
+    the model's own distribution (vLLM's raw logprobs: before penalties and temperature)."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    chosen = logprobs.gather(1, tokens[:, None])
+    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
+    top_values, top_ids = logprobs.topk(num, dim=-1)
+    out = []
+    for row, token in enumerate(tokens.tolist()):
+        entry = {t: (v, r + 1) for r, (t, v) in enumerate(zip(top_ids[row].tolist(), top_values[row].tolist()))}
+        entry[token] = (chosen[row, 0].item(), ranks[row])
+        out.append(entry)
+    return out

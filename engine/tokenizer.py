@@ -76,18 +76,26 @@ def _compile(template: str):
     return env.from_string(template)
 
 
+# OpenAI's roles ("developer" is its newer name for system); the template decides what each means.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 def _check_messages(messages) -> None:
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError("messages must be a non-empty list of {role, content} dicts")
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise ValueError(f"messages[{i}] must be a dict, got {type(message).__name__}")
-        if not isinstance(message.get("role"), str) or not message["role"]:
-            raise ValueError(f"messages[{i}].role must be a non-empty string")
+        if message.get("role") not in CHAT_ROLES:
+            raise ValueError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {message.get('role')!r}")
         content = message.get("content")
         # An assistant turn that only calls tools carries no content (OpenAI's format).
-        if not isinstance(content, str) and not (content is None and message.get("tool_calls")):
+        if content is None and message.get("tool_calls"):
+            continue
+        if not isinstance(content, str):
             raise ValueError(f"messages[{i}].content must be a string, got {type(content).__name__}")
+        if not content:
+            raise ValueError(f"messages[{i}].content is empty")
 
 
 class Tokenizer:

@@ -254,7 +254,7 @@ class JetServer:
         on_status("loading the model")
         engine = await _load_in_thread(self._make_engine, on_status)
         engine.start()
-        self.metrics.bind(engine.model_info.model, engine.model_info.max_model_len)
+        self.metrics.bind(engine.model_info.served_model_name, engine.model_info.max_model_len)
         self.engine = engine
         self.engine_alive = True
         await self._update_health()

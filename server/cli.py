@@ -105,6 +105,7 @@ DEMO_SPECULATIVE_CONFIG = {"method": "mtp", "num_speculative_tokens": 3}
 
 
 def run_serve(args):
+    args.model = args.model or args.model_tag  # `jetserve serve MODEL`, as `vllm serve MODEL`
     if not args.model or (args.model == DEMO_MODEL and not os.path.isdir(args.model)):
         demo = demo_model_dir()
         if not os.path.exists(os.path.join(demo, "config.json")):

@@ -148,9 +148,9 @@ class RequestTimer:
         m.request_success.labels(m.model_name, out.outputs[0].finish_reason).inc()
         if self._params.max_tokens is not None:
             m.request_max_tokens.observe(self._params.max_tokens)
-        m.request_n.observe(getattr(self._params, "n", 1))
+        m.request_n.observe(self._params.n)
         t = out.metrics
-        scheduled = getattr(t, "first_scheduled_time", None)
+        scheduled = t.first_scheduled_time
         if scheduled is not None:  # engine phases, on the engine's clock
             m.queue_time.observe(scheduled - t.arrival_time)
             if t.first_token_time is not None:

@@ -192,7 +192,7 @@ async def respond(request: Request, server, body, kind: str, prompts: list, para
         for stream in streams:
             await stream.aclose()
         raise
-    shape = (Chat if chat else Completion)(rid, server.model_name, getattr(params, "n", 1))
+    shape = (Chat if chat else Completion)(rid, server.model_name, params.n, params.logprobs)
     if body.stream:
         return StreamingResponse(stream_events(shape, streams, firsts, body.include_usage),
                                  media_type="text/event-stream")
@@ -290,8 +290,8 @@ class _Shape:
     object_name = ""
     chunk_name = ""
 
-    def __init__(self, rid: str, model: str, n: int):
-        self.rid, self.model, self.n = rid, model, n
+    def __init__(self, rid: str, model: str, n: int, num_logprobs: int | None):
+        self.rid, self.model, self.n, self.num_logprobs = rid, model, n, num_logprobs
         self.created = int(time.time())
         self.prompt_tokens: dict[int, int] = {}
         self.completion_tokens = 0
@@ -358,7 +358,8 @@ class Completion(_Shape):
             token = candidates[token_id].decoded_token
             lp["tokens"].append(token)
             lp["token_logprobs"].append(candidates[token_id].logprob)
-            lp["top_logprobs"].append({c.decoded_token: c.logprob for c in candidates.values()})
+            lp["top_logprobs"].append({c.decoded_token: c.logprob for c in candidates.values()
+                                       if c.rank <= self.num_logprobs})
             lp["text_offset"].append(offset)
             offset += len(token)
 
@@ -399,7 +400,8 @@ class Chat(_Shape):
         lp = choice["logprobs"] = choice["logprobs"] or {"content": []}
         for token_id, candidates in zip(output.token_ids, entries):
             lp["content"].append({**self._entry(candidates[token_id]), "top_logprobs": [
-                self._entry(c) for c in sorted(candidates.values(), key=lambda c: c.rank)]})
+                self._entry(c) for c in sorted(candidates.values(), key=lambda c: c.rank)
+                if c.rank <= self.num_logprobs]})
 
     @staticmethod
     def _entry(candidate) -> dict:

@@ -19,8 +19,9 @@ from jetserve.v1 import inference_pb2_grpc as pb_grpc
 
 FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
                   "abort": pb.FINISH_REASON_ABORT}
-FLOAT_OPTIONS = ("temperature", "top_p", "min_p")
-INT_OPTIONS = ("top_k", "max_tokens", "seed")
+FLOAT_OPTIONS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+INT_OPTIONS = ("top_k", "max_tokens", "seed", "n", "min_tokens", "logprobs")
+LIST_OPTIONS = ("stop", "stop_token_ids", "allowed_token_ids", "bad_words")
 
 
 def answers_with_status(method):
@@ -42,9 +43,23 @@ def sampling_params(options: pb.SamplingOptions) -> SamplingParams:
     for name in FLOAT_OPTIONS:
         if name in kwargs and not math.isfinite(kwargs[name]):
             raise ValueError("sampling.%s must be a finite number, got %s" % (name, kwargs[name]))
-    if options.stop:
-        kwargs["stop"] = list(options.stop)
-    return SamplingParams(ignore_eos=options.ignore_eos, **kwargs)
+    kwargs.update({name: list(getattr(options, name)) for name in LIST_OPTIONS if getattr(options, name)})
+    if options.logit_bias:
+        kwargs["logit_bias"] = dict(options.logit_bias)
+    return SamplingParams(ignore_eos=options.ignore_eos, include_stop_str_in_output=options.include_stop_str_in_output,
+                          **kwargs)
+
+
+def token_logprobs(delta, num_top: int | None) -> list[pb.TokenLogprob]:
+    """Per generated token: its logprob and rank, and the `num_top` most likely tokens there."""
+    out = []
+    for token_id, candidates in zip(delta.token_ids, delta.logprobs or ()):
+        chosen = candidates[token_id]
+        top = sorted(((t, c) for t, c in candidates.items() if c.rank <= num_top), key=lambda tc: tc[1].rank)
+        out.append(pb.TokenLogprob(
+            token_id=token_id, token=chosen.decoded_token, logprob=chosen.logprob, rank=chosen.rank,
+            top_logprobs=[pb.TopLogprob(token_id=t, token=c.decoded_token, logprob=c.logprob) for t, c in top]))
+    return out
 
 
 def generate_prompt(request: pb.GenerateRequest, engine):
@@ -63,7 +78,6 @@ def chat_prompt(request: pb.ChatRequest, engine) -> dict:
                        % engine.model_info.model)
     text, ids = engine.tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in request.messages])
     return {"prompt": text, "prompt_token_ids": ids}
-
 
 
 class InferenceServicer(pb_grpc.InferenceServiceServicer):
@@ -92,10 +106,12 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             async for out in self._server.stream(prompt, params, request_id):
                 delta = out.outputs[0]
                 completion_tokens += len(delta.token_ids)
-                reply = response_type(request_id=request_id, text=delta.text, token_ids=delta.token_ids)
+                reply = response_type(request_id=request_id, text=delta.text, token_ids=delta.token_ids,
+                                      index=delta.index, logprobs=token_logprobs(delta, params.logprobs))
+                if delta.finish_reason:
+                    reply.finish_reason = FINISH_REASONS[delta.finish_reason]
                 if out.finished:
                     t = out.metrics
-                    reply.finish_reason = FINISH_REASONS[delta.finish_reason]
                     reply.usage.prompt_tokens = len(out.prompt_token_ids)
                     reply.usage.completion_tokens = completion_tokens
                     reply.timing.total_s = t.finished_time - t.arrival_time

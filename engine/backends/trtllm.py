@@ -288,7 +288,8 @@ class TensorRTLLMEngine:
     @property
     def model_info(self) -> ModelInfo:
         c = self.config
-        return ModelInfo(model=c.model, architecture=c.model_config.architecture, dtype=c.dtype, device="cuda",
+        return ModelInfo(model=c.model, served_model_name=c.served_model_name,
+                         architecture=c.model_config.architecture, dtype=c.dtype, device="cuda",
                          max_model_len=c.max_model_len, vocab_size=c.model_config.vocab_size,
                          num_mtp_layers=c.model_config.num_mtp_layers,
                          num_speculative_tokens=c.num_speculative_tokens, cuda_graphs=c.cuda_graphs is not None,

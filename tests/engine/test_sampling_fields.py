@@ -171,3 +171,34 @@ def test_token_ids_beyond_the_vocabulary_are_refused(llm):
     for fields in ({"stop_token_ids": [10_000]}, {"allowed_token_ids": [10_000]}, {"logit_bias": {10_000: 1.0}}):
         with pytest.raises(ValueError, match="not a token id of this model"):
             ours(llm, SamplingParams(**fields))
+
+
+@pytest.mark.parametrize("num", [0, 3])
+def test_logprobs_are_the_models_log_softmax(llm, tiny, num):
+    _, model = tiny
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=6, ignore_eos=True, logprobs=num,
+                            repetition_penalty=2.0)  # raw logprobs: before penalties, as vLLM's default
+    out = ours(llm, params)[0]
+    assert len(out.logprobs) == len(out.token_ids) == 6
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPT + out.token_ids])).logits[0, len(PROMPT) - 1:-1]
+    expected = logits.log_softmax(-1)
+    for step, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+        ranked = expected[step].argsort(descending=True).tolist()
+        assert set(entry) == set(ranked[:num]) | {token}
+        for t, lp in entry.items():
+            assert lp.logprob == pytest.approx(expected[step, t].item(), abs=1e-4)
+            assert lp.rank == ranked.index(t) + 1 and lp.decoded_token == llm.get_tokenizer().decode([t])
+
+
+def test_llm_chat_renders_the_template_then_generates(llm):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    tokenizer = llm.get_tokenizer()
+    _, ids = tokenizer.encode_chat(messages)
+    chat = llm.chat(messages, greedy(), use_tqdm=False)[0]
+    assert chat.prompt_token_ids == ids
+    assert chat.outputs[0].token_ids == ours(llm, greedy(), prompt=ids)[0].token_ids
+    two = llm.chat([messages, messages[1:]], greedy(), use_tqdm=False)
+    assert len(two) == 2 and two[0].outputs[0].token_ids == chat.outputs[0].token_ids
+    with pytest.raises(ValueError, match="messages\\[0\\].role"):
+        llm.chat([{"role": "wizard", "content": "hi"}], greedy(), use_tqdm=False)

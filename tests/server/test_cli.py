@@ -70,6 +70,32 @@ def test_serve_takes_vllms_flags_and_the_service_flags():
         (50051, 9400, 8000, "127.0.0.1")
 
 
+@pytest.mark.parametrize("argv, expected", [
+    (["serve", "some/model"], {"model": "some/model"}),
+    (["serve", "m", "--dtype", "half"], {"dtype": "half"}),
+    (["serve", "m", "--dtype", "float"], {"dtype": "float"}),
+    (["serve", "m", "--max-model-len", "4k"], {"max_model_len": 4000}),
+    (["serve", "m", "--max-model-len", "4K"], {"max_model_len": 4096}),
+    (["serve", "m", "--served-model-name", "kiosk-llm", "alias"], {"served_model_name": "kiosk-llm"}),
+    (["serve", "m", "--cudagraph-capture-sizes", "1", "2", "4"], {"cudagraph_capture_sizes": [1, 2, 4]}),
+    (["serve", "m", "--cudagraph-capture-sizes", "1,2,8"], {"cudagraph_capture_sizes": [1, 2, 8]}),
+])
+def test_vllms_serve_spellings(argv, expected):
+    engine = EngineArgs.from_cli_args(build_parser().parse_args(argv))
+    assert {name: getattr(engine, name) for name in expected} == expected
+
+
+def test_vllms_dtype_names_resolve_to_torch_dtypes(tiny_model):
+    for name, torch_name in (("half", "float16"), ("float", "float32"), ("bfloat16", "bfloat16")):
+        assert EngineArgs(model=str(tiny_model), dtype=name, device="cpu").resolve().dtype == torch_name
+    assert EngineArgs(model=str(tiny_model), device="cpu").resolve().served_model_name == str(tiny_model)
+
+
+def test_a_positional_model_and_model_flag_must_agree():
+    with pytest.raises(ValueError, match="disagree"):
+        EngineArgs.from_cli_args(build_parser().parse_args(["serve", "a", "--model", "b"]))
+
+
 def test_the_cli_module_stays_importable_on_python_38():
     vermin = shutil.which("vermin")
     if vermin is None:

@@ -132,7 +132,7 @@ def scrape(server):
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             labels = dict(s.labels)
-            assert labels.pop("model_name") == server.engine.model_info.model, s
+            assert labels.pop("model_name") == server.engine.model_info.served_model_name, s
             samples[(s.name, tuple(sorted(labels.items())))] = s.value
     return samples
 

@@ -67,7 +67,7 @@ def test_every_series_names_the_model(stubs, live):
     assert families
     for family in families:
         for sample in family.samples:
-            assert sample.labels.get("model_name") == live.engine.model_info.model, sample
+            assert sample.labels.get("model_name") == live.engine.model_info.served_model_name, sample
 
 
 def test_openmetrics_exposition_has_the_readme_names(stubs, live):
@@ -108,6 +108,11 @@ def test_a_request_moves_its_histograms(stubs, live):
     assert moved("jetserve_request_generation_tokens_sum") == 6
     assert moved("jetserve_request_params_max_tokens_sum") == 6
     assert moved("jetserve_request_params_n_sum") == 1
+    for phase in ("queue", "prefill", "decode", "inference"):
+        assert moved("jetserve_request_%s_time_seconds_count" % phase) == 1, phase
+    # queue + inference is the request's time inside the engine: no longer than end to end
+    inside = moved("jetserve_request_queue_time_seconds_sum") + moved("jetserve_request_inference_time_seconds_sum")
+    assert 0 < inside <= moved("jetserve_e2e_request_latency_seconds_sum")
     assert moved("jetserve_inter_token_latency_seconds_count") == 5  # one per step after the first
 
 

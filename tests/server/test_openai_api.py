@@ -125,6 +125,16 @@ def test_errors_have_openai_shape_and_status(sdk, live, fields, status, words):
     assert "Traceback" not in body["message"]
 
 
+@pytest.mark.parametrize("messages, words", [
+    ([{"role": "wizard", "content": "hi"}], "messages[0].role"),
+    ([{"role": "user", "content": ""}], "messages[0].content is empty"),
+])
+def test_bad_chat_messages_are_a_400(sdk, live, messages, words):
+    with pytest.raises(openai.BadRequestError) as err:
+        sdk.chat.completions.create(model=live.server.model_name, messages=messages, max_tokens=2)
+    assert words in err.value.body["message"]
+
+
 def test_bad_json_body_is_a_400(live):
     request = urllib.request.Request("http://127.0.0.1:%d/v1/chat/completions" % live.server.openai_port,
                                      data=b'{"messages": 7}', headers={"Content-Type": "application/json"})
@@ -183,3 +193,26 @@ def test_the_bearer_token_guards_everything_but_health(guarded):
         assert done.usage.completion_tokens <= 3
     health = "http://127.0.0.1:%d/health" % guarded.server.openai_port
     assert json.loads(urllib.request.urlopen(health, timeout=10).read()) == {"status": "SERVING"}
+
+
+def test_n_and_logprobs_over_http(sdk, live):
+    done = sdk.chat.completions.create(model=live.server.model_name, messages=[{"role": "user", "content": "hi"}],
+                                       n=2, temperature=1.0, seed=4, max_tokens=5, logprobs=True, top_logprobs=3,
+                                       extra_body={"ignore_eos": True})
+    assert [c.index for c in done.choices] == [0, 1] and done.usage.completion_tokens == 10
+    for choice in done.choices:
+        entries = choice.logprobs.content
+        assert len(entries) == 5 and all(len(e.top_logprobs) == 3 for e in entries)
+        assert all(e.logprob <= 0 and e.top_logprobs[0].logprob >= e.logprob for e in entries)
+    text = sdk.completions.create(model=live.server.model_name, prompt="The kiosk", max_tokens=4, temperature=0,
+                                  logprobs=2, extra_body={"ignore_eos": True}).choices[0]
+    assert len(text.logprobs.tokens) == 4 and "".join(text.logprobs.tokens) == text.text
+    assert all(len(top) == 2 for top in text.logprobs.top_logprobs)
+
+
+def test_penalties_reach_the_engine_over_http(sdk, live):
+    args = dict(model=live.server.model_name, prompt="The kiosk", max_tokens=12, temperature=0,
+                extra_body={"ignore_eos": True})
+    plain = sdk.completions.create(**args).choices[0].text
+    penalised = sdk.completions.create(frequency_penalty=2.0, presence_penalty=2.0, **args).choices[0].text
+    assert penalised != plain

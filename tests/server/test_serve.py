@@ -68,8 +68,8 @@ def test_systemd_sees_ready_watchdog_stopping_and_sigterm_drains(tiny_model, tmp
     env = dict(os.environ, NOTIFY_SOCKET=notify_socket.address, WATCHDOG_USEC="1000000")
     openai_port = free_port()
     # Flags override the file: max-num-seqs 2 there, 3 here.
-    server = jetserve("serve", "--config", str(config), "--model", str(tiny_model), "--port", "0",
-                      "--max-num-seqs", "3", "--openai-port", str(openai_port), env=env)
+    server = jetserve("serve", str(tiny_model), "--config", str(config), "--port", "0", "--max-num-seqs", "3",
+                      "--openai-port", str(openai_port), "--served-model-name", "kiosk-llm", env=env)
     try:
         ready = notify_socket.wait_for("READY=1", server)
         assert any("loading" in d for d in notify_socket.received[:-1]), notify_socket.received  # STATUS= first
@@ -87,7 +87,8 @@ def test_systemd_sees_ready_watchdog_stopping_and_sigterm_drains(tiny_model, tmp
         first = next(open_stream)
         sdk = openai.OpenAI(base_url="http://127.0.0.1:%d/v1" % openai_port, api_key="-", max_retries=0)
         model = sdk.models.list().data[0].id
-        open_http = iter(sdk.completions.create(model=model, prompt="kiosk", max_tokens=40, temperature=0,
+        assert model == "kiosk-llm"
+        open_http = iter(sdk.completions.create(model=model, prompt="kiosk", max_tokens=20, temperature=0,
                                                 stream=True, extra_body={"ignore_eos": True}))
         first_http = next(open_http)
         server.send_signal(signal.SIGTERM)

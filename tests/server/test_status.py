@@ -69,6 +69,8 @@ def test_bad_generate_requests(stubs, request_, code, words):
 @pytest.mark.parametrize("messages, words", [
     ([], "messages"),
     ([pb.ChatMessage(role="", content="hi")], "messages[0].role"),
+    ([pb.ChatMessage(role="user", content="hi"), pb.ChatMessage(role="wizard", content="hi")], "messages[1].role"),
+    ([pb.ChatMessage(role="user", content="")], "messages[0].content is empty"),
 ])
 def test_bad_chat_messages(stubs, messages, words):
     inference, _ = stubs
