@@ -30,10 +30,12 @@ def sampling(draw):
                                  ignore_eos=draw(st.booleans()))
     for name, values in (("temperature", floats), ("top_p", floats), ("min_p", floats),
                          ("top_k", st.integers(-3, 500)), ("max_tokens", st.integers(-2, 6)),
-                         ("seed", st.integers(-2 ** 63, 2 ** 63 - 1))):
+                         ("seed", st.integers(-2 ** 63, 2 ** 63 - 1)), ("n", st.integers(1, 2)),
+                         ("repetition_penalty", st.floats(0.5, 2, width=32)), ("logprobs", st.integers(0, 3))):
         value = draw(st.none() | values)
         if value is not None:
             setattr(options, name, value)
+    options.logit_bias.update(draw(st.dictionaries(st.integers(0, 399), st.floats(-5, 5, width=32), max_size=2)))
     if not options.HasField("max_tokens"):
         options.max_tokens = draw(st.integers(1, 6))  # keep the run bounded: the default would be 16
     return options
@@ -48,8 +50,9 @@ generate = st.builds(
     sampling())
 chat = st.builds(
     lambda messages, options: pb.ChatRequest(messages=messages, sampling=options),
-    st.lists(st.builds(pb.ChatMessage, role=st.sampled_from(["user", "system", "assistant", ""]) | text,
-                       content=text), max_size=3),
+    st.lists(st.builds(pb.ChatMessage, role=st.sampled_from(["user", "system", "assistant"])
+                       | st.sampled_from(["user", "tool", "developer", "", "wizard"]) | text,
+                       content=text.filter(bool) | text.filter(bool) | st.just("")), max_size=3),
     sampling())
 
 
