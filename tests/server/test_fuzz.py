@@ -50,8 +50,8 @@ generate = st.builds(
     sampling())
 chat = st.builds(
     lambda messages, options: pb.ChatRequest(messages=messages, sampling=options),
-    st.lists(st.builds(pb.ChatMessage, role=st.sampled_from(["user", "system", "assistant"])
-                       | st.sampled_from(["user", "tool", "developer", "", "wizard"]) | text,
+    st.lists(st.builds(pb.ChatMessage, role=st.sampled_from(["user", "system", "assistant"]) | st.sampled_from(["user", "assistant"])
+                       | st.sampled_from(["tool", "developer", "", "wizard"]) | text,
                        content=text.filter(bool) | text.filter(bool) | st.just("")), max_size=3),
     sampling())
 
@@ -92,7 +92,8 @@ def test_random_requests_all_get_a_proper_answer(target):
     total = answers["finished"] + answers["refused"]
     print("fuzz: %d requests (%d finished, %d refused) in %.1f s, %.0f requests/s"
           % (total, answers["finished"], answers["refused"], elapsed, total / elapsed))
-    assert total >= EXAMPLES and answers["finished"] > 100 and answers["refused"] > 100
+    # Chat roles and content are checked (OpenAI's roles, non-empty), so most random chats are refused.
+    assert total >= EXAMPLES and answers["finished"] > 50 and answers["refused"] > 100
 
     health = health_pb2_grpc.HealthStub(channel)
     assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
