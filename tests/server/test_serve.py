@@ -22,9 +22,11 @@ from jetserve.v1 import inference_pb2 as pb
 from jetserve.v1 import inference_pb2_grpc as pb_grpc
 
 
-def jetserve(*args, **kwargs):
+def jetserve(*args, env=None, **kwargs):
+    # One torch thread: on a busy 2-core machine a second one spins at every op's barrier.
+    env = dict(os.environ if env is None else env, OMP_NUM_THREADS="1")
     return subprocess.Popen([sys.executable, "-m", "jetserve.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, **kwargs)
+                            stderr=subprocess.STDOUT, text=True, env=env, **kwargs)
 
 
 class NotifySocket:
