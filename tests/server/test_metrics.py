@@ -113,7 +113,8 @@ def test_a_request_moves_its_histograms(stubs, live):
     # queue + inference is the request's time inside the engine: no longer than end to end
     inside = moved("jetserve_request_queue_time_seconds_sum") + moved("jetserve_request_inference_time_seconds_sum")
     assert 0 < inside <= moved("jetserve_e2e_request_latency_seconds_sum")
-    assert moved("jetserve_inter_token_latency_seconds_count") == 5  # one per step after the first
+    # one per delivered delta after the first (a slow reader gets steps merged into one delta)
+    assert 1 <= moved("jetserve_inter_token_latency_seconds_count") <= 5
 
 
 def test_a_cancelled_stream_counts_as_an_abort(stubs, live):

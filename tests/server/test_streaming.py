@@ -123,17 +123,14 @@ def test_deadline_mid_stream_frees_the_blocks(stubs, live):
     assert stats.kv_blocks_used == 0 and stats.num_running == 0
 
 
-def test_n_completions_and_logprobs_over_grpc(stubs):
+def test_new_sampling_fields_over_grpc(stubs):
     inference, _ = stubs
-    sampling = pb.SamplingOptions(n=2, temperature=1.0, seed=9, max_tokens=4, ignore_eos=True, logprobs=2,
-                                  repetition_penalty=1.5, logit_bias={5: -100.0})
+    plain = list(inference.Generate(pb.GenerateRequest(text="robot", sampling=greedy(6, ignore_eos=True))))
+    first = plain[0].token_ids[0]
+    sampling = greedy(6, ignore_eos=True, repetition_penalty=1.5, logit_bias={first: -100.0}, min_tokens=2)
     messages = list(inference.Generate(pb.GenerateRequest(text="robot", sampling=sampling)))
-    per_index = {}
-    for m in messages:
-        per_index.setdefault(m.index, []).extend(m.token_ids)
-        assert len(m.logprobs) == len(m.token_ids)
-        for entry, token in zip(m.logprobs, m.token_ids):
-            assert entry.token_id == token and len(entry.top_logprobs) == 2 and entry.rank >= 1
-    assert {i: len(t) for i, t in per_index.items()} == {0: 4, 1: 4}
-    assert 5 not in per_index[0] + per_index[1]
-    assert messages[-1].usage.completion_tokens == 8
+    tokens = [t for m in messages for t in m.token_ids]
+    assert len(tokens) == 6 and first not in tokens
+    with pytest.raises(grpc.RpcError) as err:
+        list(inference.Generate(pb.GenerateRequest(text="robot", sampling=pb.SamplingOptions(n=2))))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "n > 1" in err.value.details()
