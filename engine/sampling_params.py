@@ -12,7 +12,7 @@ MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_N = 16
 MAX_LOGPROBS = 20
-MAX_TOKEN_LIST = 4096  # stop_token_ids, logit_bias, allowed_token_ids, bad_words
+MAX_TOKEN_LIST = 4096  # logit_bias, allowed_token_ids, bad_words
 
 
 def _is_int(value) -> bool:
@@ -125,8 +125,6 @@ class SamplingParams:
                 isinstance(self.bad_words, list) and len(self.bad_words) <= MAX_TOKEN_LIST
                 and all(isinstance(w, str) and w.strip() for w in self.bad_words)):
             fail("bad_words", f"must be a list of at most {MAX_TOKEN_LIST} non-empty strings")
-        if len(self.stop) > MAX_TOKEN_LIST or len(self.stop_token_ids) > MAX_TOKEN_LIST:
-            fail("stop", f"and stop_token_ids take at most {MAX_TOKEN_LIST} entries")
 
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids the model does not have are named here, not met as an index error later."""
