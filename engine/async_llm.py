@@ -1,7 +1,7 @@
 """The streaming engine for the service (vLLM V1's AsyncLLM): submit → async iterator of deltas.
 
 This is the front end: it tokenizes and checks prompts in the caller's frame, hands token ids to
-the engine core (its own process by default on a GPU, see `EngineConfig.engine_core_process`, or
+the engine core (its own process by default, see `EngineConfig.engine_core_process`, or
 a thread), and turns the core's token deltas into text (`OutputProcessor`) on the client's
 thread, never in the step loop. Each stream reads from a `RequestOutputCollector` on its own
 event loop, so several servers (gRPC, HTTP) on different loops may share one engine.

@@ -243,7 +243,7 @@ class EngineArgs:
     cudagraph_capture_sizes: list[int] | None = None
     max_cudagraph_capture_size: int | None = None
     cuda_graph_num_warmup_steps: int = 2  # eager runs of each step shape before it is captured
-    engine_core_process: bool | None = None  # None: a process on a GPU, a thread on a CPU (measured: bench/results/serve)
+    engine_core_process: bool = True  # False: in a thread; a process on CPUs too (bench/results/serve-cpu)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -287,8 +287,8 @@ class EngineArgs:
         g.add_argument("--cuda-graph-num-warmup-steps", type=int, default=d.cuda_graph_num_warmup_steps,
                        help="eager runs of each step shape before its CUDA graph is captured")
         g.add_argument("--engine-core-process", action=argparse.BooleanOptionalAction, default=d.engine_core_process,
-                       help="serve with the step loop in its own process (default: on a GPU; "
-                            "on a CPU it runs in a thread)")
+                       help="run the step loop in its own process (default); --no-engine-core-process: "
+                            "in a thread of the server")
         return parser
 
     @classmethod
@@ -347,8 +347,7 @@ class EngineArgs:
             block_size=self.block_size, num_kv_blocks=self.num_kv_blocks, max_waiting=self.max_waiting,
             seed=self.seed, async_scheduling=self.async_scheduling, speculative=spec, cuda_graphs=graphs,
             fused_kernels=fused, has_tokenizer=(Path(model) / "tokenizer.json").exists(),
-            engine_core_process=(device.startswith("cuda") if self.engine_core_process is None
-                                 else self.engine_core_process))
+            engine_core_process=self.engine_core_process)
 
     def _device(self) -> str:
         return "cuda" if self.backend == "tensorrt-llm" else resolve_device(self.device)

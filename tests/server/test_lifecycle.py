@@ -90,7 +90,7 @@ def test_a_wedged_engine_turns_health_off_and_gets_no_watchdog_pings(tiny_model,
             time.sleep(0.05)
         return False
 
-    server = LiveServer(engine_factory(tiny_model))
+    server = LiveServer(engine_factory(tiny_model, engine_core_process=False))  # the core in a thread
     server.wait_loaded()
     channel = server.channel()
     health = health_pb2_grpc.HealthStub(channel)

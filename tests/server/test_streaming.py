@@ -41,7 +41,9 @@ def test_streamed_generate_equals_offline_greedy(stubs, offline):
         request = pb.GenerateRequest(request_id="eq-" + prompt, text=prompt, sampling=greedy(24, ignore_eos=True))
         tokens, text, messages = collect(inference.Generate(request))
         assert tokens == want_tokens and text == want_text
-        assert len(messages) == 24  # one message per token delta (no drafting here)
+        # One message per step's delta (no drafting here); fewer when the stream writes slower than
+        # the engine steps, and deltas waiting for it merge.
+        assert 1 <= len(messages) <= 24
         assert {m.request_id for m in messages} == {"eq-" + prompt}
         last = messages[-1]
         assert last.finish_reason == pb.FINISH_REASON_LENGTH
