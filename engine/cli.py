@@ -1,4 +1,5 @@
-"""`jetserve mtp ...`: tools for checkpoints with multi-token-prediction heads.
+"""`jetserve mtp ...`: tools for checkpoints with multi-token-prediction heads; `jetserve plan`:
+the memory plan of a configuration on a Jetson board or on this machine.
 
 Imports only the standard library at module level and parses on Python 3.8 (`jetserve.cli`
 imports every part's cli module, also on devices without torch); the work is imported inside
@@ -14,6 +15,42 @@ def register(subparsers):
     add_inspect(actions)
     add_merge(actions)
     add_fit(actions)
+    add_plan(subparsers)
+
+
+def add_plan(subparsers):
+    p = subparsers.add_parser(
+        "plan", help="will a model fit a Jetson: weights, KV cache, activations, graphs",
+        description="Print the memory a configuration needs (weights as loaded, quantized or not; KV cache at "
+                    "max_model_len x max_num_seqs; activations; CUDA graphs; runtime) against what a board leaves "
+                    "beside its OS, and the batch-1 decode speed its bandwidth allows. Reads metadata only. "
+                    "Exit status 1 when it does not fit.", conflict_handler="resolve")
+    try:
+        from jetserve.engine.config import EngineArgs
+    except ModuleNotFoundError as exc:
+        p.set_defaults(func=lambda args: sys.exit("jetserve plan: Python module %r is not installed" % exc.name))
+        return
+    EngineArgs.add_cli_args(p)
+    p.add_argument("--device", default="this",
+                   help="orin-nano-8gb, orin-nx-16gb, agx-orin-32gb, agx-orin-64gb, thor, or this (this machine's "
+                        "free memory now; default)")
+    p.set_defaults(func=_plan)
+
+
+def _plan(args):
+    from jetserve.engine.config import EngineArgs
+    from jetserve.engine.plan import memory_plan
+
+    board = args.device
+    args.device = "auto"
+    try:
+        config = EngineArgs.from_cli_args(args).resolve(device=None if board == "this" else "cuda")
+        plan = memory_plan(config, board)
+    except (ValueError, OSError) as exc:
+        print("jetserve plan: %s" % exc, file=sys.stderr)
+        return 2
+    print(plan.table(config))
+    return 0 if plan.fits else 1
 
 
 def mtp_actions(subparsers):

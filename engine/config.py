@@ -129,6 +129,7 @@ class SpeculativeConfig:
     acceptance_window: int = 128  # verifications (sequence-steps) the acceptance estimate looks back over
     probe_interval: int = 8  # every N-th step drafts one more or one fewer than k, in turn, to measure them
     min_samples: int = 16  # verifications of a position, and timed steps of a k, before k moves on them
+    quantization: str = "auto"  # MTP heads: "auto" (as the base), "none" (model dtype) or "int8"
 
     @classmethod
     def from_dict(cls, config: dict, num_mtp_layers: int) -> SpeculativeConfig:
@@ -151,6 +152,66 @@ class SpeculativeConfig:
                              "merge shipped heads with `jetserve mtp merge BASE HEADS OUT` or train them with "
                              "`jetserve mtp fit --model BASE --data FILES... --out OUT`")
         return spec
+
+
+QUANTIZATION_METHODS = ("awq", "gptq", "int8", "int4")  # checkpoint formats, then on-the-fly methods
+ON_THE_FLY = {"int8": (8, -1, True), "int4": (4, 128, False)}  # method: bits, group size (-1: per channel), sym
+DRAFT_QUANTIZATION = ("auto", "none", "int8")  # MTP heads: as the base, kept in the model dtype, or INT8
+
+
+@dataclass(frozen=True)
+class QuantizationConfig:
+    """Weight-only quantization, activations stay in the model dtype. A checkpoint's own
+    `quantization_config` (AWQ, GPTQ) decides the layout; `quantization="int8"` (vLLM's flag)
+    quantizes a float checkpoint's projections per output channel while loading, "int4" per
+    group of 128 (round to nearest, with zero points). `draft` says what the MTP heads get."""
+
+    method: str
+    bits: int
+    group_size: int  # input columns sharing a scale; -1: the whole row (per output channel)
+    sym: bool
+    zero_offset: int  # added to stored zero points: GPTQ's v1 format stores them minus one
+    draft: str = "auto"
+
+    @property
+    def on_the_fly(self) -> bool:
+        return self.method in ON_THE_FLY
+
+    @classmethod
+    def resolve(cls, checkpoint: dict, requested: str | None, draft: str) -> QuantizationConfig | None:
+        """From config.json's `quantization_config` and the user's `quantization`; errors name the field."""
+        if draft not in DRAFT_QUANTIZATION:
+            raise ValueError(f"speculative_config.quantization must be one of {DRAFT_QUANTIZATION}, got {draft!r}")
+        qc = checkpoint.get("quantization_config")
+        if requested is not None and requested not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS}, got {requested!r}")
+        if qc:
+            method = str(qc.get("quant_method", "")).lower()
+            if method not in ("awq", "gptq"):
+                raise CheckpointError(f"quantization_config.quant_method {method!r} is not supported "
+                                      "(jetserve loads awq and gptq checkpoints)")
+            if requested not in (None, method):
+                raise ValueError(f"quantization={requested!r}, but the checkpoint is quantized with {method!r}")
+            bits, group = int(qc.get("bits", qc.get("w_bit", 4))), int(qc.get("group_size", qc.get("q_group_size", 128)))
+            if method == "awq":
+                version = str(qc.get("version", "gemm")).lower()
+                if bits != 4 or version != "gemm":
+                    raise CheckpointError(f"AWQ {bits}-bit version {version!r}: jetserve loads 4-bit GEMM-packed AWQ")
+                return cls("awq", 4, group, sym=not qc.get("zero_point", True), zero_offset=0, draft=draft)
+            if bits not in (4, 8):
+                raise CheckpointError(f"GPTQ with {bits} bits: jetserve loads 4 and 8")
+            if qc.get("desc_act"):
+                raise CheckpointError("GPTQ with desc_act (act-order) is not supported yet: re-export with "
+                                      "desc_act=false")
+            fmt = str(qc.get("checkpoint_format", "gptq")).lower()  # v1 ("gptq") stores zero points minus one
+            return cls("gptq", bits, group, sym=bool(qc.get("sym", True)), zero_offset=int(fmt == "gptq"), draft=draft)
+        if requested in ("awq", "gptq"):
+            raise ValueError(f"quantization={requested!r}, but config.json has no quantization_config: "
+                             "use int8 or int4 to quantize a float checkpoint while loading")
+        if requested is None:
+            return cls("none", 16, -1, True, 0, draft) if draft == "int8" else None
+        bits, group, sym = ON_THE_FLY[requested]
+        return cls(requested, bits, group, sym, 0, draft)
 
 
 @dataclass(frozen=True)
@@ -206,6 +267,7 @@ class EngineConfig:
     fused_kernels: bool  # the Triton kernels (CUDA with Triton); else plain torch
     has_tokenizer: bool
     engine_core_process: bool  # AsyncLLM runs the step loop in its own process (else in a thread)
+    quantization: QuantizationConfig | None = None  # weight-only; None: every weight in `dtype`
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -244,6 +306,7 @@ class EngineArgs:
     max_cudagraph_capture_size: int | None = None
     cuda_graph_num_warmup_steps: int = 2  # eager runs of each step shape before it is captured
     engine_core_process: bool = True  # False: in a thread; a process on CPUs too (bench/results/serve-cpu)
+    quantization: str | None = None  # weight-only: int8/int4 on the fly; awq/gptq come from the checkpoint
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -284,6 +347,9 @@ class EngineArgs:
                        help="batch sizes to capture, e.g. 1 2 4 8")
         g.add_argument("--max-cudagraph-capture-size", "--cuda-graph-max-batch-size", type=int,
                        default=d.max_cudagraph_capture_size, dest="max_cudagraph_capture_size")
+        g.add_argument("--quantization", default=d.quantization, choices=QUANTIZATION_METHODS,
+                       help="weight-only: int8 (per channel) or int4 (group 128) quantizes a float checkpoint "
+                            "while loading; AWQ and GPTQ checkpoints are recognised without it")
         g.add_argument("--cuda-graph-num-warmup-steps", type=int, default=d.cuda_graph_num_warmup_steps,
                        help="eager runs of each step shape before its CUDA graph is captured")
         g.add_argument("--engine-core-process", action=argparse.BooleanOptionalAction, default=d.engine_core_process,
@@ -304,8 +370,9 @@ class EngineArgs:
             values["served_model_name"] = values["served_model_name"][0]
         return cls(**values)
 
-    def resolve(self) -> EngineConfig:
-        """Check every field and apply every default, once; errors name the field."""
+    def resolve(self, device: str | None = None) -> EngineConfig:
+        """Check every field and apply every default, once; errors name the field. `device`:
+        resolve for that device without asking torch (the memory plan of another board)."""
         if not self.model:
             raise ValueError("model must name a checkpoint directory")
         for name in ("max_num_seqs", "block_size", "max_waiting"):
@@ -318,7 +385,8 @@ class EngineArgs:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         model = demo_model_dir() if self.model == DEMO_MODEL and not Path(self.model).is_dir() else str(self.model)
-        model_config = ModelConfig.from_dict(read_json(Path(model) / "config.json"))
+        hf_config = read_json(Path(model) / "config.json")
+        model_config = ModelConfig.from_dict(hf_config)
         limit = model_config.max_position_embeddings
         if self.max_model_len and self.max_model_len > limit:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings={limit}")
@@ -330,7 +398,9 @@ class EngineArgs:
                              "without chunked prefill a whole prompt must fit in one step")
         spec = (SpeculativeConfig.from_dict(self.speculative_config, model_config.num_mtp_layers)
                 if self.speculative_config else None)
-        device = self._device()
+        quantization = QuantizationConfig.resolve(
+            hf_config, self.quantization, (self.speculative_config or {}).get("quantization", "auto"))
+        device = device or self._device()
         fused = self.backend == "torch" and device.startswith("cuda") and HAS_TRITON
         graphs = None
         if not self.enforce_eager and (fused or self.backend == "tensorrt-llm"):
@@ -347,7 +417,8 @@ class EngineArgs:
             block_size=self.block_size, num_kv_blocks=self.num_kv_blocks, max_waiting=self.max_waiting,
             seed=self.seed, async_scheduling=self.async_scheduling, speculative=spec, cuda_graphs=graphs,
             fused_kernels=fused, has_tokenizer=(Path(model) / "tokenizer.json").exists(),
-            engine_core_process=self.engine_core_process)
+            engine_core_process=self.engine_core_process,
+            quantization=quantization)
 
     def _device(self) -> str:
         return "cuda" if self.backend == "tensorrt-llm" else resolve_device(self.device)

@@ -39,6 +39,14 @@ def kv_reserve(config: EngineConfig, measure: Callable[[int, int], int]) -> int:
     return reserve
 
 
+def block_bytes(config: EngineConfig) -> int:
+    """Bytes of one KV block: k and v of every layer with a cache (the main stack, then one per
+    MTP layer) for block_size tokens."""
+    c = config.model_config
+    per_token = 2 * (c.num_hidden_layers + c.num_mtp_layers) * c.num_key_value_heads * c.head_dim
+    return per_token * config.block_size * torch.finfo(torch_dtype(config.dtype)).bits // 8
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, progress: Callable[[str], None] | None = None):
         self.config = config
@@ -46,13 +54,14 @@ class ModelRunner:
         self.dtype = torch_dtype(config.dtype)
         self.block_size = config.block_size
         torch.manual_seed(config.seed)
-        self.model = load_model(config.model, self.dtype, self.device, config.max_model_len, progress)
+        self.model = load_model(config.model, self.dtype, self.device, config.max_model_len, progress,
+                                config.quantization)
         if config.fused_kernels:
             # Chosen here, once, and handed down: two engines in one process (tests, benchmarks)
             # each keep their own tile choices; tiles are timed only where graphs are captured.
-            from jetserve.engine.model.kernels import FusedKernels  # needs Triton
+            from jetserve.engine.model.quant_kernels import QuantFusedKernels  # needs Triton
 
-            self.model.use_kernels(FusedKernels(tile_timing=config.cuda_graphs is not None))
+            self.model.use_kernels(QuantFusedKernels(tile_timing=config.cuda_graphs is not None))
         self.num_blocks = config.num_kv_blocks or self._fit_num_blocks()
         if self.num_blocks < config.max_blocks_per_seq:
             raise ValueError(f"num_kv_blocks={self.num_blocks} of {config.block_size} tokens cannot hold one "
@@ -76,9 +85,7 @@ class ModelRunner:
 
     @property
     def block_bytes(self) -> int:
-        c = self.config.model_config
-        per_token = 2 * self.model.num_kv_layers * c.num_key_value_heads * c.head_dim
-        return per_token * self.block_size * torch.finfo(self.dtype).bits // 8
+        return block_bytes(self.config)
 
     def _fit_num_blocks(self) -> int:
         """Enough for every sequence at full length (with its draft slots); on a GPU no more

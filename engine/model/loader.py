@@ -3,6 +3,9 @@
 The checkpoint's names map onto our fused parameters: q|k|v → qkv_proj, gate|up → gate_up_proj;
 `mtp.*` (Qwen3-Next) or `model.layers.{N+j}.{enorm,hnorm,eh_proj,shared_head.norm}` (DeepSeek)
 → `mtp[j]`. A tensor that is missing or has the wrong shape is an error that names it.
+With weight-only quantization (model/quant.py) the projections become `QuantLinear`s before any
+memory is allocated: AWQ/GPTQ tensors are unpacked into our layout, float ones quantized while
+loading, so a model whose float weights would not fit the device never exists in float.
 """
 
 from __future__ import annotations
@@ -13,8 +16,9 @@ import torch
 from tqdm import tqdm
 
 from jetserve.engine.model.checkpoint import Checkpoint, CheckpointError
-from jetserve.engine.config import ModelConfig
-from jetserve.engine.model.qwen3 import Qwen3ForCausalLM, RotaryEmbedding
+from jetserve.engine.config import ON_THE_FLY, ModelConfig, QuantizationConfig
+from jetserve.engine.model.qwen3 import Linear, Qwen3ForCausalLM, RotaryEmbedding
+from jetserve.engine.model import quant
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -68,14 +72,32 @@ def parameter_sources(ckpt: Checkpoint, cfg: ModelConfig) -> dict[str, list[str]
     return sources
 
 
-def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_positions: int,
-               progress: Callable[[str], None] | None = None) -> Qwen3ForCausalLM:
-    ckpt = Checkpoint(model_dir)
+def build_meta_model(ckpt: Checkpoint, dtype: torch.dtype, max_positions: int,
+                     quantization: QuantizationConfig | None = None):
+    """The model as it will be, on the meta device (no memory), checked against the checkpoint's
+    metadata: (model, parameter → checkpoint tensors, projection → quantization mode). The
+    memory plan sizes the weights from it, the loader fills it."""
     cfg = ModelConfig.from_dict(ckpt.config)
     with torch.device("meta"):
         model = Qwen3ForCausalLM(cfg, max_positions).to(dtype)
-    sources = parameter_sources(ckpt, cfg)
-    _check(ckpt, cfg, dict(model.named_parameters()), sources)
+        sources = parameter_sources(ckpt, cfg)
+        modes = quantization_modes(ckpt, model, sources, quantization) if quantization else {}
+        for name, mode in modes.items():
+            if mode != "dequantize":
+                module = name.removesuffix(".weight")
+                linear = model.get_submodule(module)
+                model.set_submodule(module, _quant_linear(ckpt, sources[name], linear, quantization, mode))
+    _check(ckpt, cfg, dict(model.named_parameters()),
+           {name: names for name, names in sources.items() if name not in modes})
+    return model, sources, modes
+
+
+def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_positions: int,
+               progress: Callable[[str], None] | None = None,
+               quantization: QuantizationConfig | None = None) -> Qwen3ForCausalLM:
+    ckpt = Checkpoint(model_dir)
+    cfg = ModelConfig.from_dict(ckpt.config)
+    model, sources, modes = build_meta_model(ckpt, dtype, max_positions, quantization)
 
     model = model.to_empty(device=device)
     model.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, max_positions).to(device)  # fp32 tables
@@ -85,11 +107,64 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_pos
     with torch.no_grad():
         for n, (name, names) in enumerate(tqdm(sources.items(), desc="loading weights", unit="tensor",
                                                leave=False, disable=progress is None)):
+            if name in modes:
+                weight = _quantized_weight(ckpt, names, quantization, modes[name])
+                if modes[name] == "dequantize":
+                    params[name].copy_(quant.dequantize(weight, dtype))
+                else:
+                    model.get_submodule(name.removesuffix(".weight")).load(weight)
+                continue
             tensor = torch.cat([ckpt.get(s) for s in names]) if len(names) > 1 else ckpt.get(names[0])
             params[name].copy_(tensor)
             if progress and n % 16 == 0:
                 progress(f"loading weights {n + 1}/{len(sources)}")
     return model.eval()
+
+
+def quantization_modes(ckpt: Checkpoint, model: Qwen3ForCausalLM, sources: dict[str, list[str]],
+                       config: QuantizationConfig) -> dict[str, str]:
+    """How each projection loads: "packed" (AWQ/GPTQ tensors as they are), "int8" or "int4"
+    (quantized while loading, from a float tensor or from packed ones: MTP heads asked for int8)
+    or "dequantize" (packed, kept in the model dtype: MTP heads asked for none). The vocab
+    projection and the embedding stay in the model dtype, as in AWQ and GPTQ exports."""
+    modes = {}
+    for name, names in sources.items():
+        module = name.removesuffix(".weight")
+        if module == "lm_head" or not isinstance(model.get_submodule(module), Linear):
+            continue
+        packed = f"{names[0].removesuffix('.weight')}.qweight" in ckpt
+        want = config.draft if name.startswith("mtp.") else "auto"
+        if want == "int8":
+            modes[name] = "int8"
+        elif packed:
+            modes[name] = "dequantize" if want == "none" else "packed"
+        elif want == "auto" and config.on_the_fly:
+            modes[name] = config.method
+    return modes
+
+
+def _quant_linear(ckpt: Checkpoint, names: list[str], linear: Linear, config: QuantizationConfig,
+                  mode: str) -> quant.QuantLinear:
+    """The (meta) module a projection becomes, shaped from metadata alone."""
+    k, n = linear.in_features, linear.out_features
+    if mode == "packed":
+        scales = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}[
+            ckpt.dtype(f"{names[0].removesuffix('.weight')}.scales")]
+        return quant.QuantLinear(k, n, config.bits, config.group_size, scales, has_zeros=True, signed=False)
+    bits, group, sym = ON_THE_FLY[mode]
+    return quant.QuantLinear(k, n, bits, group, torch.float32, has_zeros=not sym or bits == 4, signed=sym)
+
+
+def _quantized_weight(ckpt: Checkpoint, names: list[str], config: QuantizationConfig,
+                      mode: str) -> quant.QuantizedWeight:
+    if f"{names[0].removesuffix('.weight')}.qweight" in ckpt:
+        weight = quant.read_quantized(ckpt, [s.removesuffix(".weight") for s in names], config)
+        if mode in ("packed", "dequantize"):
+            return weight
+        tensor = quant.dequantize(weight, torch.float32)
+    else:
+        tensor = torch.cat([ckpt.get(s) for s in names]) if len(names) > 1 else ckpt.get(names[0])
+    return quant.quantize(tensor, *ON_THE_FLY[mode])
 
 
 def _check(ckpt: Checkpoint, cfg: ModelConfig, params: dict, sources: dict[str, list[str]]) -> None:

@@ -1,0 +1,205 @@
+"""Weight-only quantized projections: the published layouts, unpacked once into one of ours.
+
+Every format loads into the same runtime layout, so one kernel family serves all of them:
+`qweight` holds the integers row by row along the input dim (8 bits: uint8/int8 [N, K]; 4 bits:
+int32 [N, K/8], nibble i of word j is column 8j + i), `scales` [N, K/group] and, for formats
+with zero points, `zeros` uint8 [N, K/group]; w = (q - z) * s, computed in the scales' dtype
+exactly like each format's reference dequantization, then cast to the activation dtype.
+
+- AWQ (GEMM version): qweight int32 [K, N/8] packed along the output dim in the order
+  0 2 4 6 1 3 5 7, qzeros likewise [K/group, N/8], scales [K/group, N].
+- GPTQ: qweight int32 [K/(32/bits), N] packed along the input dim in natural order, qzeros
+  [K/group, N/(32/bits)] (the v1 format stores zero - 1), scales [K/group, N], g_idx [K].
+- On the fly from a float checkpoint: INT8 symmetric per output channel (vLLM's `int8`), INT4
+  asymmetric per group of 128, round to nearest (AWQ's min-max formula without its search).
+
+Decode steps (a few rows on CUDA) run the fused W8A16/W4A16 kernels of quant_kernels.py, which
+dequantize in registers; other shapes (prefill, the CPU) dequantize into the activation dtype
+and run the float product.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from jetserve.engine.config import QuantizationConfig
+from jetserve.engine.model.checkpoint import Checkpoint, CheckpointError
+from jetserve.engine.model.qwen3 import _KernelUser
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ puts output column 8j + AWQ_ORDER[i] in nibble i of word j
+_AWQ_UNORDER = tuple(AWQ_ORDER.index(c) for c in range(8))
+
+
+class QuantizedWeight(NamedTuple):
+    """What the kernels read: the runtime layout of one projection (see the module docstring)."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+    bits: int
+    group_size: int  # input columns per scale (K: per output channel)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(out, in), as a float weight's."""
+        return self.qweight.shape[0], self.qweight.shape[1] * (32 // self.bits if self.bits == 4 else 1)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """int [N, K] in 0..15 → int32 [N, K/8], column 8j + i in nibble i of word j."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=q.device)
+    words = q.to(torch.int32).view(q.shape[0], -1, 8) << shifts
+    out = words[..., 0]
+    for i in range(1, 8):
+        out = out | words[..., i]
+    return out
+
+
+def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 words → their `bits`-bit fields, low bits first, on a new last dim (int32)."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)
+    return (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+
+
+def integers(w: QuantizedWeight) -> torch.Tensor:
+    """The stored integers as int32 [N, K]."""
+    return unpack(w.qweight, 4).flatten(1) if w.bits == 4 else w.qweight.to(torch.int32)
+
+
+def dequantize(w: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """(q - z) * s in the scales' dtype (each format's reference rounding), cast to `dtype`."""
+    q = integers(w)
+    if w.zeros is not None:
+        q = q - w.zeros.to(torch.int32).repeat_interleave(w.group_size, dim=1)
+    return (q.to(w.scales.dtype) * w.scales.repeat_interleave(w.group_size, dim=1)).to(dtype)
+
+
+def quantize(weight: torch.Tensor, bits: int, group_size: int, sym: bool) -> QuantizedWeight:
+    """Round to nearest, in fp32: symmetric (zero 0, int8 storage) or min-max with zero points
+    (uint8/packed storage); group_size -1: one scale per output channel."""
+    n, k = weight.shape
+    group = k if group_size == -1 else group_size
+    if k % group:
+        raise ValueError(f"group size {group} does not divide the input dim {k}")
+    w = weight.float().reshape(n, k // group, group)
+    if sym:
+        top = 2 ** (bits - 1) - 1
+        scales = w.abs().amax(-1, keepdim=True).clamp(min=1e-8) / top
+        q = torch.round(w / scales).clamp(-top, top)
+        zeros = None
+    else:
+        top = 2**bits - 1
+        lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+        scales = (hi - lo).clamp(min=1e-5) / top
+        z = (-torch.round(lo / scales)).clamp(0, top)
+        q = (torch.round(w / scales) + z).clamp(0, top)
+        zeros = z.reshape(n, -1).to(torch.uint8)
+    q = q.reshape(n, k)
+    if bits == 4:
+        qweight = pack_int4(q + (8 if sym else 0))  # stored unsigned: a symmetric nibble carries zero 8
+        zeros = torch.full((n, k // group), 8, dtype=torch.uint8) if sym else zeros
+    else:
+        qweight = q.to(torch.int8 if sym else torch.uint8)
+    return QuantizedWeight(qweight.contiguous(), scales.reshape(n, -1).contiguous(), zeros, bits, group)
+
+
+def from_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int) -> QuantizedWeight:
+    """AWQ GEMM tensors → ours (see the module docstring)."""
+    q = unpack(qweight, 4)[..., list(_AWQ_UNORDER)].flatten(1)  # [K, N]
+    z = unpack(qzeros, 4)[..., list(_AWQ_UNORDER)].flatten(1)  # [K/group, N]
+    return QuantizedWeight(pack_int4(q.t()).contiguous(), scales.t().contiguous(), z.t().to(torch.uint8).contiguous(),
+                           4, group_size)
+
+
+def from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int,
+              zero_offset: int) -> QuantizedWeight:
+    """GPTQ tensors → ours; `zero_offset` 1 for the v1 format, which stores zero points minus one."""
+    q = unpack(qweight, bits)  # [K/pack, N, pack]
+    q = q.permute(0, 2, 1).flatten(0, 1)  # [K, N]
+    z = (unpack(qzeros, bits).flatten(1) + zero_offset) & ((1 << bits) - 1)  # [K/group, N]
+    stored = pack_int4(q.t()) if bits == 4 else q.t().to(torch.uint8)
+    return QuantizedWeight(stored.contiguous(), scales.t().contiguous(), z.t().to(torch.uint8).contiguous(),
+                           bits, group_size)
+
+
+def read_quantized(ckpt: Checkpoint, prefixes: list[str], config: QuantizationConfig) -> QuantizedWeight:
+    """The projections `prefixes` (e.g. q_proj, k_proj, v_proj of a layer) of an AWQ or GPTQ
+    checkpoint, in our layout, concatenated along the output dim like our fused parameters."""
+    parts = []
+    for prefix in prefixes:
+        tensors = {t: ckpt.get(f"{prefix}.{t}") for t in ("qweight", "qzeros", "scales")}
+        if config.method == "awq":
+            part = from_awq(tensors["qweight"], tensors["qzeros"], tensors["scales"], config.group_size)
+        else:
+            part = from_gptq(tensors["qweight"], tensors["qzeros"], tensors["scales"], config.bits,
+                             config.group_size, config.zero_offset)
+            if f"{prefix}.g_idx" in ckpt:
+                _check_g_idx(ckpt, prefix, part)
+        n, k = part.shape
+        if part.scales.shape != (n, k // config.group_size):
+            raise CheckpointError(f"{ckpt.dir}: {prefix}.scales has shape {list(tensors['scales'].shape)}, expected "
+                                  f"{[k // config.group_size, n]} for group size {config.group_size}")
+        parts.append(part)
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    zeros = None if first.zeros is None else torch.cat([p.zeros for p in parts])
+    return QuantizedWeight(torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]), zeros,
+                           first.bits, first.group_size)
+
+
+def _check_g_idx(ckpt: Checkpoint, prefix: str, part: QuantizedWeight) -> None:
+    """Without act-order, column k is in group k // group_size; anything else is refused."""
+    g_idx = ckpt.get(f"{prefix}.g_idx")
+    k = part.shape[1]
+    if not torch.equal(g_idx.to(torch.int64), torch.arange(k) // part.group_size):
+        raise CheckpointError(f"{ckpt.dir}: {prefix}.g_idx reorders the input columns (act-order); "
+                              "not supported yet: re-export with desc_act=false")
+
+
+class QuantLinear(_KernelUser):
+    """A bias-free projection with quantized weights. A few rows on CUDA take the fused kernel
+    (through the model's kernels, like `Linear`); anything else dequantizes and multiplies."""
+
+    def __init__(self, in_features: int, out_features: int, bits: int, group_size: int, scale_dtype: torch.dtype,
+                 has_zeros: bool, signed: bool):
+        super().__init__()
+        self.in_features, self.out_features, self.bits = in_features, out_features, bits
+        self.group_size = in_features if group_size == -1 else group_size
+        groups = in_features // self.group_size
+        if bits == 4:
+            q = torch.empty(out_features, in_features // 8, dtype=torch.int32)
+        else:
+            q = torch.empty(out_features, in_features, dtype=torch.int8 if signed else torch.uint8)
+        self.register_buffer("qweight", q)
+        self.register_buffer("scales", torch.empty(out_features, groups, dtype=scale_dtype))
+        self.register_buffer("zeros", torch.empty(out_features, groups, dtype=torch.uint8) if has_zeros else None)
+
+    @classmethod
+    def like(cls, w: QuantizedWeight) -> QuantLinear:
+        n, k = w.shape
+        return cls(k, n, w.bits, w.group_size, w.scales.dtype, w.zeros is not None, w.qweight.dtype == torch.int8)
+
+    @property
+    def weight(self) -> QuantizedWeight:
+        return QuantizedWeight(self.qweight, self.scales, self.zeros, self.bits, self.group_size)
+
+    def load(self, w: QuantizedWeight) -> None:
+        if w.shape != (self.out_features, self.in_features) or w.bits != self.bits:
+            raise CheckpointError(f"quantized weight {w.shape} ({w.bits} bits) does not fit "
+                                  f"[{self.out_features}, {self.in_features}] ({self.bits} bits)")
+        self.qweight.copy_(w.qweight)
+        self.scales.copy_(w.scales)
+        if self.zeros is not None:
+            self.zeros.copy_(w.zeros)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._skinny(x):
+            return self.kernels.linear(x, self.weight)
+        return F.linear(x, dequantize(self.weight, x.dtype))
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, bits={self.bits}, group={self.group_size}"

@@ -1,0 +1,152 @@
+"""The memory plan: what a configuration needs on a device, before anything is loaded.
+
+Jetsons share one LPDDR5 pool between the OS, the CPU and the GPU, and run out of it by the OOM
+killer, not by an error. So `jetserve plan` (and `serve`, before it loads) adds up the weights as
+they will be (the loader's own meta model, quantized as configured), the KV cache at
+max_model_len × max_num_seqs (the runner's `block_bytes`), the activations of the largest step and
+of the largest CUDA graph (the runner's `kv_reserve`, here with a formula for what a dry run
+measures there) and the runtime, and compares them with what the board leaves beside its OS.
+Decode at batch 1 reads every weight once a token, so the bytes read over the board's bandwidth
+project its speed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from jetserve.engine.config import EngineConfig
+from jetserve.engine.model.checkpoint import Checkpoint
+from jetserve.engine.model.loader import build_meta_model, torch_dtype
+from jetserve.engine.model.quant import QuantLinear
+from jetserve.engine.runner import block_bytes, kv_reserve
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Board:
+    memory: int  # bytes, shared by the OS, the CPU and the GPU on a Jetson
+    os_reserve: int  # bytes kept for the OS, its services and the agent
+    bandwidth: float  # bytes/s of memory bandwidth
+
+
+# Published memory and bandwidth; the OS share is a headless JetPack with the agent running.
+BOARDS = {
+    "orin-nano-8gb": Board(8 * GiB, int(1.5 * GiB), 68e9),
+    "orin-nx-16gb": Board(16 * GiB, 2 * GiB, 102e9),
+    "agx-orin-32gb": Board(32 * GiB, 2 * GiB, 205e9),
+    "agx-orin-64gb": Board(64 * GiB, 2 * GiB, 205e9),
+    "thor": Board(128 * GiB, 3 * GiB, 273e9),
+}
+RUNTIME_BYTES = int(0.6 * GiB)  # CUDA context, torch and the compiled kernels, on a GPU
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    device: str
+    available: int  # bytes left beside the OS (this machine: free now)
+    weights: int
+    kv_cache: int
+    kv_tokens: int
+    activations: int
+    graphs: int
+    runtime: int
+    bytes_per_token: int  # read by a batch-1 decode step: the weights it multiplies by
+    bandwidth: float | None
+    kv_per_seq: int  # bytes of KV one sequence of max_model_len takes
+
+    @property
+    def need(self) -> int:
+        return self.weights + self.kv_cache + self.activations + self.graphs + self.runtime
+
+    @property
+    def fits(self) -> bool:
+        return self.need <= self.available
+
+    def max_num_seqs(self) -> int:
+        """Sequences of max_model_len whose KV fits beside everything else."""
+        return max(0, (self.available - self.need + self.kv_cache) // self.kv_per_seq)
+
+    def table(self, config: EngineConfig) -> str:
+        q = config.quantization
+        rows = [
+            ("weights", self.weights, q.method if q else config.dtype),
+            ("KV cache", self.kv_cache, f"{config.max_model_len} tokens x {config.max_num_seqs} seqs, {config.dtype}"),
+            ("activations", self.activations, f"largest step: {config.max_num_batched_tokens} tokens"),
+            ("CUDA graphs", self.graphs, "largest captured step" if config.cuda_graphs else "off"),
+            ("runtime", self.runtime, "CUDA context, torch, kernels" if self.runtime else "CPU"),
+            ("total", self.need, ""),
+            ("available", self.available, f"{self.device}, beside the OS"),
+        ]
+        lines = [f"{name:<12}{n / GiB:>8.2f} GiB  {note}" for name, n, note in rows]
+        verdict = "fits" if self.fits else "DOES NOT FIT"
+        lines.append(f"{verdict}: {(self.available - self.need) / GiB:+.2f} GiB to spare")
+        if not self.fits:
+            lines.append(f"at max_model_len={config.max_model_len}, KV fits max_num_seqs={self.max_num_seqs()}"
+                         + ("" if q else "; weight-only quantization (--quantization int8 or int4) shrinks the "
+                                         "weights 2-4x"))
+        if self.bandwidth:
+            lines.append(f"decode, batch 1: {self.bytes_per_token / GiB:.2f} GiB read a token -> "
+                         f">= {self.bytes_per_token / self.bandwidth * 1e3:.1f} ms/token at "
+                         f"{self.bandwidth / 1e9:.0f} GB/s")
+        return "\n".join(lines)
+
+
+def memory_plan(config: EngineConfig, device: str) -> MemoryPlan:
+    """The plan of `config` on a board of BOARDS or on "this" machine (its free memory now)."""
+    if device == "this":
+        available, bandwidth = _free_here(config.device), None
+    elif device in BOARDS:
+        board = BOARDS[device]
+        available, bandwidth = board.memory - board.os_reserve, board.bandwidth
+    else:
+        raise ValueError(f"device must be one of {', '.join([*BOARDS, 'this'])}, got {device!r}")
+    dtype = torch_dtype(config.dtype)
+    model, _, _ = build_meta_model(Checkpoint(config.model), dtype, config.max_model_len, config.quantization)
+    weights = _bytes(model)
+    read = _bytes(model.layers) + _bytes(model.norm) + _bytes(model.lm_head)
+    dequantized = max((m.in_features * m.out_features * dtype.itemsize for m in model.modules()
+                       if isinstance(m, QuantLinear)), default=0)
+    measure = _activation_formula(config, dtype.itemsize, dequantized)
+    activations = kv_reserve(replace(config, cuda_graphs=None), measure)
+    graphs = kv_reserve(config, measure) - activations
+    blocks = config.max_num_seqs * config.max_blocks_per_seq + 1  # + the scratch block
+    gpu = device != "this" or config.device.startswith("cuda")
+    return MemoryPlan(device, available, weights, blocks * block_bytes(config), blocks * config.block_size,
+                      activations, graphs, RUNTIME_BYTES if gpu else 0, read, bandwidth,
+                      config.max_blocks_per_seq * block_bytes(config))
+
+
+def _bytes(module: torch.nn.Module) -> int:
+    tensors = {id(t): t for t in [*module.parameters(), *module.buffers()]}  # tied weights once
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _activation_formula(config: EngineConfig, act_bytes: int, dequantized: int):
+    """What `ModelRunner._activation_peak` measures by a dry run, on paper: a layer's live
+    tensors for n tokens (hidden, residual, normed input, q|k|v, attention output, gate|up and
+    SiLU·up), fp32 logits of the sampled rows and, with quantized weights, one projection
+    dequantized for a prefill step."""
+    c = config.model_config
+    per_token = (4 * c.hidden_size + (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+                 + 3 * c.intermediate_size) * act_bytes
+
+    def measure(n: int, n_logits: int) -> int:
+        return n * per_token + n_logits * c.vocab_size * (4 + act_bytes) + dequantized
+    return measure
+
+
+def _free_here(device: str) -> int:
+    """Bytes this machine can still give: the GPU's free memory, or the RAM available (a Jetson's
+    GPU memory is its RAM)."""
+    if device.startswith("cuda") and not _unified_memory():
+        return torch.cuda.mem_get_info(torch.device(device))[0]
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
+def _unified_memory() -> bool:
+    return bool(torch.cuda.is_available() and torch.cuda.get_device_properties(0).is_integrated)

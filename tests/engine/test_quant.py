@@ -1,0 +1,315 @@
+"""Weight-only quantization: AWQ and GPTQ checkpoints packed by AutoAWQ (the library's own
+quantizer formula and packing code, not ours) load, dequantize bit-exactly to AutoAWQ's
+reference and generate transformers' greedy tokens for their dequantized twin; INT8/INT4 on
+the fly; the W8A16/W4A16 kernels against torch (Triton's interpreter without a GPU); the memory
+plan on the Jetson boards."""
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from jetserve.engine import LLM, SamplingParams
+from jetserve.engine.model import quant
+from jetserve.engine.model.checkpoint import Checkpoint, CheckpointError
+from jetserve.engine.config import QuantizationConfig
+
+from tests.engine.builders import build_qwen3, hf_greedy
+
+awq_gemm = pytest.importorskip("awq.modules.linear.gemm")
+from awq.quantize.quantizer import AwqQuantizer  # noqa: E402
+from awq.utils.packing_utils import dequantize_gemm, unpack_reorder_pack  # noqa: E402
+
+# Every input dim a multiple of the group size 128.
+SHAPE = dict(vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=32, max_position_embeddings=256)
+PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+               "mlp.up_proj", "mlp.down_proj")
+PROMPTS = [[5, 17, 2, 99, 31, 8, 64], list(range(40, 63))]
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+def _awq_pack(weight: torch.Tensor):
+    """AutoAWQ's round-to-nearest quantizer (zero points, group 128) and its GEMM packer."""
+    quantizer = AwqQuantizer.__new__(AwqQuantizer)  # its formula needs only these three settings
+    quantizer.w_bit, quantizer.group_size, quantizer.zero_point = 4, 128, True
+    fake, scales, zeros = quantizer.pseudo_quantize_tensor(weight.detach().clone())
+    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    linear.weight.data = fake
+    packed = awq_gemm.WQLinear_GEMM.from_linear(linear, 4, 128, False, scales.t().contiguous(), zeros.t().contiguous())
+    return packed.qweight, packed.qzeros, packed.scales
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory):
+    """(AWQ dir, GPTQ dir, transformers twin with AutoAWQ's dequantized weights, its greedy tokens)."""
+    root = tmp_path_factory.mktemp("quant")
+    base = root / "base"
+    model = build_qwen3(base, seed=3, **SHAPE)
+    state = load_file(base / "model.safetensors")
+    awq, gptq = dict(state), dict(state)
+    twin = model.state_dict()
+    for i in range(SHAPE["num_hidden_layers"]):
+        for proj in PROJECTIONS:
+            name = f"model.layers.{i}.{proj}"
+            qweight, qzeros, scales = _awq_pack(awq.pop(f"{name}.weight"))
+            awq.update({f"{name}.qweight": qweight, f"{name}.qzeros": qzeros, f"{name}.scales": scales})
+            g_qweight, g_qzeros = unpack_reorder_pack(qweight, qzeros, 4)  # AutoAWQ's AWQ -> GPTQ (v1) layout
+            del gptq[f"{name}.weight"]
+            gptq.update({f"{name}.qweight": g_qweight, f"{name}.qzeros": g_qzeros, f"{name}.scales": scales,
+                         f"{name}.g_idx": torch.arange(qweight.shape[0], dtype=torch.int32) // 128})
+            twin[f"{name}.weight"] = dequantize_gemm(qweight, qzeros, scales, 4, 128).t().float()
+    config = json.loads((base / "config.json").read_text())
+    dirs = []
+    for fmt, tensors, qc in [
+        ("awq", awq, {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}),
+        ("gptq", gptq, {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": False, "desc_act": False}),
+    ]:
+        path = root / fmt
+        path.mkdir()
+        save_file({k: v.contiguous() for k, v in tensors.items()}, path / "model.safetensors")
+        (path / "config.json").write_text(json.dumps({**config, "quantization_config": qc}))
+        dirs.append(path)
+    model.load_state_dict(twin)
+    return *dirs, model, [hf_greedy(model, p, GREEDY.max_tokens) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("fmt", ["awq", "gptq"])
+def test_dequantizes_bit_exactly_to_autoawq(quantized, fmt):
+    path = quantized[0] if fmt == "awq" else quantized[1]
+    ckpt = Checkpoint(path)
+    config = QuantizationConfig.resolve(ckpt.config, None, "auto")
+    reference = Checkpoint(quantized[0])
+    for proj in PROJECTIONS:
+        name = f"model.layers.1.{proj}"
+        ours = quant.dequantize(quant.read_quantized(ckpt, [name], config), torch.float16)
+        theirs = dequantize_gemm(*(reference.get(f"{name}.{t}") for t in ("qweight", "qzeros", "scales")), 4, 128)
+        assert torch.equal(ours, theirs.t()), proj
+
+
+@pytest.mark.parametrize("fmt", ["awq", "gptq"])
+def test_greedy_tokens_equal_the_dequantized_twin(quantized, fmt):
+    path = quantized[0] if fmt == "awq" else quantized[1]
+    llm = LLM(str(path), dtype="float32", device="cpu", max_num_seqs=4)
+    model = llm.engine.runner.model
+    assert isinstance(model.layers[0].mlp.gate_up_proj, quant.QuantLinear)
+    assert model.layers[0].self_attn.qkv_proj.weight.bits == 4
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == quantized[3]
+
+
+def test_gptq_v2_and_act_order(quantized, tmp_path):
+    """checkpoint_format gptq_v2 stores true zero points; act-order is refused by name."""
+    config = json.loads((quantized[1] / "config.json").read_text())
+    v2 = QuantizationConfig.resolve({**config, "quantization_config": {**config["quantization_config"],
+                                                                      "checkpoint_format": "gptq_v2"}}, None, "auto")
+    assert v2.zero_offset == 0 and QuantizationConfig.resolve(config, None, "auto").zero_offset == 1
+    with pytest.raises(CheckpointError, match="desc_act"):
+        QuantizationConfig.resolve({"quantization_config": {"quant_method": "gptq", "desc_act": True}}, None, "auto")
+    with pytest.raises(ValueError, match="quantized with 'gptq'"):
+        QuantizationConfig.resolve(config, "int8", "auto")
+
+
+def test_gptq_8bit_layout():
+    """8-bit GPTQ: four bytes a word along the input dim, natural order (packed here by formula)."""
+    torch.manual_seed(0)
+    n, k, group = 16, 256, 128
+    q = torch.randint(0, 256, (k, n), dtype=torch.int64)
+    z = torch.randint(1, 255, (k // group, n), dtype=torch.int64)
+    scales = torch.rand(k // group, n, dtype=torch.float16) / 100
+    shifts = torch.arange(0, 32, 8)
+    qweight = (q.view(k // 4, 4, n) << shifts[None, :, None]).sum(1).to(torch.int32)  # wraps like int32 packing
+    qzeros = ((z - 1).view(k // group, n // 4, 4) << shifts).sum(-1).to(torch.int32)  # v1: zero - 1
+    w = quant.from_gptq(qweight, qzeros, scales, 8, group, zero_offset=1)
+    expected = ((q - z.repeat_interleave(group, 0)).to(torch.float16) * scales.repeat_interleave(group, 0)).t()
+    assert torch.equal(quant.dequantize(w, torch.float16), expected)
+
+
+@pytest.mark.parametrize("bits,group,sym", [(8, -1, True), (4, 128, False)])
+def test_on_the_fly_round_trip(bits, group, sym):
+    """Each weight comes back within half a step; quantizing what came back gives the same integers."""
+    torch.manual_seed(bits)
+    weight = torch.randn(64, 256) * 0.05
+    w = quant.quantize(weight, bits, group, sym)
+    back = quant.dequantize(w, torch.float32)
+    step = w.scales.repeat_interleave(w.group_size, dim=1)
+    assert ((back - weight).abs() <= step / 2 + 1e-7).all()
+    again = quant.quantize(back, bits, group, sym)
+    assert torch.equal(quant.integers(again), quant.integers(w))
+    assert w.qweight.numel() * w.qweight.element_size() == weight.numel() * bits // 8
+
+
+def test_int8_engine_equals_its_dequantized_twin(tmp_path):
+    """--quantization int8: every projection INT8 per channel, the MTP-less model generates the
+    tokens transformers generates with the same dequantized weights."""
+    model = build_qwen3(tmp_path, seed=5, **SHAPE)
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu", max_num_seqs=4, quantization="int8")
+    ours = llm.engine.runner.model
+    twin = model.state_dict()
+    for i, layer in enumerate(ours.layers):
+        qkv = quant.dequantize(layer.self_attn.qkv_proj.weight, torch.float32)
+        q_rows, kv_rows = 4 * 32, 2 * 32
+        for name, part in zip(("q_proj", "k_proj", "v_proj"), qkv.split([q_rows, kv_rows, kv_rows])):
+            twin[f"model.layers.{i}.self_attn.{name}.weight"] = part
+        gate, up = quant.dequantize(layer.mlp.gate_up_proj.weight, torch.float32).chunk(2)
+        twin[f"model.layers.{i}.mlp.gate_proj.weight"], twin[f"model.layers.{i}.mlp.up_proj.weight"] = gate, up
+        twin[f"model.layers.{i}.self_attn.o_proj.weight"] = quant.dequantize(layer.self_attn.o_proj.weight,
+                                                                             torch.float32)
+        twin[f"model.layers.{i}.mlp.down_proj.weight"] = quant.dequantize(layer.mlp.down_proj.weight, torch.float32)
+        assert layer.mlp.down_proj.qweight.dtype == torch.int8
+    model.load_state_dict(twin)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(model, p, GREEDY.max_tokens) for p in PROMPTS]
+
+
+def test_mtp_heads_follow_the_base_or_the_speculative_config():
+    """The demo's MTP layer: quantized with the base by default, kept in the model dtype or made INT8
+    by speculative_config's `quantization`."""
+    import jetserve
+
+    demo = str(__import__("pathlib").Path(jetserve.__file__).parent / "models" / "demo")
+    spec = {"method": "mtp", "num_speculative_tokens": 1}
+    cases = [("int4", "auto", 4), ("int4", "none", None), ("int4", "int8", 8), (None, "int8", 8)]
+    for method, draft, bits in cases:
+        llm = LLM(demo, device="cpu", max_num_seqs=1, max_model_len=64, quantization=method,
+                  speculative_config={**spec, "quantization": draft})
+        fc = llm.engine.runner.model.mtp[0].block.mlp.down_proj
+        assert (fc.bits if isinstance(fc, quant.QuantLinear) else None) == bits, (method, draft)
+
+
+# --- kernels ---------------------------------------------------------------------------------------------------
+
+FORMATS = [(8, -1, True), (4, 128, False), (8, 128, False)]  # INT8 on the fly, AWQ/INT4, GPTQ 8-bit
+
+
+@pytest.mark.parametrize("bits,group,sym", FORMATS)
+@pytest.mark.parametrize("m", [1, 3])
+def test_quant_kernel_prologues(bits, group, sym, m):
+    """Against dequantize + torch: N not a tile multiple, K in several tiles (the norm's first pass)
+    and in one partly masked tile."""
+    pytest.importorskip("triton")
+    from jetserve.engine.model import kernels
+    from jetserve.engine.model.quant_kernels import quant_matmul
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(m + bits)
+    eps = 1e-6
+    for k, tile in [(384, (8, 128, 4)), (256, (4, 512, 4))]:
+        n = 37
+        w = quant.quantize(torch.randn(n, k) / 8, bits, group, sym)
+        w = quant.QuantizedWeight(*(t.to(device) if isinstance(t, torch.Tensor) else t for t in w))
+        dense = quant.dequantize(w, torch.float32)
+        x, res = torch.randn(m, k, device=device), torch.randn(m, k, device=device)
+        gate_up, norm_w = torch.randn(m, 2 * k, device=device), torch.rand(k, device=device) + 0.5
+        h = x + res
+        rms = lambda v: norm_w * (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps))  # noqa: E731
+        cases = {kernels.PLAIN: ((x, None, None), F.linear(x, dense)),
+                 kernels.NORM: ((x, None, norm_w), F.linear(rms(x), dense)),
+                 kernels.ADD_NORM: ((x, res, norm_w), F.linear(rms(h), dense)),
+                 kernels.SILU_MUL: ((gate_up, None, None), F.linear(F.silu(gate_up[:, :k]) * gate_up[:, k:], dense))}
+        for prologue, ((inp, residual, nw), want) in cases.items():
+            got = quant_matmul(tile, prologue, inp, w, residual, nw, eps)
+            if prologue == kernels.ADD_NORM:
+                torch.testing.assert_close(got[1], h, rtol=0, atol=0)
+            got = got[0] if isinstance(got, tuple) else got
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=f"{prologue} k={k}")
+
+
+def test_fused_kernels_route_quantized_weights():
+    """The engine's kernels object takes a `QuantizedWeight` where a float weight would be; a shape
+    no tile fits (a group that is no power of two) falls back to dequantize + torch."""
+    pytest.importorskip("triton")
+    from jetserve.engine.model.quant_kernels import QuantFusedKernels
+
+    kernels = QuantFusedKernels(tile_timing=False)
+    x = torch.randn(2, 384)
+    for group in (128, 96):
+        w = quant.quantize(torch.randn(16, 384), 4, group, sym=False)
+        torch.testing.assert_close(kernels.linear(x, w), F.linear(x, quant.dequantize(w, torch.float32)),
+                                   rtol=1e-4, atol=1e-4)
+    assert [tile is None for key, tile in kernels.chosen.items()] == [False, True]
+    dense = torch.randn(16, 384)
+    torch.testing.assert_close(kernels.linear(x, dense), F.linear(x, dense), rtol=1e-4, atol=1e-4)
+
+
+# --- the memory plan -------------------------------------------------------------------------------------------
+
+QWEN3_4B = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=1e6, architectures=["Qwen3ForCausalLM"],
+                model_type="qwen3", dtype="bfloat16")
+
+
+def _sparse_checkpoint(path, tensors: dict, config: dict):
+    """A safetensors file with these (dtype, shape) tensors whose data is a hole: a real
+    checkpoint's metadata at no disk cost (the plan reads only metadata)."""
+    sizes = {"BF16": 2, "F16": 2, "I32": 4}
+    header, offset = {}, 0
+    for name, (dtype, shape) in tensors.items():
+        n = math.prod(shape) * sizes[dtype]
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    path.mkdir()
+    with open(path / "model.safetensors", "wb") as f:
+        f.write(len(blob).to_bytes(8, "little") + blob)
+        f.truncate(8 + len(blob) + offset)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def _qwen3_4b_tensors(awq: bool) -> dict:
+    c = QWEN3_4B
+    h, i, d = c["hidden_size"], c["intermediate_size"], c["head_dim"]
+    q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
+    tensors = {"model.embed_tokens.weight": ("BF16", (c["vocab_size"], h)), "model.norm.weight": ("BF16", (h,))}
+    for n in range(c["num_hidden_layers"]):
+        p = f"model.layers.{n}"
+        tensors.update({f"{p}.input_layernorm.weight": ("BF16", (h,)),
+                        f"{p}.post_attention_layernorm.weight": ("BF16", (h,)),
+                        f"{p}.self_attn.q_norm.weight": ("BF16", (d,)), f"{p}.self_attn.k_norm.weight": ("BF16", (d,))})
+        for name, (out, inp) in {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
+                                 "self_attn.o_proj": (h, q), "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h),
+                                 "mlp.down_proj": (h, i)}.items():
+            if awq:
+                tensors.update({f"{p}.{name}.qweight": ("I32", (inp, out // 8)),
+                                f"{p}.{name}.qzeros": ("I32", (inp // 128, out // 8)),
+                                f"{p}.{name}.scales": ("F16", (inp // 128, out))})
+            else:
+                tensors[f"{p}.{name}.weight"] = ("BF16", (out, inp))
+    return tensors
+
+
+def test_plan_qwen3_4b_on_an_orin_nano(tmp_path, capsys):
+    """4B in bf16 cannot fit an 8 GB Orin Nano, the plan says so (exit 1); 4B INT4, on the fly or
+    as AWQ, fits with two sequences of 4096 tokens."""
+    from jetserve.cli import main
+
+    _sparse_checkpoint(tmp_path / "bf16", _qwen3_4b_tensors(awq=False), QWEN3_4B)
+    awq_config = {**QWEN3_4B, "quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 128,
+                                                      "zero_point": True, "version": "gemm"}}
+    _sparse_checkpoint(tmp_path / "awq", _qwen3_4b_tensors(awq=True), awq_config)
+    common = ["--device", "orin-nano-8gb", "--max-model-len", "4096", "--max-num-seqs", "2"]
+    assert main(["plan", "--model", str(tmp_path / "bf16"), *common]) == 1
+    refused = capsys.readouterr().out
+    assert "DOES NOT FIT" in refused and "weights" in refused and "KV cache" in refused
+    weights = float(refused.split("weights")[1].split("GiB")[0])
+    assert 7.4 < weights < 7.6  # 4.02B parameters in bf16 (tied embedding once)
+    for model, extra in [("bf16", ["--quantization", "int4"]), ("awq", [])]:
+        assert main(["plan", "--model", str(tmp_path / model), *common, *extra]) == 0
+        accepted = capsys.readouterr().out
+        assert accepted.count("fits") == 1 and "ms/token at 68 GB/s" in accepted
+        assert 2.4 < float(accepted.split("weights")[1].split("GiB")[0]) < 2.8  # bf16 embedding + 4-bit layers
+
+
+def test_serve_refuses_what_cannot_fit(tmp_path):
+    from jetserve.cli import main
+
+    _sparse_checkpoint(tmp_path / "bf16", _qwen3_4b_tensors(awq=False), QWEN3_4B)
+    with pytest.raises(SystemExit) as exit:
+        main(["serve", "--model", str(tmp_path / "bf16"), "--device", "cpu", "--max-num-seqs", "512",
+              "--max-model-len", "40960", "--port", "0", "--metrics-port", "0"])
+    assert "does not fit" in str(exit.value.code) and "KV cache" in str(exit.value.code)
