@@ -20,6 +20,8 @@ BENCHMARKS = (
     ("kernels", "the decode kernels alone: skinny matmul vs cuBLAS bandwidth, split-context attention"),
     ("serve", "the service under load over gRPC: TTFT, ITL, TPOT and tok/s next to the engine's own step"),
     ("fleet", "simulated devices over MQTT against real controllers: lost messages, registry lag, offline detection"),
+    ("quant", "weight-only INT8/INT4 decode vs bf16, and projected ms/token on the Jetson boards"),
+    ("perplexity", "quantization quality: held-out perplexity and MTP draft agreement, bf16 vs INT8 vs INT4"),
 )
 
 

@@ -116,7 +116,8 @@ def _mib(n):
     return None if n is None else round(n / 2**20)
 
 
-def _time_engine(args, model_dir, device, batches, enforce_eager, plain=False, async_scheduling=False) -> dict:
+def _time_engine(args, model_dir, device, batches, enforce_eager, plain=False, async_scheduling=False,
+                 quantization=None) -> dict:
     """TPOT (median engine step, ms) for each batch size; with graphs also the graph replay alone."""
     import dataclasses
     import time
@@ -133,7 +134,8 @@ def _time_engine(args, model_dir, device, batches, enforce_eager, plain=False, a
     config = EngineArgs(
         model=model_dir, device=str(device), max_num_seqs=max_batch, max_model_len=length,
         num_kv_blocks=max_batch * -(-length // 16) + 1, enforce_eager=enforce_eager,
-        async_scheduling=async_scheduling, max_num_batched_tokens=max(2048, max_batch)).resolve()
+        async_scheduling=async_scheduling, max_num_batched_tokens=max(2048, max_batch),
+        quantization=quantization).resolve()
     if plain:  # the plain torch path on the GPU: what the step costs without the fused kernels
         config = dataclasses.replace(config, fused_kernels=False, cuda_graphs=None)
     engine = LLMEngine(config)
