@@ -28,7 +28,8 @@ def add_plan(subparsers):
     try:
         from jetserve.engine.config import EngineArgs
     except ModuleNotFoundError as exc:
-        p.set_defaults(func=lambda args: sys.exit("jetserve plan: Python module %r is not installed" % exc.name))
+        missing = exc.name
+        p.set_defaults(func=lambda args: sys.exit("jetserve plan: Python module %r is not installed" % missing))
         return
     EngineArgs.add_cli_args(p)
     p.add_argument("--device", default="this",

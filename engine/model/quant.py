@@ -2,9 +2,10 @@
 
 Every format loads into the same runtime layout, so one kernel family serves all of them:
 `qweight` holds the integers row by row along the input dim (8 bits: uint8/int8 [N, K]; 4 bits:
-int32 [N, K/8], nibble i of word j is column 8j + i), `scales` [N, K/group] and, for formats
-with zero points, `zeros` uint8 [N, K/group]; w = (q - z) * s, computed in the scales' dtype
-exactly like each format's reference dequantization, then cast to the activation dtype.
+int32 [N, K/8], nibble i of word j is column 8j + i), `scales` fp32 [N, K/group] and, for
+formats with zero points, `zeros` uint8 [N, K/group]; w = (q - z) * s in fp32, where it is exact
+(a small integer times an fp16 scale), so rounding it to fp16 gives each format's reference
+dequantization bit for bit; the product is cast to the activation dtype.
 
 - AWQ (GEMM version): qweight int32 [K, N/8] packed along the output dim in the order
   0 2 4 6 1 3 5 7, qzeros likewise [K/group, N/8], scales [K/group, N].
@@ -70,11 +71,11 @@ def integers(w: QuantizedWeight) -> torch.Tensor:
 
 
 def dequantize(w: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
-    """(q - z) * s in the scales' dtype (each format's reference rounding), cast to `dtype`."""
+    """(q - z) * s in fp32 (exact), cast to `dtype` (rounded once)."""
     q = integers(w)
     if w.zeros is not None:
         q = q - w.zeros.to(torch.int32).repeat_interleave(w.group_size, dim=1)
-    return (q.to(w.scales.dtype) * w.scales.repeat_interleave(w.group_size, dim=1)).to(dtype)
+    return (q.float() * w.scales.float().repeat_interleave(w.group_size, dim=1)).to(dtype)
 
 
 def quantize(weight: torch.Tensor, bits: int, group_size: int, sym: bool) -> QuantizedWeight:
@@ -100,7 +101,7 @@ def quantize(weight: torch.Tensor, bits: int, group_size: int, sym: bool) -> Qua
     q = q.reshape(n, k)
     if bits == 4:
         qweight = pack_int4(q + (8 if sym else 0))  # stored unsigned: a symmetric nibble carries zero 8
-        zeros = torch.full((n, k // group), 8, dtype=torch.uint8) if sym else zeros
+        zeros = torch.full((n, k // group), 8, dtype=torch.uint8, device=weight.device) if sym else zeros
     else:
         qweight = q.to(torch.int8 if sym else torch.uint8)
     return QuantizedWeight(qweight.contiguous(), scales.reshape(n, -1).contiguous(), zeros, bits, group)
@@ -110,8 +111,8 @@ def from_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, 
     """AWQ GEMM tensors → ours (see the module docstring)."""
     q = unpack(qweight, 4)[..., list(_AWQ_UNORDER)].flatten(1)  # [K, N]
     z = unpack(qzeros, 4)[..., list(_AWQ_UNORDER)].flatten(1)  # [K/group, N]
-    return QuantizedWeight(pack_int4(q.t()).contiguous(), scales.t().contiguous(), z.t().to(torch.uint8).contiguous(),
-                           4, group_size)
+    return QuantizedWeight(pack_int4(q.t()).contiguous(), scales.t().float().contiguous(),
+                           z.t().to(torch.uint8).contiguous(), 4, group_size)
 
 
 def from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int,
@@ -121,7 +122,7 @@ def from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
     q = q.permute(0, 2, 1).flatten(0, 1)  # [K, N]
     z = (unpack(qzeros, bits).flatten(1) + zero_offset) & ((1 << bits) - 1)  # [K/group, N]
     stored = pack_int4(q.t()) if bits == 4 else q.t().to(torch.uint8)
-    return QuantizedWeight(stored.contiguous(), scales.t().contiguous(), z.t().to(torch.uint8).contiguous(),
+    return QuantizedWeight(stored.contiguous(), scales.t().float().contiguous(), z.t().to(torch.uint8).contiguous(),
                            bits, group_size)
 
 
@@ -164,8 +165,7 @@ class QuantLinear(_KernelUser):
     """A bias-free projection with quantized weights. A few rows on CUDA take the fused kernel
     (through the model's kernels, like `Linear`); anything else dequantizes and multiplies."""
 
-    def __init__(self, in_features: int, out_features: int, bits: int, group_size: int, scale_dtype: torch.dtype,
-                 has_zeros: bool, signed: bool):
+    def __init__(self, in_features: int, out_features: int, bits: int, group_size: int, has_zeros: bool, signed: bool):
         super().__init__()
         self.in_features, self.out_features, self.bits = in_features, out_features, bits
         self.group_size = in_features if group_size == -1 else group_size
@@ -175,13 +175,13 @@ class QuantLinear(_KernelUser):
         else:
             q = torch.empty(out_features, in_features, dtype=torch.int8 if signed else torch.uint8)
         self.register_buffer("qweight", q)
-        self.register_buffer("scales", torch.empty(out_features, groups, dtype=scale_dtype))
+        self.register_buffer("scales", torch.empty(out_features, groups, dtype=torch.float32))
         self.register_buffer("zeros", torch.empty(out_features, groups, dtype=torch.uint8) if has_zeros else None)
 
     @classmethod
     def like(cls, w: QuantizedWeight) -> QuantLinear:
         n, k = w.shape
-        return cls(k, n, w.bits, w.group_size, w.scales.dtype, w.zeros is not None, w.qweight.dtype == torch.int8)
+        return cls(k, n, w.bits, w.group_size, w.zeros is not None, w.qweight.dtype == torch.int8)
 
     @property
     def weight(self) -> QuantizedWeight:

@@ -3,9 +3,8 @@
 The same fusion as the float kernel (RMSNorm, residual add + RMSNorm or SiLU·up before the
 product, see `_input_chunk`), the same tiling (each program streams BLOCK_N weight rows once for
 every input row), but the weights arrive as int8 or packed int4 and are dequantized in
-registers: w = (q - z) * s per group, rounded to the scales' dtype like each format's reference,
-so this kernel and `quant.dequantize` + torch differ only in reduction order. Per-channel
-scales multiply the finished dot products instead. Decode on a GPU, a Jetson most of all, is
+registers: w = (q - z) * s per group in fp32, as `quant.dequantize` computes it, so the two
+differ only in reduction order. Per-channel scales multiply the finished dot products instead. Decode on a GPU, a Jetson most of all, is
 bound by the bytes of weights read a token: INT8 halves them, INT4 quarters them.
 """
 
@@ -15,33 +14,29 @@ import torch
 import triton
 import triton.language as tl
 
-from jetserve.engine.model.kernels import (ADD_NORM, NORM, PLAIN, SILU_MUL, FusedKernels, _cold_copies,
+from jetserve.engine.model.kernels import (ADD_NORM, NORM, SILU_MUL, FusedKernels, _cold_copies,
                                            _input_chunk, _normalized, _torch_variant, graph_time)
 from jetserve.engine.model.quant import QuantizedWeight, dequantize
 
 
 @triton.jit
-def _weight_tile(qw_ptr, n64, n_mask, k0, cols, k_mask, K: tl.constexpr, BITS: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The stored integers of rows n, columns k0 + [0, BLOCK_K), as fp32 [BLOCK_N, BLOCK_K]."""
-    if BITS == 4:
-        words = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        packed = tl.load(qw_ptr + n64[:, None] * (K // 8) + words[None, :],
-                         mask=n_mask[:, None] & (words < K // 8)[None, :], other=0)
-        q = (packed[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 15
-        return tl.reshape(q, [BLOCK_N, BLOCK_K]).to(tl.float32)
-    q = tl.load(qw_ptr + n64[:, None] * K + cols[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0)
-    return q.to(tl.float32)
+def _as_float(q):
+    """Non-negative int32 below 2**23 → 2**23 + q in fp32: OR-ed into the bits of 2**23
+    (0x4B000000) and bit cast, full-rate ALU work, where an int-to-float conversion runs at a
+    fraction of the rate and, done for every weight, bounds the kernel before memory does.
+    Differences of two such values are exact."""
+    return (q | 0x4B000000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _quant_skinny_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, res_out_ptr, M, N,
                          K: tl.constexpr, eps, NORM: tl.constexpr, ADD: tl.constexpr, SILU: tl.constexpr,
-                         BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BITS: tl.constexpr, SIGNED: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[M, N] = a(x)[M, K] @ dequant(w)[N, K]^T, a() the prologue as in `_skinny_matmul_kernel`.
-    GROUP == K: one scale (and zero) per output row, applied to the finished dot products;
-    otherwise BLOCK_K is a multiple of GROUP and each tile's groups are scaled in registers."""
+    Each weight is (q - z) * s in fp32: q from its byte or nibble (a tile's columns share words,
+    groups, which the loads see as constant runs and fetch once), z and s of its group; with one
+    group a row (GROUP == K) the scale multiplies the finished dot products instead."""
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     row_mask = rows < M
@@ -59,25 +54,30 @@ def _quant_skinny_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_p
                              K, False, ADD, SILU, dtype).to(tl.float32)
             ss += tl.sum(h * h, axis=1)
         inv = tl.rsqrt(ss / K + eps)
-    if PER_ROW and HAS_ZEROS:
-        row_zero = tl.load(z_ptr + n64, mask=n_mask, other=0).to(tl.float32)
+    if PER_ROW:
+        offset = _as_float(tl.zeros([BLOCK_N], tl.int32) + 128 * SIGNED)
+        if HAS_ZEROS:
+            offset = _as_float(tl.load(z_ptr + n64, mask=n_mask, other=0).to(tl.int32))
     acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         k_mask = cols < K
-        w = _weight_tile(qw_ptr, n64, n_mask, k0, cols, k_mask, K, BITS, BLOCK_N, BLOCK_K)  # requested first
-        if PER_ROW:
-            if HAS_ZEROS:
-                w = w - row_zero[:, None]
+        mask = n_mask[:, None] & k_mask[None, :]
+        if BITS == 4:  # requested first: the prologue runs while they arrive
+            word = tl.load(qw_ptr + n64[:, None] * (K // 8) + (cols // 8)[None, :], mask=mask, other=0)
+            q = (word >> ((cols % 8) * 4)[None, :]) & 15
         else:
-            g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
-            g_mask = n_mask[:, None] & (g < GROUPS)[None, :]
-            s = tl.load(s_ptr + n64[:, None] * GROUPS + g[None, :], mask=g_mask, other=0.0)
-            w3 = tl.reshape(w, [BLOCK_N, BLOCK_K // GROUP, GROUP])
+            q = tl.load(qw_ptr + n64[:, None] * K + cols[None, :], mask=mask, other=0).to(tl.int32) + 128 * SIGNED
+        if PER_ROW:
+            w = _as_float(q) - offset[:, None]
+        else:
+            at = n64[:, None] * GROUPS + (cols // GROUP)[None, :]
+            w = _as_float(q)
             if HAS_ZEROS:
-                z = tl.load(z_ptr + n64[:, None] * GROUPS + g[None, :], mask=g_mask, other=0)
-                w3 = w3 - z.to(tl.float32)[:, :, None]
-            w = tl.reshape((w3 * s.to(tl.float32)[:, :, None]).to(s.dtype).to(tl.float32), [BLOCK_N, BLOCK_K])
+                w = w - _as_float(tl.load(z_ptr + at, mask=mask, other=0).to(tl.int32))
+            else:
+                w = w - _as_float(tl.zeros_like(q) + 128 * SIGNED)
+            w = w * tl.load(s_ptr + at, mask=mask, other=0.0)
         a = _input_chunk(x_ptr, res_ptr, res_out_ptr, rows, cols, row_mask[:, None] & k_mask[None, :], K,
                          pid == 0, ADD, SILU, dtype)
         if NORM:
@@ -85,7 +85,7 @@ def _quant_skinny_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_p
         acc3 += a.to(tl.float32)[:, None, :] * w[None, :, :]
     acc = tl.sum(acc3, axis=2)
     if PER_ROW:
-        acc = acc * tl.load(s_ptr + n64, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        acc = acc * tl.load(s_ptr + n64, mask=n_mask, other=0.0)[None, :]
     tl.store(out_ptr + rows[:, None] * N + n[None, :], acc.to(dtype), mask=row_mask[:, None] & n_mask[None, :])
 
 
@@ -96,12 +96,10 @@ _MAX_PRODUCTS_PER_THREAD = 64
 
 
 def fitting_tiles(rows: int, weight: QuantizedWeight) -> list[tuple[int, int, int]]:
-    """Tiles this shape can take: few enough products a thread, and whole groups a tile."""
-    k = weight.shape[1]
-    per_row = weight.group_size == k
-    pow2 = weight.group_size & (weight.group_size - 1) == 0
-    return [t for t in TILES if triton.next_power_of_2(rows) * t[0] * t[1] <= _MAX_PRODUCTS_PER_THREAD * 32 * t[2]
-            and (per_row or (pow2 and t[1] % weight.group_size == 0))]
+    """Tiles this shape can take: few enough products a thread; fp32 scales (the loader's)."""
+    if weight.scales.dtype != torch.float32:
+        return []
+    return [t for t in TILES if triton.next_power_of_2(rows) * t[0] * t[1] <= _MAX_PRODUCTS_PER_THREAD * 32 * t[2]]
 
 
 def quant_matmul(tile, prologue, x, weight: QuantizedWeight, residual=None, norm_weight=None, eps=0.0):
@@ -116,7 +114,8 @@ def quant_matmul(tile, prologue, x, weight: QuantizedWeight, residual=None, norm
     _quant_skinny_kernel[(triton.cdiv(n, block_n),)](
         x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, weight.qweight,
         weight.scales, zeros, out, res_out, m, n, k, eps, NORM=prologue in (NORM, ADD_NORM), ADD=prologue == ADD_NORM,
-        SILU=prologue == SILU_MUL, BITS=weight.bits, GROUP=weight.group_size, HAS_ZEROS=weight.zeros is not None,
+        SILU=prologue == SILU_MUL, BITS=weight.bits, SIGNED=weight.qweight.dtype == torch.int8,
+        GROUP=weight.group_size, HAS_ZEROS=weight.zeros is not None,
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
     if prologue == NORM:
         return out, x
@@ -133,7 +132,7 @@ class QuantFusedKernels(FusedKernels):
             return super().skinny_matmul(prologue, x, weight, residual, norm_weight, eps)
         x, residual = x.contiguous(), residual if residual is None else residual.contiguous()
         key = ("quant", prologue, triton.next_power_of_2(x.shape[0]), *weight.shape, weight.bits, weight.group_size,
-               x.dtype)
+               weight.scales.dtype, x.dtype)
         tile = self.chosen[key] if key in self.chosen else self._choose_quant_tile(key, prologue, x, weight,
                                                                                    residual, norm_weight, eps)
         return quant_matmul(tile, prologue, x, weight, residual, norm_weight, eps)

@@ -19,9 +19,6 @@ from jetserve.engine.config import QuantizationConfig
 
 from tests.engine.builders import build_qwen3, hf_greedy
 
-awq_gemm = pytest.importorskip("awq.modules.linear.gemm")
-from awq.quantize.quantizer import AwqQuantizer  # noqa: E402
-from awq.utils.packing_utils import dequantize_gemm, unpack_reorder_pack  # noqa: E402
 
 # Every input dim a multiple of the group size 128.
 SHAPE = dict(vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
@@ -34,18 +31,24 @@ GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
 def _awq_pack(weight: torch.Tensor):
     """AutoAWQ's round-to-nearest quantizer (zero points, group 128) and its GEMM packer."""
+    from awq.modules.linear.gemm import WQLinear_GEMM
+    from awq.quantize.quantizer import AwqQuantizer
+
     quantizer = AwqQuantizer.__new__(AwqQuantizer)  # its formula needs only these three settings
     quantizer.w_bit, quantizer.group_size, quantizer.zero_point = 4, 128, True
     fake, scales, zeros = quantizer.pseudo_quantize_tensor(weight.detach().clone())
     linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
     linear.weight.data = fake
-    packed = awq_gemm.WQLinear_GEMM.from_linear(linear, 4, 128, False, scales.t().contiguous(), zeros.t().contiguous())
+    packed = WQLinear_GEMM.from_linear(linear, 4, 128, False, scales.t().contiguous(), zeros.t().contiguous())
     return packed.qweight, packed.qzeros, packed.scales
 
 
 @pytest.fixture(scope="module")
 def quantized(tmp_path_factory):
     """(AWQ dir, GPTQ dir, transformers twin with AutoAWQ's dequantized weights, its greedy tokens)."""
+    pytest.importorskip("awq")  # the test extra installs it where CI runs (x86-64 Linux)
+    from awq.utils.packing_utils import dequantize_gemm, unpack_reorder_pack
+
     root = tmp_path_factory.mktemp("quant")
     base = root / "base"
     model = build_qwen3(base, seed=3, **SHAPE)
@@ -61,7 +64,7 @@ def quantized(tmp_path_factory):
             del gptq[f"{name}.weight"]
             gptq.update({f"{name}.qweight": g_qweight, f"{name}.qzeros": g_qzeros, f"{name}.scales": scales,
                          f"{name}.g_idx": torch.arange(qweight.shape[0], dtype=torch.int32) // 128})
-            twin[f"{name}.weight"] = dequantize_gemm(qweight, qzeros, scales, 4, 128).t().float()
+            twin[f"{name}.weight"] = dequantize_gemm(qweight, qzeros, scales.float(), 4, 128).t()  # in fp32
     config = json.loads((base / "config.json").read_text())
     dirs = []
     for fmt, tensors, qc in [
@@ -79,6 +82,8 @@ def quantized(tmp_path_factory):
 
 @pytest.mark.parametrize("fmt", ["awq", "gptq"])
 def test_dequantizes_bit_exactly_to_autoawq(quantized, fmt):
+    from awq.utils.packing_utils import dequantize_gemm
+
     path = quantized[0] if fmt == "awq" else quantized[1]
     ckpt = Checkpoint(path)
     config = QuantizationConfig.resolve(ckpt.config, None, "auto")
@@ -219,19 +224,21 @@ def test_quant_kernel_prologues(bits, group, sym, m):
 
 
 def test_fused_kernels_route_quantized_weights():
-    """The engine's kernels object takes a `QuantizedWeight` where a float weight would be; a shape
-    no tile fits (a group that is no power of two) falls back to dequantize + torch."""
+    """The engine's kernels object takes a `QuantizedWeight` where a float weight would be, any
+    group size; scales not in fp32 (not the loader's) fall back to dequantize + torch."""
     pytest.importorskip("triton")
     from jetserve.engine.model.quant_kernels import QuantFusedKernels
 
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     kernels = QuantFusedKernels(tile_timing=False)
-    x = torch.randn(2, 384)
-    for group in (128, 96):
-        w = quant.quantize(torch.randn(16, 384), 4, group, sym=False)
+    x = torch.randn(2, 384, device=device)
+    for group, scales in [(128, torch.float32), (96, torch.float32), (128, torch.float16)]:
+        w = quant.quantize(torch.randn(16, 384, device=device), 4, group, sym=False)
+        w = w._replace(scales=w.scales.to(scales))
         torch.testing.assert_close(kernels.linear(x, w), F.linear(x, quant.dequantize(w, torch.float32)),
                                    rtol=1e-4, atol=1e-4)
-    assert [tile is None for key, tile in kernels.chosen.items()] == [False, True]
-    dense = torch.randn(16, 384)
+    assert [tile is None for key, tile in kernels.chosen.items()] == [False, False, True]
+    dense = torch.randn(16, 384, device=device)
     torch.testing.assert_close(kernels.linear(x, dense), F.linear(x, dense), rtol=1e-4, atol=1e-4)
 
 
