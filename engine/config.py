@@ -164,7 +164,8 @@ class QuantizationConfig:
     """Weight-only quantization, activations stay in the model dtype. A checkpoint's own
     `quantization_config` (AWQ, GPTQ) decides the layout; `quantization="int8"` (vLLM's flag)
     quantizes a float checkpoint's projections per output channel while loading, "int4" per
-    group of 128 (round to nearest, with zero points). `draft` says what the MTP heads get."""
+    group of 128 (round to nearest, with zero points); method "none" quantizes only the MTP heads.
+    `draft` says what the MTP heads get."""
 
     method: str
     bits: int

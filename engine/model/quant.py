@@ -178,11 +178,6 @@ class QuantLinear(_KernelUser):
         self.register_buffer("scales", torch.empty(out_features, groups, dtype=torch.float32))
         self.register_buffer("zeros", torch.empty(out_features, groups, dtype=torch.uint8) if has_zeros else None)
 
-    @classmethod
-    def like(cls, w: QuantizedWeight) -> QuantLinear:
-        n, k = w.shape
-        return cls(k, n, w.bits, w.group_size, w.zeros is not None, w.qweight.dtype == torch.int8)
-
     @property
     def weight(self) -> QuantizedWeight:
         return QuantizedWeight(self.qweight, self.scales, self.zeros, self.bits, self.group_size)
