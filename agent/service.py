@@ -80,6 +80,15 @@ class ServiceClient:
         return _reply_dict(self._call(self._control.Resume, inference_pb2.ResumeRequest()))
 
     def set_limits(self, max_num_seqs=None, num_speculative_tokens=None):
+        """Values above what the service started with are refused here, before it sees them
+        (a service too old to say its limits gets the request and judges it itself)."""
+        info = self._call(self._inference.GetModelInfo, inference_pb2.GetModelInfoRequest())
+        for name, value, limit in (("max_num_seqs", max_num_seqs, info.max_num_seqs_limit),
+                                   ("num_speculative_tokens", num_speculative_tokens,
+                                    info.num_speculative_tokens_limit)):
+            if value is not None and info.max_num_seqs_limit and value > limit:
+                raise ServiceError("set-limits: %s=%d is above %d, what the service at %s started with"
+                                   % (name, value, limit, self.address), grpc.StatusCode.INVALID_ARGUMENT)
         request = inference_pb2.SetLimitsRequest(max_num_seqs=max_num_seqs,
                                                  num_speculative_tokens=num_speculative_tokens)
         return _reply_dict(self._call(self._control.SetLimits, request))

@@ -55,6 +55,8 @@ class ModelInfo:
     num_speculative_tokens: int  # the draft length in use now (0: drafting off)
     cuda_graphs: bool
     backend: str
+    max_num_seqs_limit: int  # what SetLimits may set at most: the started values
+    num_speculative_tokens_limit: int
 
 
 class EngineClient(Protocol):

@@ -133,7 +133,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             device=str(info.device), max_model_len=info.max_model_len, vocab_size=info.vocab_size,
             has_chat_template=tokenizer is not None and tokenizer.chat_template is not None,
             num_mtp_layers=info.num_mtp_layers, num_speculative_tokens=engine.stats().num_speculative_tokens,
-            cuda_graphs=info.cuda_graphs, backend=info.backend, version=__version__)
+            cuda_graphs=info.cuda_graphs, backend=info.backend, version=__version__,
+            max_num_seqs_limit=info.max_num_seqs_limit, num_speculative_tokens_limit=info.num_speculative_tokens_limit)
 
     @answers_with_status
     async def GetStats(self, request, context):

@@ -293,7 +293,8 @@ class TensorRTLLMEngine:
                          max_model_len=c.max_model_len, vocab_size=c.model_config.vocab_size,
                          num_mtp_layers=c.model_config.num_mtp_layers,
                          num_speculative_tokens=c.num_speculative_tokens, cuda_graphs=c.cuda_graphs is not None,
-                         backend="tensorrt-llm")
+                         backend="tensorrt-llm", max_num_seqs_limit=c.max_num_seqs,
+                         num_speculative_tokens_limit=c.num_speculative_tokens)
 
     def start(self) -> None:
         loop = IterationStats(self.llm, self.STATS_INTERVAL, self._on_stats, self._on_beat)

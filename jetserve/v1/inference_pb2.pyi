@@ -187,7 +187,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model", "architecture", "dtype", "device", "max_model_len", "vocab_size", "has_chat_template", "num_mtp_layers", "num_speculative_tokens", "cuda_graphs", "backend", "version")
+    __slots__ = ("model", "architecture", "dtype", "device", "max_model_len", "vocab_size", "has_chat_template", "num_mtp_layers", "num_speculative_tokens", "cuda_graphs", "backend", "version", "max_num_seqs_limit", "num_speculative_tokens_limit")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -200,6 +200,8 @@ class GetModelInfoResponse(_message.Message):
     CUDA_GRAPHS_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPECULATIVE_TOKENS_LIMIT_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     dtype: str
@@ -212,7 +214,9 @@ class GetModelInfoResponse(_message.Message):
     cuda_graphs: bool
     backend: str
     version: str
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., has_chat_template: bool = ..., num_mtp_layers: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., cuda_graphs: bool = ..., backend: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...
+    max_num_seqs_limit: int
+    num_speculative_tokens_limit: int
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., has_chat_template: bool = ..., num_mtp_layers: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., cuda_graphs: bool = ..., backend: _Optional[str] = ..., version: _Optional[str] = ..., max_num_seqs_limit: _Optional[int] = ..., num_speculative_tokens_limit: _Optional[int] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()

@@ -209,6 +209,21 @@ def test_set_limits_outside_the_started_range_is_refused(live, stubs):
     assert live.engine.stats().max_num_seqs == 16
 
 
+def test_the_agent_refuses_limits_above_the_started_ones_before_passing_them_on(live):
+    from jetserve.agent.service import ServiceClient, ServiceError
+
+    client = ServiceClient(live.target, timeout=60)
+    try:
+        with pytest.raises(ServiceError, match="max_num_seqs=17 is above 16, what the service .* started with"):
+            client.set_limits(max_num_seqs=17)
+        with pytest.raises(ServiceError, match="num_speculative_tokens=1 is above 0"):
+            client.set_limits(num_speculative_tokens=1)
+        assert client.set_limits(max_num_seqs=4)["max_num_seqs"] == 4
+        assert client.set_limits(max_num_seqs=16)["max_num_seqs"] == 16
+    finally:
+        client.close()
+
+
 def test_a_token_file_others_can_read_is_refused(tmp_path):
     path = tmp_path / "token"
     path.write_text("secret\n")
