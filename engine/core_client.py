@@ -85,7 +85,32 @@ class _Calls:
 _DEAD = "\0dead"
 
 
-class InprocClient:
+class _CoreClient:
+    """What both clients offer the front end; each says how a request reaches its core (`_send`)
+    and keeps `_stats` (the core's latest snapshot) and `_calls` (control calls in flight)."""
+
+    _stats: EngineStats
+    _calls: _Calls
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def add_request(self, request: AddRequest) -> None:
+        self._send(request)
+
+    def abort(self, request_ids: list[str]) -> None:
+        self._send(Abort(request_ids))
+
+    def call(self, method: str, *args) -> None:
+        call_id, done, result = self._calls.new()
+        self._send(Call(call_id, method, list(args)))
+        self._calls.wait(call_id, done, result)
+
+    def _send(self, request) -> None:
+        raise NotImplementedError
+
+
+class InprocClient(_CoreClient):
     """The core driven by a thread of this process."""
 
     def __init__(self, config: EngineConfig, on_status, on_outputs, on_death):
@@ -109,20 +134,6 @@ class InprocClient:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
-
-    def stats(self) -> EngineStats:
-        return self._stats
-
-    def add_request(self, request: AddRequest) -> None:
-        self._send(request)
-
-    def abort(self, request_ids: list[str]) -> None:
-        self._send(Abort(request_ids))
-
-    def call(self, method: str, *args) -> None:
-        call_id, done, result = self._calls.new()
-        self._send(Call(call_id, method, list(args)))
-        self._calls.wait(call_id, done, result)
 
     def _send(self, request) -> None:
         self._inbox.put(request)
@@ -166,7 +177,7 @@ class InprocClient:
                 self._calls.answer(reply)
 
 
-class MPClient:
+class MPClient(_CoreClient):
     """The core in its own process, over ZMQ. A fresh interpreter (`python -m jetserve.engine.core`,
     the config pickled on its stdin): CUDA does not survive a fork, and unlike multiprocessing's
     spawn it never re-runs the caller's `__main__`. The process holds the write end of a pipe
@@ -251,20 +262,6 @@ class MPClient:
         os.close(self.sentinel)
         self._context.destroy(linger=0)
         shutil.rmtree(self._dir, ignore_errors=True)
-
-    def stats(self) -> EngineStats:
-        return self._stats
-
-    def add_request(self, request: AddRequest) -> None:
-        self._send(request)
-
-    def abort(self, request_ids: list[str]) -> None:
-        self._send(Abort(request_ids))
-
-    def call(self, method: str, *args) -> None:
-        call_id, done, result = self._calls.new()
-        self._send(Call(call_id, method, list(args)))
-        self._calls.wait(call_id, done, result)
 
     def _send(self, request) -> None:
         import zmq

@@ -275,6 +275,20 @@ def _input_chunk(x_ptr, res_ptr, res_out_ptr, rows, cols, mask, K: tl.constexpr,
 
 
 @triton.jit
+def _row_inv_rms(x_ptr, res_ptr, res_out_ptr, rows, row_mask, K: tl.constexpr, eps, ADD: tl.constexpr,
+                 SILU: tl.constexpr, dtype: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """1 / RMS of each input row (after the prologue's add or SiLU·up): a first pass over K, for
+    inputs too wide to keep in registers until the norm is known."""
+    ss = tl.zeros([BLOCK_M], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        h = _input_chunk(x_ptr, res_ptr, res_out_ptr, rows, cols, row_mask[:, None] & (cols < K)[None, :],
+                         K, False, ADD, SILU, dtype).to(tl.float32)
+        ss += tl.sum(h * h, axis=1)
+    return tl.rsqrt(ss / K + eps)
+
+
+@triton.jit
 def _normalized(a, inv, norm_w_ptr, cols, k_mask, dtype: tl.constexpr):
     y = (a.to(tl.float32) * inv[:, None]).to(dtype)
     nw = tl.load(norm_w_ptr + cols, mask=k_mask, other=0.0)
@@ -308,13 +322,8 @@ def _skinny_matmul_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, out_ptr, res_out_pt
         acc = tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     else:
         if NORM:  # first pass: each row's mean square
-            ss = tl.zeros([BLOCK_M], tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                cols = k0 + tl.arange(0, BLOCK_K)
-                h = _input_chunk(x_ptr, res_ptr, res_out_ptr, rows, cols, row_mask[:, None] & (cols < K)[None, :],
-                                 K, False, ADD, SILU, dtype).to(tl.float32)
-                ss += tl.sum(h * h, axis=1)
-            inv = tl.rsqrt(ss / K + eps)
+            inv = _row_inv_rms(x_ptr, res_ptr, res_out_ptr, rows, row_mask, K, eps, ADD, SILU, dtype, BLOCK_M,
+                               BLOCK_K)
         # Products accumulate elementwise and are reduced once at the end: an iteration is loads
         # and FMAs, with no cross-thread reduction between one tile's loads and the next's.
         acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)

@@ -15,7 +15,8 @@ import triton
 import triton.language as tl
 
 from jetserve.engine.model.kernels import (ADD_NORM, NORM, SILU_MUL, FusedKernels, _cold_copies,
-                                           _input_chunk, _normalized, _torch_variant, graph_time)
+                                           _input_chunk, _normalized, _row_inv_rms, _torch_variant,
+                                           graph_time)
 from jetserve.engine.model.quant import QuantizedWeight, dequantize
 
 
@@ -47,13 +48,7 @@ def _quant_skinny_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_p
     GROUPS: tl.constexpr = K // GROUP
     PER_ROW: tl.constexpr = GROUP == K
     if NORM:  # first pass: each row's mean square
-        ss = tl.zeros([BLOCK_M], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            h = _input_chunk(x_ptr, res_ptr, res_out_ptr, rows, cols, row_mask[:, None] & (cols < K)[None, :],
-                             K, False, ADD, SILU, dtype).to(tl.float32)
-            ss += tl.sum(h * h, axis=1)
-        inv = tl.rsqrt(ss / K + eps)
+        inv = _row_inv_rms(x_ptr, res_ptr, res_out_ptr, rows, row_mask, K, eps, ADD, SILU, dtype, BLOCK_M, BLOCK_K)
     if PER_ROW:
         offset = _as_float(tl.zeros([BLOCK_N], tl.int32) + 128 * SIGNED)
         if HAS_ZEROS:
