@@ -82,7 +82,12 @@ class ServiceClient:
     def set_limits(self, max_num_seqs=None, num_speculative_tokens=None):
         """Values above what the service started with are refused here, before it sees them
         (a service too old to say its limits gets the request and judges it itself)."""
-        info = self._call(self._inference.GetModelInfo, inference_pb2.GetModelInfoRequest())
+        try:
+            info = self._call(self._inference.GetModelInfo, inference_pb2.GetModelInfoRequest())
+        except ServiceError as exc:
+            if exc.code != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            info = inference_pb2.GetModelInfoResponse()  # says no limits: the service judges
         for name, value, limit in (("max_num_seqs", max_num_seqs, info.max_num_seqs_limit),
                                    ("num_speculative_tokens", num_speculative_tokens,
                                     info.num_speculative_tokens_limit)):
