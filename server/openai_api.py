@@ -317,6 +317,16 @@ class _Shape:
         return {"id": self.rid, "object": self.object_name, "created": self.created, "model": self.model,
                 "choices": [self.choices[k] for k in sorted(self.choices)], "usage": self.usage()}
 
+    def chunks(self, i, out):
+        """One SSE chunk for a delta of completion set `i`: each output as a choice in this shape's form."""
+        self._count(i, out)
+        choices = []
+        for o in out.outputs:
+            choice = {"index": self._index(i, o), **self._delta(o), "logprobs": None, "finish_reason": o.finish_reason}
+            self._add_logprobs(choice, o)
+            choices.append(choice)
+        return [self._chunk(choices)]
+
     def _chunk(self, choices) -> dict:
         return {"id": self.rid, "object": self.chunk_name, "created": self.created, "model": self.model,
                 "choices": choices}
@@ -338,14 +348,8 @@ class Completion(_Shape):
             self._add_logprobs(choice, o)
             choice["finish_reason"] = o.finish_reason
 
-    def chunks(self, i, out):
-        self._count(i, out)
-        choices = []
-        for o in out.outputs:
-            choice = {"index": self._index(i, o), "text": o.text, "logprobs": None, "finish_reason": o.finish_reason}
-            self._add_logprobs(choice, o)
-            choices.append(choice)
-        return [self._chunk(choices)]
+    def _delta(self, output) -> dict:
+        return {"text": output.text}
 
     def _add_logprobs(self, choice, output) -> None:
         entries = getattr(output, "logprobs", None)
@@ -383,15 +387,8 @@ class Chat(_Shape):
         yield self._chunk([{"index": k, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                             "finish_reason": None} for k in range(self.n)])
 
-    def chunks(self, i, out):
-        self._count(i, out)
-        choices = []
-        for o in out.outputs:
-            choice = {"index": self._index(i, o), "delta": {"content": o.text} if o.text else {},
-                      "logprobs": None, "finish_reason": o.finish_reason}
-            self._add_logprobs(choice, o)
-            choices.append(choice)
-        return [self._chunk(choices)]
+    def _delta(self, output) -> dict:
+        return {"delta": {"content": output.text} if output.text else {}}
 
     def _add_logprobs(self, choice, output) -> None:
         entries = getattr(output, "logprobs", None)
