@@ -17,6 +17,7 @@ Triton's interpreter): the CPU path stays plain torch (exact against transformer
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 
 import torch
@@ -26,6 +27,7 @@ import triton.language as tl
 from jetserve.engine.model.flash_prefill import prefill_attention
 
 log = logging.getLogger(__name__)
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's interpreter runs the kernels on CPU tensors
 
 
 @triton.jit
@@ -251,7 +253,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, q_len: int,
 
 # What the skinny matmul computes from its input rows before the product.
 PLAIN, NORM, ADD_NORM, SILU_MUL = 0, 1, 2, 3
-SKINNY_MAX_ROWS = 8  # above this the rows amortize a weight read well enough for cuBLAS
+SKINNY_MAX_ROWS = 64  # decode batches and MTP verifies (batch x (k+1)); above, cuBLAS GEMMs with the elementwise kernels
+DOT_MIN_ROWS = 16  # from here the products run on tensor cores (tl.dot's smallest tile)
 
 
 @triton.jit
@@ -297,12 +300,14 @@ def _normalized(a, inv, norm_w_ptr, cols, k_mask, dtype: tl.constexpr):
 
 @triton.jit
 def _skinny_matmul_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, out_ptr, res_out_ptr, M, N, K: tl.constexpr, eps,
-                          NORM: tl.constexpr, ADD: tl.constexpr, SILU: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                          NORM: tl.constexpr, ADD: tl.constexpr, SILU: tl.constexpr, DOT: tl.constexpr,
+                          IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[M, N] = a(x)[M, K] @ w[N, K]^T for a few rows, a() being the prologue: nothing, RMSNorm
     (of x + residual, whose sum the first program also stores) or SiLU(gate) * up. Each program
     streams BLOCK_N weight rows once for all M input rows; the inputs are tiny and come from L2.
-    When a tile spans K, its weights are requested first and the prologue runs while they arrive."""
+    Up to 8 rows the products are FMAs in registers (a tensor-core tile would be mostly padding);
+    from 16 rows (DOT) they are tensor-core dots. When a tile spans K, its weights are requested
+    first and the prologue runs while they arrive."""
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     row_mask = rows < M
@@ -319,34 +324,73 @@ def _skinny_matmul_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, out_ptr, res_out_pt
         if NORM:
             af = a.to(tl.float32)
             a = _normalized(a, tl.rsqrt(tl.sum(af * af, axis=1) / K + eps), norm_w_ptr, cols, k_mask, dtype)
-        acc = tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        if DOT:
+            acc = _dot(a, w, IEEE)
+        else:
+            acc = tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     else:
+        inv = tl.zeros([BLOCK_M], tl.float32)
         if NORM:  # first pass: each row's mean square
             inv = _row_inv_rms(x_ptr, res_ptr, res_out_ptr, rows, row_mask, K, eps, ADD, SILU, dtype, BLOCK_M,
                                BLOCK_K)
-        # Products accumulate elementwise and are reduced once at the end: an iteration is loads
-        # and FMAs, with no cross-thread reduction between one tile's loads and the next's.
-        acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            k_mask = cols < K
-            w = tl.load(w_rows + cols[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            a = _input_chunk(x_ptr, res_ptr, res_out_ptr, rows, cols, row_mask[:, None] & k_mask[None, :], K,
-                             pid == 0, ADD, SILU, dtype)
-            if NORM:
-                a = _normalized(a, inv, norm_w_ptr, cols, k_mask, dtype)
-            acc3 += a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-        acc = tl.sum(acc3, axis=2)
+        if DOT:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                a, w = _operands(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_rows, rows, row_mask, n_mask, k0, inv,
+                                 pid == 0, K, NORM, ADD, SILU, dtype, BLOCK_K)
+                acc += _dot(a, w, IEEE)
+        else:
+            # Products accumulate elementwise and are reduced once at the end: an iteration is
+            # loads and FMAs, with no cross-thread reduction between one tile's loads and the next's.
+            acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                a, w = _operands(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_rows, rows, row_mask, n_mask, k0, inv,
+                                 pid == 0, K, NORM, ADD, SILU, dtype, BLOCK_K)
+                acc3 += a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+            acc = tl.sum(acc3, axis=2)
     tl.store(out_ptr + rows[:, None] * N + n[None, :], acc.to(dtype), mask=row_mask[:, None] & n_mask[None, :])
 
 
-# (BLOCK_N, BLOCK_K, warps) tried for each shape; a tile holds BLOCK_M * BLOCK_N * BLOCK_K products.
+@triton.jit
+def _operands(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_rows, rows, row_mask, n_mask, k0, inv, store_sum,
+              K: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr, SILU: tl.constexpr, dtype: tl.constexpr,
+              BLOCK_K: tl.constexpr):
+    """One K-slice of the product: the weights (requested first) and the input after its prologue."""
+    cols = k0 + tl.arange(0, BLOCK_K)
+    k_mask = cols < K
+    w = tl.load(w_rows + cols[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+    a = _input_chunk(x_ptr, res_ptr, res_out_ptr, rows, cols, row_mask[:, None] & k_mask[None, :], K, store_sum,
+                     ADD, SILU, dtype)
+    if NORM:
+        a = _normalized(a, inv, norm_w_ptr, cols, k_mask, dtype)
+    return a, w
+
+
+@triton.jit
+def _dot(a, w, IEEE: tl.constexpr):
+    """a [M, K] @ w [N, K]^T on tensor cores, in fp32; fp32 models without tf32 rounding."""
+    if IEEE:
+        return tl.dot(a, tl.trans(w), input_precision="ieee")
+    return tl.dot(a, tl.trans(w))
+
+
+# (BLOCK_N, BLOCK_K, warps) tried for each shape; an FMA tile holds BLOCK_M * BLOCK_N * BLOCK_K products.
 _TILES = [(4, 1024, 4), (1, 4096, 4), (2, 2048, 4), (2, 4096, 4), (4, 2048, 4), (8, 1024, 4), (16, 512, 4),  # one row
           (1, 4096, 8), (2, 2048, 8), (4, 2048, 8), (8, 512, 8), (8, 1024, 8),
           (4, 4096, 8), (8, 2048, 8), (16, 1024, 8),  # more bytes in flight a program, for big weights
           (2, 1024, 8), (4, 512, 8), (8, 256, 8)]  # small enough for 8 rows
+# Tensor-core tiles (16-64 rows): narrow N for many programs on small weights, wide K for bytes in flight.
+_DOT_TILES = [(16, 256, 4), (32, 128, 4), (32, 256, 4), (64, 128, 4), (64, 64, 4), (128, 64, 4), (64, 256, 8),
+              (128, 128, 8)]
 _UNTUNED_BYTES = 256 * 1024  # weights this small take the first tile that fits: nothing to gain from timing
 _MAX_PRODUCTS_PER_THREAD = 64  # more spills registers
+
+
+def candidate_tiles(rows: int) -> list[tuple[int, int, int] | None]:
+    """Tiles a product of `rows` rows (a power of two) may take, cuBLAS (None) first."""
+    if rows >= DOT_MIN_ROWS:
+        return [None, *_DOT_TILES]
+    return [None] + [t for t in _TILES if rows * t[0] * t[1] <= _MAX_PRODUCTS_PER_THREAD * 32 * t[2]]
 
 
 def _torch_variant(prologue, x, weight, residual, norm_weight, eps):
@@ -368,10 +412,12 @@ def _run(tile, prologue, x, weight, residual, norm_weight, eps):
     m, (n, k) = x.shape[0], weight.shape
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     res_out = torch.empty(m, k, dtype=x.dtype, device=x.device) if prologue == ADD_NORM else out
+    block_m = triton.next_power_of_2(m)
     _skinny_matmul_kernel[(triton.cdiv(n, block_n),)](
         x, residual if residual is not None else x, norm_weight if norm_weight is not None else weight, weight, out,
         res_out, m, n, k, eps, NORM=prologue in (NORM, ADD_NORM), ADD=prologue == ADD_NORM, SILU=prologue == SILU_MUL,
-        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+        DOT=block_m >= DOT_MIN_ROWS, IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, num_warps=warps)
     if prologue == NORM:
         return out, x
     return (out, res_out) if prologue == ADD_NORM else out
@@ -409,9 +455,12 @@ def _cold_copies(weight: torch.Tensor) -> list[torch.Tensor]:
 class FusedKernels:
     """The Triton kernels as one engine uses them. The runner makes one and hands it to the model:
     the tile chosen for each skinny-matmul shape is this object's state, so two engines in one
-    process (tests, benchmarks) never share or clobber it. Timing a tile captures CUDA graphs;
-    where the engine runs without them (--enforce-eager, a JetPack too old for them) `tile_timing`
-    is off and the first tile that fits serves."""
+    process (tests, benchmarks) never share or clobber it. Tiles are timed at start-up, for every
+    row count a step may bring (the runner's `tune_kernels`), then `freeze()` ends timing: a shape
+    first seen later takes the first tile that fits, untimed, and is recorded in `untuned` (a
+    request never pays for timing). Timing a tile captures CUDA graphs; where the engine runs
+    without them (--enforce-eager, a JetPack too old for them) `tile_timing` is off and the first
+    tile that fits serves."""
 
     SKINNY_MAX_ROWS = SKINNY_MAX_ROWS
     rms_norm = staticmethod(rms_norm)
@@ -422,8 +471,18 @@ class FusedKernels:
 
     def __init__(self, tile_timing: bool):
         self.tile_timing = tile_timing
+        self.frozen = False
+        self.untuned: set[tuple] = set()  # shapes first seen after freeze()
         self.chosen: dict[tuple, tuple[int, int, int] | None] = {}
         self.tuning_times: dict[tuple, dict[tuple[int, int, int] | None, float]] = {}  # ms per candidate tile
+
+    def runs_on(self, x: torch.Tensor) -> bool:
+        """Whether x takes these kernels: CUDA tensors, or any under Triton's interpreter (tests)."""
+        return x.is_cuda or INTERPRETED
+
+    def freeze(self) -> None:
+        """Start-up tuning is over: no shape is timed from now on."""
+        self.frozen = True
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x [M, K] @ weight [N, K]^T for M <= SKINNY_MAX_ROWS. A decode step's products are
@@ -452,16 +511,17 @@ class FusedKernels:
         return _run(tile, prologue, x, weight, residual, norm_weight, eps)
 
     def _choose_tile(self, key, prologue, x, weight, residual, norm_weight, eps):
-        """A new shape's tile (None: cuBLAS). Timed on first use, which graph warm-up makes happen
-        before capture; a shape first seen during a capture takes cuBLAS this time, untimed."""
-        tiles = [None] + [t for t in _TILES if key[1] * t[0] * t[1] <= _MAX_PRODUCTS_PER_THREAD * 32 * t[2]]
-        if weight.numel() * weight.element_size() < _UNTUNED_BYTES:
+        """A new shape's tile (None: cuBLAS), remembered: timed when this engine times tiles and
+        start-up tuning is still on, else the first tile that fits."""
+        tiles = candidate_tiles(key[1])
+        if self.frozen:
+            self.untuned.add(key)
+            log.warning("skinny matmul %s first seen after start-up tuning: untimed tile %s", key, tiles[1])
+        timed = (self.tile_timing and not self.frozen and weight.numel() * weight.element_size() >= _UNTUNED_BYTES
+                 and not torch.cuda.is_current_stream_capturing())
+        if not timed:
             self.chosen[key] = tiles[1]
             return tiles[1]
-        if not self.tile_timing:
-            return tiles[1]
-        if torch.cuda.is_current_stream_capturing():
-            return None
         weights = _cold_copies(weight)
         times = [graph_time([lambda w=w, t=t: _run(t, prologue, x, w, residual, norm_weight, eps) for w in weights])
                  for t in tiles]

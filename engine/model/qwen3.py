@@ -27,7 +27,7 @@ class _KernelUser(nn.Module):
 
     def _fused(self, x: torch.Tensor) -> bool:
         """Whether x takes the Triton kernels: on CUDA, and not training (they have no backward)."""
-        return self.kernels is not None and x.is_cuda and not torch.is_grad_enabled()
+        return self.kernels is not None and self.kernels.runs_on(x) and not torch.is_grad_enabled()
 
     def _skinny(self, x: torch.Tensor) -> bool:
         """Whether x is a few rows (a decode or verify step), where each product streams its
