@@ -3,8 +3,10 @@
 This is the front end: it tokenizes and checks prompts in the caller's frame, hands token ids to
 the engine core (its own process by default, see `EngineConfig.engine_core_process`, or
 a thread), and turns the core's token deltas into text (`OutputProcessor`) on the client's
-thread, never in the step loop. Each stream reads from a `RequestOutputCollector` on its own
-event loop, so several servers (gRPC, HTTP) on different loops may share one engine.
+thread, never in the step loop. A request for n completions goes to the core as n requests
+(vLLM V1's parallel sampling: the prompt's KV is shared through the prefix cache), its stream
+tagged by index. Each stream reads from a `RequestOutputCollector` on its own event loop, so
+several servers (gRPC, HTTP) on different loops may share one engine.
 """
 
 from __future__ import annotations
@@ -69,23 +71,19 @@ class AsyncLLM:
         params = sampling_params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
-        if params.n != 1 or params.logprobs is not None or params.prompt_logprobs is not None:
-            raise ValueError("n > 1 and logprobs are served by LLM (offline) only for now, not by the "
-                             "engine-core process behind the service")
         cfg = self.config
         text, ids = check_prompt(prompt, self.tokenizer, cfg.model_config.vocab_size, cfg.max_model_len)
         arrival = time.monotonic()
         collector = RequestOutputCollector(asyncio.get_running_loop())
         with self._lock:
-            if request_id in self._streams:
-                raise ValueError(f"request_id {request_id!r} is already streaming")
-            # At most max_num_seqs of the open streams run; the rest wait. Counted here, under
-            # the lock, so a burst between two steps cannot slip past the bound.
-            if len(self._streams) >= self.core.stats().max_num_seqs + cfg.max_waiting:
+            # At most max_num_seqs of the requests in the core run (n a request); the rest wait.
+            # Counted here, under the lock, so a burst between two steps cannot slip past the bound.
+            if len(self._processor.requests) + params.n > self.core.stats().max_num_seqs + cfg.max_waiting:
                 raise QueueFullError(f"waiting queue is full ({cfg.max_waiting} requests); retry later")
+            children = self._processor.add(request_id, text, ids, params, arrival)
             self._streams[request_id] = collector
-            self._processor.add(request_id, text, ids, params, arrival)
-        self.core.add_request(AddRequest(request_id, ids, params, arrival))
+        for child_id, child_params in children:
+            self.core.add_request(AddRequest(child_id, ids, child_params, arrival))
         finished = False
         try:
             while not finished:
@@ -97,14 +95,15 @@ class AsyncLLM:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        """Stop the request in the core (its blocks are freed there); a stream still being read
-        ends with a last delta whose finish_reason is "abort"."""
+        """Stop the request (each of its n completions) in the core, where their blocks are freed;
+        a stream still being read ends with a last delta whose finish_reason is "abort"."""
         with self._lock:
             collector = self._streams.pop(request_id, None)
-            last, _ = self._processor.process(request_id, [], "abort", None, time.monotonic())
+            last, running = self._processor.abort(request_id, time.monotonic())
         if collector is not None and last is not None:
             _call_soon(collector.loop, collector.put, last)
-        self.core.abort([request_id])
+        if running:
+            self.core.abort(running)
 
     def set_max_num_seqs(self, n: int) -> None:
         """Returns once the new cap is in effect (and in `stats()`)."""
@@ -124,24 +123,24 @@ class AsyncLLM:
         """Text for the core's deltas; one wake-up per event loop for the whole step."""
         now = time.monotonic()
         deliveries: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
-        stopped = []
+        stopped = []  # ended here (a stop string, or a sibling refused): the core stops them and frees their blocks
         with self._lock:
             for o in outputs:
+                request_id = self._processor.parent_of(o.request_id)
+                if request_id is None:
+                    continue
                 if o.error is not None:
                     item, done = ValueError(o.error), True
-                    self._processor.drop(o.request_id)
+                    stopped += [r for r in self._processor.drop(request_id) if r != o.request_id]
                 else:
-                    item, stopped_here = self._processor.process(o.request_id, o.token_ids, o.finish_reason,
-                                                                 o.stop_reason, now, o.first_scheduled_time)
-                    if item is None:
-                        continue
+                    item, stopped_here = self._processor.process(o, now)
                     if stopped_here:
                         stopped.append(o.request_id)
                     done = item.finished
-                collector = self._streams.pop(o.request_id, None) if done else self._streams.get(o.request_id)
+                collector = self._streams.pop(request_id, None) if done else self._streams.get(request_id)
                 if collector is not None:
                     deliveries[collector.loop].append((collector, item))
-        if stopped:  # a stop string ended these here: the core stops them too and frees their blocks
+        if stopped:
             self.core.abort(stopped)
         for loop, items in deliveries.items():
             _call_soon(loop, _put_all, items)
@@ -150,7 +149,8 @@ class AsyncLLM:
         self._error = exc
         with self._lock:
             streams, self._streams = self._streams, {}
-            self._processor.requests.clear()
+            for request_id in list(self._processor.parents):
+                self._processor.drop(request_id)
         for collector in streams.values():
             _call_soon(collector.loop, collector.put, exc)
 

@@ -90,8 +90,9 @@ class BlockManager:
     def match_prefix(self, seq: Sequence) -> int:
         """Give a sequence that has nothing computed the cached blocks of its longest known
         prefix; returns how many of its tokens they hold. At least one token is left to compute:
-        the step that computes it samples."""
-        if not self.prefix_caching or seq.block_table:
+        the step that computes it samples. A request for prompt_logprobs computes its whole
+        prompt (as vLLM's): cached blocks would leave rows without logits."""
+        if not self.prefix_caching or seq.block_table or seq.params.prompt_logprobs is not None:
             return 0
         self.prefix_queries += seq.num_tokens
         for index in range((seq.num_tokens - 1) // self.block_size):

@@ -20,6 +20,7 @@ import msgspec
 
 from jetserve.engine.config import EngineConfig
 from jetserve.engine.llm_engine import LLMEngine
+from jetserve.engine.outputs import LogprobsLists
 from jetserve.engine.protocol import EngineStats, ModelInfo
 from jetserve.engine.sampling_params import SamplingParams
 
@@ -70,6 +71,8 @@ class CoreOutput(msgspec.Struct, array_like=True, gc=False):
     stop_reason: int | None = None
     error: str | None = None
     first_scheduled_time: float | None = None  # when the core first gave it compute (queue time's end)
+    logprobs: LogprobsLists | None = None  # of token_ids, for a request that asked
+    prompt_logprobs: LogprobsLists | None = None  # of the prompt's tokens after the first, once
 
 
 class Outputs(msgspec.Struct, tag=True, array_like=True, gc=False):
@@ -139,7 +142,8 @@ class EngineCore:
 def _core_output(output) -> CoreOutput:
     completion = output.outputs[0]
     return CoreOutput(output.request_id, completion.token_ids, completion.finish_reason, completion.stop_reason,
-                      first_scheduled_time=output.metrics.first_scheduled_time)
+                      first_scheduled_time=output.metrics.first_scheduled_time, logprobs=completion.logprobs,
+                      prompt_logprobs=output.prompt_logprobs)
 
 
 def run_engine_core(config: EngineConfig, input_address: str, output_address: str) -> None:

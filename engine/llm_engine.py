@@ -2,22 +2,23 @@
 
 request → scheduler → runner → sampler → (detokenizer, stop checks) → RequestOutput delta.
 `LLM` drives it in a loop. Under `AsyncLLM` it is the engine core (`core.py`), built with
-`detokenize=False`: its deltas are token ids with the token-level finish reasons, and the text
-(detokenizer, stop strings) is the front end's (`output_processor.py`).
+`detokenize=False`: its deltas are token ids (logprobs in compact columns, `LogprobsLists`) with
+the token-level finish reasons, and the text (detokenizer, stop strings, logprobs' tokens) is the
+front end's (`output_processor.py`).
 """
 
 from __future__ import annotations
 
-import dataclasses
+import bisect
 import logging
 import random
 import time
 from dataclasses import dataclass
 
 from jetserve.engine.config import EngineConfig
-from jetserve.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from jetserve.engine.outputs import CompletionOutput, LogprobsLists, RequestMetrics, RequestOutput
 from jetserve.engine.prompts import check_prompt
-from jetserve.engine.protocol import EngineStats, ModelInfo
+from jetserve.engine.protocol import ITERATION_TOKENS_BUCKETS, EngineStats, ModelInfo
 from jetserve.engine.runner import Launch, ModelRunner
 from jetserve.engine.sampling_params import SamplingParams
 from jetserve.engine.scheduler import Scheduler
@@ -40,7 +41,9 @@ class _Request:
     index: int  # which of the n completions this is
     first_token_time: float | None = None
     first_scheduled_time: float | None = None
-    logprobs: list[dict] | None = None  # of the tokens of the delta being built
+    logprobs: LogprobsLists | None = None  # of the tokens of the delta being built
+    prompt_logprobs: LogprobsLists | None = None  # gathered over the prompt's chunks, sent with the first token
+    prompt_logprobs_sent: bool = False
 
 
 class LLMEngine:
@@ -50,6 +53,7 @@ class LLMEngine:
         self.config = config
         self.tokenizer = Tokenizer.from_pretrained(config.model) if config.has_tokenizer else None
         self.detokenize = detokenize and self.tokenizer is not None
+        self.decode_logprobs = detokenize  # the engine core sends them raw: the front end decodes
         self.runner = ModelRunner(config, progress=on_status)
         self.scheduler = Scheduler(config, self.runner.num_blocks)
         self.draft_length = DraftLength(config.speculative) if config.speculative else None
@@ -59,6 +63,9 @@ class LLMEngine:
         self.num_requests_finished = 0
         self._in_flight: Launch | None = None  # async scheduling: the step whose tokens are still out
         self._seeds = random.Random(config.seed)  # noise keys of requests without a seed
+        # Tokens computed per step, as counts per ITERATION_TOKENS_BUCKETS bucket (+Inf last) and a sum.
+        self.iteration_tokens = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
+        self.iteration_tokens_sum = 0
 
     # -- requests -------------------------------------------------------------------------
 
@@ -76,9 +83,10 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already running")
         params.update_from_tokenizer(self.tokenizer)
         params.check_vocab(self.config.model_config.vocab_size)
-        if self.config.async_scheduling and (params.needs_history or params.logprobs is not None):
-            raise ValueError("penalties, bad_words, min_tokens and logprobs need the tokens on the host: "
-                             "not available with async_scheduling")
+        if self.config.async_scheduling and (params.needs_history or params.logprobs is not None
+                                             or params.prompt_logprobs is not None):
+            raise ValueError("penalties, bad_words, min_tokens, logprobs and prompt_logprobs need the tokens "
+                             "on the host: not available with async_scheduling")
         text, ids = self.tokenize_prompt(prompt)
         # n > 1: n sequences of one prompt (vLLM's parent request), seeds apart so they differ.
         keys = [request_id] if params.n == 1 else [f"{request_id}[{i}]" for i in range(params.n)]
@@ -86,8 +94,7 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already running")
         self.families[request_id] = list(keys)
         for index, key in enumerate(keys):
-            child = params if params.n == 1 else dataclasses.replace(
-                params, n=1, seed=None if params.seed is None else params.seed + index)
+            child = params if params.n == 1 else params.child(index)
             # The sampling noise is keyed by (seed, position) (sampler.py): a request's own seed, or
             # one drawn here, so unseeded runs of the same workload repeat under the engine's seed.
             seed = self._seeds.getrandbits(63) if child.seed is None else child.seed % 2**63
@@ -124,7 +131,10 @@ class LLMEngine:
         self._mark_scheduled(batch)
         verified = self.runner.speculative_shape(batch, num_drafts) if self.draft_length else None
         start = time.perf_counter()
-        sampled, drafts, logprobs = self.runner.execute(batch, num_drafts)
+        sampled, drafts, logprobs, prompt_logprobs = self.runner.execute(batch, num_drafts)
+        for seq, lists in zip(batch.seqs, prompt_logprobs):
+            if lists is not None:
+                self._gather_prompt_logprobs(self.requests[seq.request_id], lists)
         if verified is not None:  # a decode step: its time tells the draft length what k costs
             self.draft_length.record_step(verified, num_drafts, len(batch), time.perf_counter() - start)
         for seq, new in zip(batch.seqs, sampled):
@@ -157,8 +167,21 @@ class LLMEngine:
                 outputs.append(self._process(self.requests[seq.request_id], [token], now))
         return outputs
 
+    def _gather_prompt_logprobs(self, request: _Request, lists: LogprobsLists) -> None:
+        """Add a chunk's prompt logprobs (those of the tokens after its rows' positions, computed
+        from num_computed_tokens on); a prompt recomputed after a preemption adds nothing twice."""
+        have = request.prompt_logprobs
+        if have is None:
+            request.prompt_logprobs = lists
+        else:
+            have.extend(lists[max(0, len(have) - request.seq.num_computed_tokens):])
+
     def _mark_scheduled(self, batch) -> None:
-        """When each request first got compute: the end of its queue time (vLLM's metrics)."""
+        """When each request first got compute (the end of its queue time, vLLM's metrics), and
+        the tokens of the step (vLLM's iteration_tokens_total)."""
+        n = sum(batch.num_tokens)
+        self.iteration_tokens[bisect.bisect_left(ITERATION_TOKENS_BUCKETS, n)] += 1
+        self.iteration_tokens_sum += n
         now = time.monotonic()
         for seq in batch.seqs:
             request = self.requests[seq.request_id]
@@ -190,16 +213,10 @@ class LLMEngine:
                 reason = "length"
             if reason:
                 break
-        request.logprobs = self._decode_logprobs(logprobs[:kept]) if logprobs is not None else None
+        request.logprobs = logprobs[:kept] if logprobs is not None else None
         if reason:
             return self._finish(request, reason, text, new[:kept], now, stop_reason, base + kept)
         return self._output(request, text, new, now)
-
-    def _decode_logprobs(self, entries: list[dict]) -> list[dict[int, Logprob]]:
-        """{token: Logprob} with each token's text (its id as text on a model without a tokenizer)."""
-        def text(token):
-            return self.tokenizer.decode([token]) if self.tokenizer else str(token)
-        return [{t: Logprob(v, rank, text(t)) for t, (v, rank) in entry.items()} for entry in entries]
 
     def _finish(self, request: _Request, reason: str, text: str, new: list[int], now: float,
                 stop_reason=None, num_output_tokens: int | None = None) -> RequestOutput:
@@ -219,13 +236,22 @@ class LLMEngine:
         """A delta of one sequence, under the request's id; the request is finished with its last sequence."""
         seq = request.seq
         done = finished_time is not None
+        logprobs = request.logprobs if new else None
+        prompt_logprobs = None
+        if seq.params.prompt_logprobs is not None and not request.prompt_logprobs_sent and (new or done):
+            request.prompt_logprobs_sent = True
+            prompt_logprobs = request.prompt_logprobs or LogprobsLists([], [], [])
+        if self.decode_logprobs:  # the user's form; the engine core's deltas keep the compact one
+            logprobs = None if logprobs is None else logprobs.to_dicts(self.tokenizer)
+            prompt_logprobs = None if prompt_logprobs is None else [None, *prompt_logprobs.to_dicts(self.tokenizer)]
         return RequestOutput(
             request_id=request.parent, prompt=request.prompt, prompt_token_ids=seq.prompt_token_ids,
             outputs=[CompletionOutput(request.index, text, new, seq.finish_reason if done else None, stop_reason,
-                                      request.logprobs if new else None)],
+                                      logprobs)],
             finished=done and request.parent not in self.families,
             metrics=RequestMetrics(seq.arrival_time, request.first_token_time, finished_time,
-                                   request.first_scheduled_time))
+                                   request.first_scheduled_time),
+            prompt_logprobs=prompt_logprobs)
 
     # -- live controls and stats ----------------------------------------------------------
 
@@ -264,7 +290,8 @@ class LLMEngine:
             num_accepted_tokens=spec.num_accepted_tokens,
             accepted_per_position=list(spec.accepted_per_position),
             acceptance_rate=spec.acceptance_rate, mean_accepted_length=spec.mean_accepted_length,
-            num_speculative_tokens=self.draft_length.k if self.draft_length else 0)
+            num_speculative_tokens=self.draft_length.k if self.draft_length else 0,
+            iteration_tokens=list(self.iteration_tokens), iteration_tokens_sum=self.iteration_tokens_sum)
 
     @property
     def model_info(self) -> ModelInfo:

@@ -4,29 +4,51 @@ The engine core hands back token ids and the token-level finish reasons (EOS, st
 max_tokens, max_model_len). Here, outside the step loop, each token is detokenized and checked
 for stop strings one at a time: a stop string inside an accepted run of drafts ends the output
 at the token that completes it, exactly where it would end without drafting, and the caller
-aborts the request in the core. `RequestOutputCollector` is one stream's mailbox: deltas that
-arrive while its reader is busy merge into one message instead of queueing one per token.
+aborts the request in the core. Logprobs arrive as compact columns and get their tokens' text
+here. A request for n completions is a parent of n requests in the core (vLLM V1's parallel
+sampling, `ParentRequest`): each its own stop strings and logprobs, its deltas tagged with its
+index, the parent finished with its last. `RequestOutputCollector` is one stream's mailbox:
+deltas that arrive while its reader is busy merge into one message instead of queueing one per token.
 """
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from jetserve.engine.core import CoreOutput
 from jetserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jetserve.engine.sampling_params import SamplingParams
 from jetserve.engine.tokenizer import Detokenizer, StopStrings, Tokenizer
 
 
 @dataclass
-class _RequestState:
+class _ParentRequest:
+    """The caller's request: what its n completions share."""
+
+    request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    detokenizer: Detokenizer | None
-    stops: StopStrings
     arrival_time: float
+    running: set[str] = field(default_factory=set)  # its completions' ids in the core, until each finishes
     first_token_time: float | None = None
     first_scheduled_time: float | None = None
+    prompt_logprobs_sent: bool = False
+
+
+@dataclass
+class _Completion:
+    """One completion, one request in the core."""
+
+    parent: _ParentRequest
+    index: int
+    detokenizer: Detokenizer | None
+    stops: StopStrings
+
+
+def child_request_id(request_id: str, index: int, n: int) -> str:
+    """The id in the core of completion `index`: the caller's own when n is 1, vLLM's form otherwise."""
+    return request_id if n == 1 else f"{index}_{request_id}"
 
 
 class OutputProcessor:
@@ -34,48 +56,93 @@ class OutputProcessor:
 
     def __init__(self, tokenizer: Tokenizer | None):
         self.tokenizer = tokenizer
-        self.requests: dict[str, _RequestState] = {}
+        self.parents: dict[str, _ParentRequest] = {}
+        self.requests: dict[str, _Completion] = {}  # by id in the core
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-            arrival_time: float) -> None:
-        detok = (Detokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
-                 if self.tokenizer else None)
-        self.requests[request_id] = _RequestState(prompt, prompt_token_ids, detok,
-                                                  StopStrings(params.stop if detok else (),
-                                                              params.include_stop_str_in_output), arrival_time)
+            arrival_time: float) -> list[tuple[str, SamplingParams]]:
+        """Follow a request; returns its completions as the core takes them: (id, params) each."""
+        children = [(child_request_id(request_id, i, params.n), params.child(i) if params.n > 1 else params)
+                    for i in range(params.n)]
+        if request_id in self.parents or any(core_id in self.requests for core_id, _ in children):
+            raise ValueError(f"request_id {request_id!r} is already streaming")
+        parent = self.parents[request_id] = _ParentRequest(request_id, prompt, prompt_token_ids, arrival_time)
+        for index, (core_id, _) in enumerate(children):
+            detok = (Detokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
+                     if self.tokenizer else None)
+            stops = StopStrings(params.stop if detok else (), params.include_stop_str_in_output)
+            self.requests[core_id] = _Completion(parent, index, detok, stops)
+            parent.running.add(core_id)
+        return children
 
-    def drop(self, request_id: str) -> None:
-        self.requests.pop(request_id, None)
+    def parent_of(self, core_id: str) -> str | None:
+        request = self.requests.get(core_id)
+        return None if request is None else request.parent.request_id
 
-    def process(self, request_id: str, token_ids: list[int], finish_reason: str | None, stop_reason,
-                now: float, first_scheduled_time: float | None = None) -> tuple[RequestOutput | None, bool]:
-        """The delta for the core's `token_ids` (None for a request no longer followed here), and
+    def drop(self, request_id: str) -> list[str]:
+        """Stop following a request; returns its completions still running in the core."""
+        parent = self.parents.pop(request_id, None)
+        if parent is None:
+            return []
+        for core_id in parent.running:
+            del self.requests[core_id]
+        return sorted(parent.running)
+
+    def abort(self, request_id: str, now: float) -> tuple[RequestOutput | None, list[str]]:
+        """The last delta of an aborted request (each unfinished completion ends with "abort"),
+        and its completions to abort in the core."""
+        parent = self.parents.get(request_id)
+        if parent is None:
+            return None, []
+        running = sorted(parent.running)
+        last = None
+        for core_id in running:
+            delta, _ = self.process(CoreOutput(core_id, [], "abort"), now)
+            if last is None:
+                last = delta
+            else:
+                last.merge(delta)
+        return last, running
+
+    def process(self, o: CoreOutput, now: float) -> tuple[RequestOutput | None, bool]:
+        """The delta for the core's output (None for a request no longer followed here), and
         whether a stop string ended it here while the core still runs it (so: abort it there)."""
-        state = self.requests.get(request_id)
-        if state is None:
+        request = self.requests.get(o.request_id)
+        if request is None:
             return None, False
-        if token_ids and state.first_token_time is None:
-            state.first_token_time = now
-        if state.first_scheduled_time is None:
-            state.first_scheduled_time = first_scheduled_time
+        parent, token_ids, finish_reason, stop_reason = request.parent, o.token_ids, o.finish_reason, o.stop_reason
+        if token_ids and parent.first_token_time is None:
+            parent.first_token_time = now
+        if parent.first_scheduled_time is None:
+            parent.first_scheduled_time = o.first_scheduled_time
         text, kept = "", len(token_ids)
-        if state.detokenizer:
+        if request.detokenizer:
             for i, token in enumerate(token_ids):
-                text += state.stops.push(state.detokenizer.push([token]))
-                if state.stops.stopped:
-                    kept, finish_reason, stop_reason = i + 1, "stop", state.stops.matched
+                text += request.stops.push(request.detokenizer.push([token]))
+                if request.stops.stopped:
+                    kept, finish_reason, stop_reason = i + 1, "stop", request.stops.matched
                     break
-        stopped_here = state.stops.stopped
+        stopped_here = request.stops.stopped
         finished = finish_reason is not None
         if finished:
-            text += state.stops.flush()
-            del self.requests[request_id]
+            text += request.stops.flush()
+            del self.requests[o.request_id]
+            parent.running.discard(o.request_id)
+            if not parent.running:
+                del self.parents[parent.request_id]
+        logprobs = None if o.logprobs is None else o.logprobs[:kept].to_dicts(self.tokenizer)
+        prompt_logprobs = None
+        if o.prompt_logprobs is not None and not parent.prompt_logprobs_sent:
+            parent.prompt_logprobs_sent = True
+            prompt_logprobs = [None, *o.prompt_logprobs.to_dicts(self.tokenizer)]
         output = RequestOutput(
-            request_id=request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
-            outputs=[CompletionOutput(0, text, list(token_ids[:kept]), finish_reason, stop_reason if finished else None)],
-            finished=finished,
-            metrics=RequestMetrics(state.arrival_time, state.first_token_time, now if finished else None,
-                                   state.first_scheduled_time))
+            request_id=parent.request_id, prompt=parent.prompt, prompt_token_ids=parent.prompt_token_ids,
+            outputs=[CompletionOutput(request.index, text, list(token_ids[:kept]), finish_reason,
+                                      stop_reason if finished else None, logprobs)],
+            finished=not parent.running,
+            metrics=RequestMetrics(parent.arrival_time, parent.first_token_time, now if not parent.running else None,
+                                   parent.first_scheduled_time),
+            prompt_logprobs=prompt_logprobs)
         return output, stopped_here
 
 

@@ -16,6 +16,10 @@ if TYPE_CHECKING:
     from jetserve.engine.tokenizer import Tokenizer
 
 
+# vLLM's buckets for the tokens computed per engine step (iteration_tokens_total).
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
 @dataclass
 class EngineStats:
     """A snapshot of an engine's state and counters (GetStats, metrics, the agent's health)."""
@@ -38,6 +42,9 @@ class EngineStats:
     acceptance_rate: float = 0.0
     mean_accepted_length: float = 0.0
     num_speculative_tokens: int = 0
+    # Steps by the tokens they computed: a count per ITERATION_TOKENS_BUCKETS bound (+Inf last), and their sum.
+    iteration_tokens: list[int] = field(default_factory=list)
+    iteration_tokens_sum: int = 0
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from jetserve.engine.config import EngineConfig
 from jetserve.engine.cuda_graphs import CUDAGraphs
 from jetserve.engine.model.attention import MAX_UNIFORM_Q, AttentionMetadata, to_device
 from jetserve.engine.model.loader import load_model, torch_dtype
+from jetserve.engine.outputs import LogprobsLists
 from jetserve.engine.sampler import History, process_logits, sample, token_logprobs
 from jetserve.engine.scheduler import ScheduledBatch
 from jetserve.engine.sequence import Sequence
@@ -127,26 +128,54 @@ class ModelRunner:
         return peak
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, num_drafts: int = 0
-                ) -> tuple[list[list[int] | None], list[list[int]], list[list[dict] | None]]:
+    def execute(self, batch: ScheduledBatch, num_drafts: int = 0) -> tuple[
+            list[list[int] | None], list[list[int]], list[LogprobsLists | None], list[LogprobsLists | None]]:
         """Compute the scheduled tokens (a sequence's pending drafts included); for each sequence
         whose tokens are now all computed, the tokens it gains (accepted drafts + one), None for
         one still part-way through its prompt; the drafts (up to `num_drafts`) each one
-        proposes for the next step; and, for those that asked, the gained tokens' logprobs."""
+        proposes for the next step; for those that asked, the gained tokens' logprobs; and the
+        logprobs of the prompt tokens this step's rows predict (prompt_logprobs)."""
         if (self.proposer is not None and self.speculative_shape(batch, num_drafts) is not None
                 and not any(seq.params.logprobs is not None for seq in batch.seqs)):
-            return self._speculative(batch, num_drafts)
+            return (*self._speculative(batch, num_drafts), [None] * len(batch))  # decodes: no prompt rows
         step = self._run(batch)
+        prompt_logprobs = self._prompt_logprobs(batch, step)
         sampled = [seq for seq, d in zip(batch.seqs, step.sampled) if d]
         tokens, logprobs = self._sample(step, sampled) if sampled else ([], [])
         tokens, logprobs = iter(tokens), iter(logprobs)
         emitted = [next(tokens) if d else None for d in step.sampled]
         emitted_logprobs = [next(logprobs) if d else None for d in step.sampled]
         if self.proposer is None:
-            return emitted, [[] for _ in batch.seqs], emitted_logprobs
+            return emitted, [[] for _ in batch.seqs], emitted_logprobs, prompt_logprobs
         drafts = self.proposer.propose(self._draft_forward, self.model.compute_logits, batch.seqs,
                                        batch.num_tokens, step.hidden, step.positions, step.meta, emitted, num_drafts)
-        return emitted, drafts, emitted_logprobs
+        return emitted, drafts, emitted_logprobs, prompt_logprobs
+
+    def _prompt_logprobs(self, batch: ScheduledBatch, step: _Step) -> list[LogprobsLists | None]:
+        """Per sequence that asked for prompt_logprobs, those of the prompt tokens its rows in
+        this step predict (the row at position p predicts the token at p + 1), so a prompt split
+        over chunks gets each chunk's. The vocabulary projection runs max_num_seqs rows at a
+        time: no more logits than a step samples (what `kv_reserve` leaves room for)."""
+        rows, targets, spans, row = [], [], [], 0
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            start = seq.num_computed_tokens
+            end = min(start + n, seq.num_prompt_tokens - 1)
+            if seq.params.prompt_logprobs is not None and start < end:
+                spans.append((len(rows), len(rows) + end - start))
+                rows += range(row, row + end - start)
+                targets += seq.token_ids[start + 1:end + 1]
+            else:
+                spans.append(None)
+            row += n
+        if not rows:
+            return [None] * len(batch)
+        most = max(seq.params.prompt_logprobs for seq, span in zip(batch.seqs, spans) if span)
+        lists, size = LogprobsLists([], [], []), self.config.max_num_seqs
+        for i in range(0, len(rows), size):
+            logits = self.model.compute_logits(step.hidden[to_device(torch.tensor(rows[i:i + size]), self.device)])
+            lists.extend(token_logprobs(logits, to_device(torch.tensor(targets[i:i + size]), self.device), most))
+        return [lists[span[0]:span[1]].top(seq.params.prompt_logprobs) if span else None
+                for seq, span in zip(batch.seqs, spans)]
 
     def speculative_shape(self, batch: ScheduledBatch, num_drafts: int) -> int | None:
         """The drafts every sequence verifies when all decode with the same number and have room
@@ -285,7 +314,7 @@ class ModelRunner:
         """MTP draft step `step` (layer step % n, its own KV cache), eagerly: steps with prefill."""
         return self.model.mtp_forward(step, ids, positions, hidden, self.kv_cache, meta)
 
-    def _sample(self, step: _Step, seqs: list[Sequence]) -> tuple[list[list[int]], list[list[dict] | None]]:
+    def _sample(self, step: _Step, seqs: list[Sequence]) -> tuple[list[list[int]], list[LogprobsLists | None]]:
         """Tokens each sequence gains (one sampled token, or accepted drafts + one with MTP), and
         their logprobs for the sequences that asked."""
         wants_logprobs = any(s.params.logprobs is not None for s in seqs)
@@ -297,9 +326,9 @@ class ModelRunner:
         return tokens, self._logprobs(logits, seqs, tokens) if wants_logprobs else [None] * len(seqs)
 
     @staticmethod
-    def _logprobs(logits: torch.Tensor, seqs: list[Sequence], tokens: list[list[int]]) -> list[list[dict] | None]:
-        """Per sequence that asked, per gained token: {token: (logprob, rank)} for its top N and the
-        token itself. A sequence's rows are its draft positions then the bonus one, in order."""
+    def _logprobs(logits: torch.Tensor, seqs: list[Sequence], tokens: list[list[int]]) -> list[LogprobsLists | None]:
+        """Per sequence that asked, its gained tokens' logprobs with its top N. A sequence's rows
+        are its draft positions then the bonus one, in order."""
         rows, taken, row = [], [], 0
         for seq, new in zip(seqs, tokens):
             if seq.params.logprobs is not None:
@@ -307,13 +336,14 @@ class ModelRunner:
                 taken += new
             row += len(seq.spec_token_ids) + 1
         most = max(s.params.logprobs for s in seqs if s.params.logprobs is not None)
-        entries = iter(token_logprobs(logits[rows], torch.tensor(taken, device=logits.device), most))
-        out = []
+        lists = token_logprobs(logits[rows], torch.tensor(taken, device=logits.device), most)
+        out, start = [], 0
         for seq, new in zip(seqs, tokens):
-            n = seq.params.logprobs
-            out.append(None if n is None else [
-                {t: v for t, v in entry.items() if v[1] <= n or t == token}
-                for token, entry in zip(new, (next(entries) for _ in new))])
+            if seq.params.logprobs is None:
+                out.append(None)
+                continue
+            out.append(lists[start:start + len(new)].top(seq.params.logprobs))
+            start += len(new)
         return out
 
     def _sample_tensor(self, step: _Step, seqs: list[Sequence]) -> torch.Tensor:

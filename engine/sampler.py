@@ -17,6 +17,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+from jetserve.engine.outputs import LogprobsLists
 from jetserve.engine.sampling_params import SamplingParams
 
 _MASK32 = 0xFFFFFFFF
@@ -163,16 +164,13 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: torch.Tens
     return tokens
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num: int) -> list[dict[int, tuple[float, int]]]:
-    """Per row, {token: (logprob, rank)} for the `num` most likely tokens and the one taken, from
-    the model's own distribution (vLLM's raw logprobs: before penalties and temperature)."""
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num: int) -> LogprobsLists:
+    """Per row, the logprob and rank of the token taken there and the `num` most likely tokens,
+    from the model's own distribution (vLLM's raw logprobs: before penalties and temperature).
+    Ranks count the tokens strictly more likely (1: the most likely), as vLLM's."""
     logprobs = logits.float().log_softmax(dim=-1)
     chosen = logprobs.gather(1, tokens[:, None])
-    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
     top_values, top_ids = logprobs.topk(num, dim=-1)
-    out = []
-    for row, token in enumerate(tokens.tolist()):
-        entry = {t: (v, r + 1) for r, (t, v) in enumerate(zip(top_ids[row].tolist(), top_values[row].tolist()))}
-        entry[token] = (chosen[row, 0].item(), ranks[row])
-        out.append(entry)
-    return out
+    return LogprobsLists(torch.cat([tokens[:, None], top_ids], 1).tolist(),
+                         torch.cat([chosen, top_values], 1).tolist(), ranks.tolist())

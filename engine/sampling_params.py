@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
@@ -69,6 +70,12 @@ class SamplingParams:
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
         words = {tuple(tokenizer.encode(w)) for word in self.bad_words or () for w in (word, " " + word.lstrip())}
         self.bad_words_token_ids = [list(w) for w in sorted(words) if w]
+
+    def child(self, index: int) -> SamplingParams:
+        """Completion `index` of an n-completion request as a request of its own (vLLM's
+        parallel sampling): n = 1 and, when seeded, seed + index, so each differs and a seeded
+        request repeats."""
+        return dataclasses.replace(self, n=1, seed=None if self.seed is None else self.seed + index)
 
     def _check(self):
         def fail(name, why):

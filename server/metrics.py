@@ -12,13 +12,16 @@ read from `engine.stats()` at scrape time instead of being copied into gauges on
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+
+from jetserve.engine.protocol import ITERATION_TOKENS_BUCKETS
 
 PREFIX = "jetserve_"
 LABELS = ("model_name",)
@@ -209,3 +212,16 @@ class _EngineCollector(Collector):
         for position, count in enumerate(s.accepted_per_position):
             per_pos.add_metric([model, str(position)], count)
         yield per_pos
+        if s.iteration_tokens:  # an engine that counts its steps (the torch engine)
+            yield _iteration_tokens(model, s.iteration_tokens, s.iteration_tokens_sum)
+
+
+def _iteration_tokens(model: str, counts: list[int], total: int) -> HistogramMetricFamily:
+    """vLLM's iteration_tokens_total: the tokens each engine step computed, recorded by the engine
+    per step (counts per bucket, cumulated here as Prometheus wants them). Named without vLLM's
+    `_total`, which promtool refuses on a histogram (it marks counters)."""
+    family = HistogramMetricFamily(PREFIX + "iteration_tokens", "Tokens computed per engine step.",
+                                   labels=LABELS)
+    bounds = [str(float(b)) for b in ITERATION_TOKENS_BUCKETS] + ["+Inf"]
+    family.add_metric([model], list(zip(bounds, itertools.accumulate(counts))), total)
+    return family

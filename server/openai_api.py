@@ -296,13 +296,21 @@ class _Shape:
         self.prompt_tokens: dict[int, int] = {}
         self.completion_tokens = 0
         self.choices: dict[int, dict] = {}
+        self.prompt_logprobs: dict[int, list] = {}  # by prompt, with vLLM's prompt_logprobs
 
     def _index(self, i: int, output) -> int:
         return i * self.n + output.index
 
-    def _count(self, i: int, out) -> None:
+    def _count(self, i: int, out) -> list | None:
+        """Count a delta's tokens; returns its prompt logprobs (vLLM's form) if it brings them."""
         self.prompt_tokens[i] = len(out.prompt_token_ids)
         self.completion_tokens += sum(len(o.token_ids) for o in out.outputs)
+        if out.prompt_logprobs is None:
+            return None
+        self.prompt_logprobs[i] = [None if entry is None else {
+            str(t): {"logprob": c.logprob, "rank": c.rank, "decoded_token": c.decoded_token} for t, c in entry.items()}
+            for entry in out.prompt_logprobs]
+        return self.prompt_logprobs[i]
 
     def usage(self) -> dict:
         prompt = sum(self.prompt_tokens.values())
@@ -318,13 +326,16 @@ class _Shape:
                 "choices": [self.choices[k] for k in sorted(self.choices)], "usage": self.usage()}
 
     def chunks(self, i, out):
-        """One SSE chunk for a delta of completion set `i`: each output as a choice in this shape's form."""
-        self._count(i, out)
+        """One SSE chunk for a delta of completion set `i`: each output as a choice in this shape's
+        form; prompt logprobs (vLLM's extension) in the first chunk of the prompt's first choice."""
+        prompt_logprobs = self._count(i, out)
         choices = []
         for o in out.outputs:
             choice = {"index": self._index(i, o), **self._delta(o), "logprobs": None, "finish_reason": o.finish_reason}
             self._add_logprobs(choice, o)
             choices.append(choice)
+        if prompt_logprobs is not None:
+            choices[0]["prompt_logprobs"] = prompt_logprobs
         return [self._chunk(choices)]
 
     def _chunk(self, choices) -> dict:
@@ -338,6 +349,15 @@ class _Shape:
 
 class Completion(_Shape):
     object_name = chunk_name = "text_completion"
+
+    def response(self) -> dict:
+        """vLLM's: each choice carries its prompt's prompt_logprobs when they were asked for."""
+        body = super().response()
+        for choice in body["choices"]:
+            prompt = choice["index"] // self.n
+            if prompt in self.prompt_logprobs:
+                choice["prompt_logprobs"] = self.prompt_logprobs[prompt]
+        return body
 
     def add(self, i, out) -> None:
         self._count(i, out)
@@ -362,8 +382,8 @@ class Completion(_Shape):
             token = candidates[token_id].decoded_token
             lp["tokens"].append(token)
             lp["token_logprobs"].append(candidates[token_id].logprob)
-            lp["top_logprobs"].append({c.decoded_token: c.logprob for c in candidates.values()
-                                       if c.rank <= self.num_logprobs})
+            lp["top_logprobs"].append({c.decoded_token: c.logprob for t, c in candidates.items()
+                                       if c.rank <= self.num_logprobs or t == token_id})  # vLLM's: N and the token
             lp["text_offset"].append(offset)
             offset += len(token)
 
@@ -371,6 +391,13 @@ class Completion(_Shape):
 class Chat(_Shape):
     object_name = "chat.completion"
     chunk_name = "chat.completion.chunk"
+
+    def response(self) -> dict:
+        """vLLM's: the conversation's prompt_logprobs beside the choices when they were asked for."""
+        body = super().response()
+        if self.prompt_logprobs:
+            body["prompt_logprobs"] = self.prompt_logprobs[0]
+        return body
 
     def add(self, i, out) -> None:
         self._count(i, out)

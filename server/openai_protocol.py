@@ -12,11 +12,10 @@ from typing import Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from jetserve.engine import SamplingParams
+from jetserve.engine.sampling_params import MAX_LOGPROBS, MAX_N
 
 # Bounds that keep one request from asking for unbounded work; the engine checks the rest.
 MAX_STOP = 16
-MAX_LOGPROBS = 20
-MAX_N = 16
 MAX_PROMPTS = 64
 MAX_TOKEN_LIST = 4096
 

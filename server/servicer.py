@@ -20,7 +20,7 @@ from jetserve.v1 import inference_pb2_grpc as pb_grpc
 FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
                   "abort": pb.FINISH_REASON_ABORT}
 FLOAT_OPTIONS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
-INT_OPTIONS = ("top_k", "max_tokens", "seed", "n", "min_tokens", "logprobs")
+INT_OPTIONS = ("top_k", "max_tokens", "seed", "n", "min_tokens", "logprobs", "prompt_logprobs")
 LIST_OPTIONS = ("stop", "stop_token_ids", "allowed_token_ids", "bad_words")
 
 
@@ -50,10 +50,10 @@ def sampling_params(options: pb.SamplingOptions) -> SamplingParams:
                           **kwargs)
 
 
-def token_logprobs(delta, num_top: int | None) -> list[pb.TokenLogprob]:
-    """Per generated token: its logprob and rank, and the `num_top` most likely tokens there."""
+def token_logprobs(token_ids, logprobs, num_top: int | None) -> list[pb.TokenLogprob]:
+    """Per token: its logprob and rank, and the `num_top` most likely tokens there."""
     out = []
-    for token_id, candidates in zip(delta.token_ids, delta.logprobs or ()):
+    for token_id, candidates in zip(token_ids, logprobs or ()):
         chosen = candidates[token_id]
         top = sorted(((t, c) for t, c in candidates.items() if c.rank <= num_top), key=lambda tc: tc[1].rank)
         out.append(pb.TokenLogprob(
@@ -104,20 +104,27 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             prompt = await asyncio.to_thread(lambda: tokenized(make_prompt(engine), engine))
             completion_tokens = 0
             async for out in self._server.stream(prompt, params, request_id):
-                delta = out.outputs[0]
-                completion_tokens += len(delta.token_ids)
-                reply = response_type(request_id=request_id, text=delta.text, token_ids=delta.token_ids,
-                                      index=delta.index, logprobs=token_logprobs(delta, params.logprobs))
-                if delta.finish_reason:
-                    reply.finish_reason = FINISH_REASONS[delta.finish_reason]
+                replies = []
+                for delta in out.outputs:  # deltas of several of the n completions may come merged
+                    completion_tokens += len(delta.token_ids)
+                    reply = response_type(request_id=request_id, text=delta.text, token_ids=delta.token_ids,
+                                          index=delta.index,
+                                          logprobs=token_logprobs(delta.token_ids, delta.logprobs, params.logprobs))
+                    if delta.finish_reason:
+                        reply.finish_reason = FINISH_REASONS[delta.finish_reason]
+                    replies.append(reply)
+                if out.prompt_logprobs is not None:  # once, in the stream's first message
+                    replies[0].prompt_logprobs.extend(token_logprobs(
+                        out.prompt_token_ids[1:], out.prompt_logprobs[1:], params.prompt_logprobs))
                 if out.finished:
-                    t = out.metrics
-                    reply.usage.prompt_tokens = len(out.prompt_token_ids)
-                    reply.usage.completion_tokens = completion_tokens
-                    reply.timing.total_s = t.finished_time - t.arrival_time
-                    reply.timing.time_to_first_token_s = (
-                        t.first_token_time - t.arrival_time if t.first_token_time is not None else reply.timing.total_s)
-                yield reply
+                    t, last = out.metrics, replies[-1]
+                    last.usage.prompt_tokens = len(out.prompt_token_ids)
+                    last.usage.completion_tokens = completion_tokens
+                    last.timing.total_s = t.finished_time - t.arrival_time
+                    last.timing.time_to_first_token_s = (
+                        t.first_token_time - t.arrival_time if t.first_token_time is not None else last.timing.total_s)
+                for reply in replies:
+                    yield reply
             return
         except Exception as exc:  # noqa: BLE001 - status_for logs the unexpected ones
             code, message = status_for(exc)

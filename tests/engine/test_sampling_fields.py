@@ -202,3 +202,46 @@ def test_llm_chat_renders_the_template_then_generates(llm):
     assert len(two) == 2 and two[0].outputs[0].token_ids == chat.outputs[0].token_ids
     with pytest.raises(ValueError, match="messages\\[0\\].role"):
         llm.chat([{"role": "wizard", "content": "hi"}], greedy(), use_tqdm=False)
+
+
+def _check_prompt_logprobs(got, prompt, model, num):
+    """vLLM's prompt_logprobs: None for the first token, then each token's logprob under the
+    model given the tokens before it, its rank, and the top `num` there."""
+    with torch.no_grad():
+        expected = model(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    assert len(got) == len(prompt) and got[0] is None
+    for position in range(1, len(prompt)):
+        entry, row, token = got[position], expected[position - 1], prompt[position]
+        ranked = row.argsort(descending=True).tolist()
+        assert set(entry) == set(ranked[:num]) | {token}
+        for t, lp in entry.items():
+            assert lp.logprob == pytest.approx(row[t].item(), abs=1e-4)
+            assert lp.rank == ranked.index(t) + 1
+
+
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_prompt_logprobs_are_the_models_log_softmax(tiny, chunk):
+    """Chunked prefill (4-token chunks of an 11-token prompt) gives each chunk's rows; a second
+    request for the same prompt computes it again instead of reading the prefix cache."""
+    path, model = tiny
+    llm = LLM(str(path), max_num_seqs=2, block_size=4, enable_prefix_caching=True,
+              **({"max_num_batched_tokens": chunk, "enable_chunked_prefill": True} if chunk else {}))
+    prompt = PROMPT + [3, 88, 21, 64, 12]
+    for _ in range(2):
+        out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2), use_tqdm=False)[0]
+        _check_prompt_logprobs(out.prompt_logprobs, prompt, model, 2)
+    assert llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0].prompt_logprobs is None
+
+
+def test_async_scheduling_serves_n_and_refuses_logprobs_by_name(tiny):
+    """Logprobs need each step's logits on the host, which async scheduling never waits for:
+    refused, naming the fields; n > 1 (sequences of their own) is served, seeded as without it."""
+    path, _ = tiny
+    llm = LLM(str(path), max_num_seqs=4, block_size=4, async_scheduling=True)
+    for fields in ({"logprobs": 1}, {"prompt_logprobs": 1}):
+        with pytest.raises(ValueError, match="prompt_logprobs need the tokens on the host: not available with "
+                                             "async_scheduling"):
+            ours(llm, SamplingParams(**fields))
+    params = SamplingParams(n=2, seed=4, temperature=1.0, max_tokens=5, ignore_eos=True)
+    plain = LLM(str(path), max_num_seqs=4, block_size=4)
+    assert [o.token_ids for o in ours(llm, params)] == [o.token_ids for o in ours(plain, params)]

@@ -117,6 +117,23 @@ def test_a_request_moves_its_histograms(stubs, live):
     assert 1 <= moved("jetserve_inter_token_latency_seconds_count") <= 5
 
 
+def test_each_engine_step_records_its_tokens(stubs, live):
+    """vLLM's iteration_tokens: one prefill step of the whole prompt, then one token a step."""
+    wait_for_free_blocks(live.engine)
+    before = samples(live)
+    messages = generate(stubs, "robot arm", max_tokens=6)
+    wait_for_free_blocks(live.engine)
+    after = samples(live)
+
+    def moved(name, labels=()):
+        return after[(name, labels)] - before.get((name, labels), 0)
+
+    prompt_tokens = messages[-1].usage.prompt_tokens
+    assert moved("jetserve_iteration_tokens_count") == 6
+    assert moved("jetserve_iteration_tokens_sum") == prompt_tokens + 5
+    assert moved("jetserve_iteration_tokens_bucket", (("le", "1.0"),)) == 5
+
+
 def test_a_cancelled_stream_counts_as_an_abort(stubs, live):
     inference, _ = stubs
     key = ("jetserve_request_success_total", (("finished_reason", "abort"),))

@@ -195,15 +195,6 @@ def test_the_bearer_token_guards_everything_but_health(guarded):
     assert json.loads(urllib.request.urlopen(health, timeout=10).read()) == {"status": "SERVING"}
 
 
-def test_n_and_logprobs_are_refused_by_name_over_http(sdk, live):
-    """The engine-core process does not carry them yet (LLM does): a 400 that says so."""
-    for fields in ({"n": 2}, {"logprobs": True, "top_logprobs": 2}):
-        with pytest.raises(openai.BadRequestError) as err:
-            sdk.chat.completions.create(model=live.server.model_name, max_tokens=2,
-                                        messages=[{"role": "user", "content": "hi"}], **fields)
-        assert "n > 1 and logprobs" in err.value.body["message"]
-
-
 def test_penalties_reach_the_engine_over_http(sdk, live):
     args = dict(model=live.server.model_name, prompt="The kiosk", max_tokens=12, temperature=0,
                 extra_body={"ignore_eos": True})
