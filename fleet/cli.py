@@ -23,7 +23,8 @@ def register(subparsers):
                      help="registry: an SQLite file, or postgresql://USER@HOST/DB shared by replicas on "
                           "several hosts (password from ~/.pgpass or $PGPASSFILE, never the command line)")
     run.add_argument("--http", default="127.0.0.1:8080", metavar="HOST:PORT",
-                     help="read-only HTTP page and API ('' to disable); beyond loopback it needs a token and TLS")
+                     help="read-only HTTP page, API and Prometheus /metrics ('' to disable); beyond loopback it "
+                          "needs a token and TLS")
     run.add_argument("--http-token-file", metavar="FILE",
                      help="bearer token every HTTP request must carry (the file mode 0600)")
     run.add_argument("--http-tls-cert", metavar="PEM", help="serve HTTPS with this certificate chain")
@@ -90,7 +91,8 @@ def run_controller(args):
                                 share=args.share, silence_factor=args.silence_factor,
                                 stall_timeout=args.stall_timeout)
         if args.http:
-            server = web.Server(registry, host, port, token, args.http_tls_cert, args.http_tls_key)
+            server = web.Server(registry, host, port, token, args.http_tls_cert, args.http_tls_key,
+                                controller.metrics.registry)
     except (ValueError, OSError, RegistryError, MqttConfigError) as exc:
         sys.exit("jetserve fleet run: %s" % exc)
     except ImportError as exc:

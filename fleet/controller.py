@@ -6,20 +6,26 @@ and dropped. No message can end the ingest thread, and if ingestion stops anyway
 a step is stuck) the process exits non-zero so systemd (or compose) restarts it; under systemd it
 is `Type=notify` and pings the watchdog only while ingestion is healthy.
 
-It keeps a persistent MQTT session (clean_start off, a session expiry) so messages published
-while it reconnects wait at the broker for it. With `--share GROUP` several replicas split the
+The MQTT thread only checks and queues; one writer stores the queued messages a batch per
+transaction and acknowledges them after the commit (`ingest.GroupCommit`: at least once, bounded,
+with back-pressure). It keeps a persistent MQTT session (clean_start off, a session expiry) so
+messages published while it reconnects, or not yet acknowledged when it died, wait at the broker. With `--share GROUP` several replicas split the
 fleet's stream (`$share/GROUP/...`). A device heard from without a known session (births are not
 retained, as in Sparkplug) is asked for a rebirth, at most once per `REBIRTH_EVERY_S`.
 """
 
 import json
 import logging
+import math
 import threading
 import time
 import uuid
 
 from jetserve import notify
+from jetserve.fleet.ingest import CAPACITY, GroupCommit, Received
 from jetserve.fleet.liveness import Liveness
+from jetserve.fleet.metrics import Metrics
+from jetserve.fleet.registry import Message
 from jetserve.wire import messages, topics
 from jetserve.wire.mqtt import new_client, session_properties
 
@@ -40,10 +46,12 @@ class Controller:
         self.mqtt, self.registry = mqtt_options, registry
         self.fleet, self.share, self.silence_factor = fleet, share, silence_factor
         self.liveness = Liveness(stall_timeout)
+        self.metrics = Metrics()
         self.connected = threading.Event()
         self._stopping = threading.Event()
-        self._rebirth_asked = {}  # (fleet, device) → when we last asked
-        self.client = new_client(client_id, mqtt_options)
+        self._rebirth_asked = {}  # (fleet, device) → when we last asked (writer thread)
+        self.client = new_client(client_id, mqtt_options, manual_ack=True)
+        self.writer = GroupCommit(registry, self.client.ack, self.metrics, self.liveness, self._committed)
         self.client.reconnect_delay_set(1, 10)
         self.client.on_connect = self._on_connect
         self.client.on_disconnect = self._on_disconnect
@@ -51,13 +59,14 @@ class Controller:
         self.client.on_subscribe = lambda *_: log.info("subscribed; receiving the fleet's messages")
         self._ingest = threading.Thread(target=self.client.loop_forever, kwargs={"retry_first_connection": True},
                                         name="ingest", daemon=True)
+        self._writer = threading.Thread(target=self.writer.run, args=(self._stopping,), name="write", daemon=True)
         self._sweeper = threading.Thread(target=self._sweep_loop, name="sweep", daemon=True)
 
     def run(self, stop_event):
         """Ingest until `stop_event`; returns 0, or 1 when ingestion stopped on its own."""
         self.client.connect_async(self.mqtt.host, self.mqtt.port, keepalive=self.mqtt.keepalive,
-                                  clean_start=False, properties=session_properties(SESSION_EXPIRY_S))
-        for thread in (self._ingest, self._sweeper):
+                                  clean_start=False, properties=session_properties(SESSION_EXPIRY_S, CAPACITY))
+        for thread in (self._ingest, self._writer, self._sweeper):
             self.liveness.watch(thread.name, thread)
             thread.start()
         notify.notify("READY=1", "STATUS=connecting to %s" % self.mqtt.address)
@@ -72,8 +81,9 @@ class Controller:
             notify.notify("STOPPING=1")
             return 0
         finally:
-            self._stopping.set()
+            self._stopping.set()  # no more queued; what is queued is stored and acknowledged first
             if not self.liveness.problem():  # a stuck thread would hold these up: leave it to exit
+                self._writer.join(10)
                 self.client.disconnect()
                 self._ingest.join(5)
                 self._sweeper.join(5)
@@ -111,33 +121,40 @@ class Controller:
             log.warning("controller disconnected (%s)", reason_code)
 
     def _on_message(self, client, userdata, message):
+        if self._stopping.is_set():
+            return  # not acknowledged: the broker keeps it for the next run
         with self.liveness.busy("ingest"):
             try:
-                self._handle(message.topic, message.payload)
-            except Exception:  # a registry failure or a bug: this message is lost, the thread is not
-                log.exception("handling a message on %s failed", message.topic[:200])
+                checked = self._check(message.topic, message.payload)
+            except Exception:  # a bug: this message is dropped (acknowledged, counted as ignored), the thread is not
+                log.exception("checking a message on %s failed", message.topic[:200])
+                checked = None
+            self.writer.put(Received(checked, message.mid, message.qos, _timestamp(checked)))
 
-    def _handle(self, topic, payload):
+    def _check(self, topic, payload):
+        """The Message to store: checked, or refused with the reason; None if not ours."""
         parsed = topics.parse(topic)
         if parsed is None or parsed[2] not in PARSERS:
             log.warning("ignoring a message on %s: not a jetserve topic", topic[:200])
-            return
+            return None
         fleet, device, kind = parsed
         try:
-            message = PARSERS[kind](payload)
+            return Message(fleet, device, kind, PARSERS[kind](payload).doc)
         except messages.MessageError as exc:
-            self.registry.reject(fleet, device, kind, str(exc))
             log.warning("%s/%s %s refused: %s", fleet, device, kind, exc)
-            return
-        if kind == topics.STATE:
-            outcome = self.registry.state(fleet, device, message.doc)
-            self._rebirth_asked.pop((fleet, device), None)
-        else:
-            outcome = self.registry.data(fleet, device, kind, message.doc)
-            if self.registry.session(fleet, device) is None:
-                self._ask_rebirth(fleet, device)
-        (log.debug if outcome in ("new", "birth") else log.info)(
-            "%s/%s %s n=%s: %s", fleet, device, kind, message.doc.get("n"), outcome)
+            return Message(fleet, device, kind, error=str(exc))
+
+    # writer thread
+
+    def _committed(self, stored, outcomes, unborn):
+        for message, outcome in zip(stored, outcomes):
+            if message.kind == topics.STATE and message.error is None:
+                self._rebirth_asked.pop((message.fleet, message.device), None)
+            if message.error is None:
+                (log.debug if outcome in ("new", "birth") else log.info)(
+                    "%s/%s %s n=%s: %s", message.fleet, message.device, message.kind, message.doc.get("n"), outcome)
+        for fleet, device in sorted(unborn):
+            self._ask_rebirth(fleet, device)
 
     def _ask_rebirth(self, fleet, device):
         """Sparkplug's host rule: data from a node whose birth we lack → ask it to be born again."""
@@ -149,3 +166,9 @@ class Controller:
         self.client.publish(topics.topic(fleet, device, topics.CMD), json.dumps(request), qos=1)
         log.info("%s/%s: no birth on record; asked for a rebirth", fleet, device)
 
+
+
+def _timestamp(message):
+    """When the device says it sent `message` (its `ts`), if it says so with a usable number."""
+    ts = message.doc.get("ts") if message is not None and message.doc is not None else None
+    return float(ts) if type(ts) in (int, float) and math.isfinite(ts) else None

@@ -6,14 +6,16 @@ bdSeq is the current one, so a late death from an old session is ignored. Data m
 past the highest n opens holes (`gaps`), which a late message fills. Messages can arrive out of
 order when several controller replicas share one registry (`$share` splits the stream per
 message), so a hole is alerted only once it has stayed open for a report interval, and a late
-health document never overwrites a newer one. Every write is one transaction holding the
-device's lock (stores.py says how each database takes it), and the sweep changes a row only if
-it still matches what it read, so replicas anywhere see each other's updates whole and never
-alert twice. Alerts the controller raises go to the same log as the devices' own.
+health document never overwrites a newer one. Messages are applied in batches (group commit):
+each batch is one transaction holding its devices' locks (stores.py says how each database takes
+them) and costs the same few statements whatever its size, and the sweep changes a row only if it
+still matches what it read, so replicas anywhere see each other's updates whole and never alert
+twice. Alerts the controller raises go to the same log as the devices' own.
 """
 
 import json
 import time
+from typing import NamedTuple, Optional
 
 from jetserve.fleet.stores import StoreError, open_store
 from jetserve.wire.messages import stored_interval
@@ -26,6 +28,7 @@ JSON_COLUMNS = ("birth", "health", "conditions")
 WRITE_COLUMNS = tuple(c for c in COLUMNS if c not in ("birth", "health"))  # what a write reads
 DEFAULT_INTERVAL = 10.0  # s, for a device whose birth has not been seen (yet)
 NO_LIMIT = 2 ** 62  # rows; LIMIT takes a number in both databases
+INSERT_ALERT = "INSERT INTO alerts (ts, fleet, device, source, kind, message, body) VALUES (?, ?, ?, ?, ?, ?, ?)"
 
 
 class RegistryError(RuntimeError):
@@ -48,6 +51,16 @@ def conditions(health):
     return found
 
 
+class Message(NamedTuple):
+    """One inbound message for `Registry.apply`: a checked document (`doc`) or, for one that failed
+    its checks, the reason (`error`). `kind` is the topic's: state, health or alert."""
+    fleet: str
+    device: str
+    kind: str
+    doc: Optional[dict] = None
+    error: Optional[str] = None
+
+
 class Registry:
     def __init__(self, location):
         """`location`: an SQLite file path, or a `postgresql://` URL."""
@@ -57,119 +70,85 @@ class Registry:
             raise RegistryError(str(exc))
         self.backend = self._store.name
 
-    def _write(self):
-        return self._store.write()
-
-    def _device(self, execute, fleet, device):
-        """The device's row, locked for this transaction (made if new), without its documents: a
-        write never needs the stored birth or health, and decoding them each message is costly."""
-        execute("INSERT INTO devices (fleet, device) VALUES (?, ?) ON CONFLICT DO NOTHING", (fleet, device))
-        row = execute("SELECT %s FROM devices WHERE fleet = ? AND device = ?%s"
-                      % (", ".join(WRITE_COLUMNS), self._store.row_lock), (fleet, device)).fetchone()
-        return _decode(row, WRITE_COLUMNS)
-
-    @staticmethod
-    def _update(execute, fleet, device, **values):
-        values = {k: json.dumps(v) if k in JSON_COLUMNS else v for k, v in values.items()}
-        execute("UPDATE devices SET %s WHERE fleet = ? AND device = ?" % ", ".join("%s = ?" % k for k in values),
-                list(values.values()) + [fleet, device])
-
-    @staticmethod
-    def _alert(execute, fleet, device, source, kind, message, body=None, ts=None):
-        execute("INSERT INTO alerts (ts, fleet, device, source, kind, message, body) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (ts or time.time(), fleet, device, source, kind, message,
-                 json.dumps(body, sort_keys=True) if body is not None else None))
-
     def state(self, fleet, device, doc, now=None):
         """A birth or death certificate; returns what it did ("birth", "death", "stale-death")."""
-        now = now or time.time()
-        with self._write() as execute:
-            current = self._device(execute, fleet, device)
-            if doc.get("online"):
-                self._update(execute, fleet, device, online=1, reason="birth", bdseq=doc.get("bdSeq"),
-                             report_interval=stored_interval(doc, None), birth=doc, last_seen=now)
-                return "birth"
-            if doc.get("bdSeq") != current["bdseq"]:
-                return "stale-death"
-            if current["online"]:
-                self._update(execute, fleet, device, online=0, reason="death certificate", last_seen=now)
-                self._alert(execute, fleet, device, "controller", "offline",
-                            "offline: death certificate (bdSeq %s)" % doc.get("bdSeq"), ts=now)
-            return "death"
+        return self.apply([Message(fleet, device, "state", doc)], now)[0][0]
 
     def data(self, fleet, device, kind, doc, now=None):
         """A health or alert message; returns "new", "duplicate", "gap" (it opened holes),
         "late" (it filled one) or "invalid" (no usable (epoch, n))."""
-        now = now or time.time()
-        epoch, n = doc.get("epoch"), doc.get("n")
-        if not isinstance(epoch, str) or not isinstance(n, int):  # checked upstream (wire.messages)
-            return "invalid"
-        with self._write() as execute:
-            current = self._device(execute, fleet, device)
-            if execute("INSERT INTO seen (fleet, device, epoch, n) VALUES (?, ?, ?, ?) ON CONFLICT DO NOTHING",
-                       (fleet, device, epoch, n)).rowcount == 0:
-                self._update(execute, fleet, device, duplicates=current["duplicates"] + 1)
-                return "duplicate"
-            last = current["last_n"] if epoch == current["epoch"] else 0
-            execute("DELETE FROM seen WHERE fleet = ? AND device = ? AND (epoch %s ? OR n < ?)" % self._store.is_not,
-                    (fleet, device, epoch, max(n, last) - SEEN_WINDOW))
-            values = {"received": current["received"] + 1, "last_seen": now}
-            if n < last:  # a hole filled: out of order across replicas, never a replay (seen above)
-                outcome = "late"
-                values["gaps"] = max(current["gaps"] - 1, 0)
-                values["gaps_alerted"] = min(current["gaps_alerted"], values["gaps"])
-            else:
-                outcome = "new"
-                values.update(epoch=epoch, last_n=n)
-                if n > last + 1 and epoch == current["epoch"]:
-                    outcome = "gap"
-                    values["gaps"] = current["gaps"] + n - last - 1
-                    values["gap_since"] = current["gap_since"] or now
-            if not current["online"] and current["reason"] == "silent":
-                values.update(online=1, reason="heard again")
-            if kind == "alert":
-                self._alert(execute, fleet, device, "device", str(doc.get("type", "alert")), _describe(doc), doc,
-                            ts=doc.get("ts") or now)
-            elif outcome != "late":  # a late health document is older than the one shown
-                values.update(health=doc, status=doc.get("status"))
-                values["conditions"] = self._conditions(execute, fleet, device, current["conditions"],
-                                                        conditions(doc), now)
-            self._update(execute, fleet, device, **values)
-            return outcome
-
-    def _conditions(self, execute, fleet, device, before, found, now):
-        """Alert on each condition when it appears; the list of active ones."""
-        for kind in sorted(set(found) - set(before)):
-            self._alert(execute, fleet, device, "controller", kind, found[kind], ts=now)
-        return sorted(found)
+        return self.apply([Message(fleet, device, kind, doc)], now)[0][0]
 
     def reject(self, fleet, device, kind, error, now=None):
         """Count a message that failed its checks and flag the device: an alert when the error is
         new for it (a device repeating one bad message does not flood the log)."""
+        self.apply([Message(fleet, device, kind, error=error)], now)
+
+    def apply(self, batch, now=None):
+        """Apply `batch` (Messages, in the order received) in one transaction, with the same
+        statements whatever its size: the devices' rows are read and locked at once (in name
+        order, so replicas never deadlock on each other), the rules run here on those rows, and
+        what changed goes back in a few multi-row statements. Returns each message's outcome
+        ("birth", "death", "stale-death", "new", "duplicate", "gap", "late", "invalid",
+        "rejected") and the devices that sent data without a birth on record."""
         now = now or time.time()
-        with self._write() as execute:
-            self._device(execute, fleet, device)  # the device's lock, as every write takes it
-            row = execute("SELECT last_error FROM rejections WHERE fleet = ? AND device = ? AND kind = ?",
-                          (fleet, device, kind)).fetchone()
-            execute("INSERT INTO rejections VALUES (?, ?, ?, 1, ?, ?) ON CONFLICT (fleet, device, kind) "
-                    "DO UPDATE SET count = rejections.count + 1, last_error = excluded.last_error, "
-                    "last_ts = excluded.last_ts", (fleet, device, kind, error, now))
-            if row is None or row[0] != error:
-                self._alert(execute, fleet, device, "controller", "bad-message", "%s refused: %s" % (kind, error),
-                            ts=now)
+        if not batch:
+            return [], set()
+        keys = sorted({(m.fleet, m.device) for m in batch})
+        with self._store.write() as db:
+            changes = _Changes(self._lock_devices(db, keys))
+            fresh = self._record_seen(db, [m for m in batch if m.error is None and m.kind != "state"])
+            refused = self._last_errors(db, sorted({(m.fleet, m.device) for m in batch if m.error is not None}))
+            outcomes = []
+            for m in batch:
+                key = (m.fleet, m.device)
+                if m.error is not None:
+                    outcomes.append(changes.reject(key, m.kind, m.error, refused, now))
+                elif m.kind == "state":
+                    outcomes.append(changes.state(key, m.doc, now))
+                else:
+                    outcomes.append(changes.data(key, m.kind, m.doc, fresh, now))
+            changes.write(db, self._store.is_not)
+        unborn = {(m.fleet, m.device) for m in batch if m.kind != "state" and m.error is None
+                  and changes.rows[(m.fleet, m.device)]["bdseq"] is None}
+        return outcomes, unborn
+
+    def _lock_devices(self, db, keys):
+        """{(fleet, device): row without its documents}, rows made if new and locked for the
+        transaction (a write never needs the stored birth or health, and decoding them is costly)."""
+        db.execute("INSERT INTO devices (fleet, device) VALUES %s ON CONFLICT DO NOTHING" % _values(len(keys), 2),
+                   _flat(keys))
+        rows = db.execute("SELECT %s FROM devices WHERE (fleet, device) IN (VALUES %s) ORDER BY fleet, device%s"
+                          % (", ".join(WRITE_COLUMNS), _values(len(keys), 2), self._store.row_lock),
+                          _flat(keys)).fetchall()
+        return {(row[0], row[1]): _decode(row, WRITE_COLUMNS) for row in rows}
+
+    @staticmethod
+    def _record_seen(db, data):
+        """The (fleet, device, epoch, n) of `data` not seen before, now recorded."""
+        ids = sorted({(m.fleet, m.device, m.doc.get("epoch"), m.doc.get("n")) for m in data
+                      if isinstance(m.doc.get("epoch"), str) and isinstance(m.doc.get("n"), int)})
+        if not ids:
+            return set()
+        return set(map(tuple, db.execute("INSERT INTO seen (fleet, device, epoch, n) VALUES %s ON CONFLICT DO NOTHING "
+                                         "RETURNING fleet, device, epoch, n" % _values(len(ids), 4),
+                                         _flat(ids)).fetchall()))
+
+    @staticmethod
+    def _last_errors(db, keys):
+        """{(fleet, device, kind): last refusal's error} of these devices."""
+        if not keys:
+            return {}
+        rows = db.execute("SELECT fleet, device, kind, last_error FROM rejections WHERE (fleet, device) IN "
+                          "(VALUES %s)" % _values(len(keys), 2), _flat(keys)).fetchall()
+        return {(f, d, k): error for f, d, k, error in rows}
 
     def rejections(self):
         """Refused messages per device and kind: {fleet, device, kind, count, last_error, last_ts}."""
         keys = ("fleet", "device", "kind", "count", "last_error", "last_ts")
-        with self._store.read() as execute:
-            rows = execute("SELECT %s FROM rejections ORDER BY fleet, device, kind" % ", ".join(keys)).fetchall()
+        with self._store.read() as db:
+            rows = db.execute("SELECT %s FROM rejections ORDER BY fleet, device, kind" % ", ".join(keys)).fetchall()
         return [dict(zip(keys, row)) for row in rows]
-
-    def session(self, fleet, device):
-        """The bdSeq of the device's current session, or None when no birth was ever seen."""
-        with self._store.read() as execute:
-            row = execute("SELECT bdseq FROM devices WHERE fleet = ? AND device = ?", (fleet, device)).fetchone()
-        return row[0] if row else None
 
     def sweep(self, silence_factor, now=None):
         """Mark offline the online devices silent for `silence_factor` report intervals, and alert
@@ -178,27 +157,29 @@ class Registry:
         replica may have swept it meanwhile)."""
         now = now or time.time()
         interval = "COALESCE(report_interval, %r)" % DEFAULT_INTERVAL
-        marked = []
-        with self._write() as execute:
-            for fleet, device, last_seen in execute(
+        marked, alerts = [], []
+        with self._store.write() as db:
+            for fleet, device, last_seen in db.execute(
                     "SELECT fleet, device, last_seen FROM devices WHERE online = 1 AND last_seen < ? - ? * %s "
                     "ORDER BY fleet, device" % interval, (now, silence_factor)).fetchall():
-                if execute("UPDATE devices SET online = 0, reason = 'silent' WHERE fleet = ? AND device = ? "
-                           "AND online = 1 AND last_seen = ?", (fleet, device, last_seen)).rowcount:
-                    self._alert(execute, fleet, device, "controller", "offline",
-                                "offline: silent for %.1f s" % (now - last_seen), ts=now)
+                if db.execute("UPDATE devices SET online = 0, reason = 'silent' WHERE fleet = ? AND device = ? "
+                              "AND online = 1 AND last_seen = ?", (fleet, device, last_seen)).rowcount:
+                    alerts.append((now, fleet, device, "controller", "offline",
+                                   "offline: silent for %.1f s" % (now - last_seen), None))
                     marked.append((fleet, device))
-            for fleet, device, gaps, alerted, since, due in execute(
+            for fleet, device, gaps, alerted, since, due in db.execute(
                     "SELECT fleet, device, gaps, gaps_alerted, gap_since, gap_since <= ? - %s FROM devices "
                     "WHERE gap_since IS NOT NULL ORDER BY fleet, device" % interval, (now,)).fetchall():
                 if gaps <= alerted:  # the holes filled in time
-                    execute("UPDATE devices SET gap_since = NULL WHERE fleet = ? AND device = ? AND gap_since = ?",
-                            (fleet, device, since))
-                elif due and execute("UPDATE devices SET gaps_alerted = gaps, gap_since = NULL WHERE fleet = ? "
-                                     "AND device = ? AND gaps = ? AND gaps_alerted = ? AND gap_since = ?",
-                                     (fleet, device, gaps, alerted, since)).rowcount:
-                    self._alert(execute, fleet, device, "controller", "seq-gap",
-                                "%d message(s) missing (%d in all)" % (gaps - alerted, gaps), ts=now)
+                    db.execute("UPDATE devices SET gap_since = NULL WHERE fleet = ? AND device = ? AND gap_since = ?",
+                               (fleet, device, since))
+                elif due and db.execute("UPDATE devices SET gaps_alerted = gaps, gap_since = NULL WHERE fleet = ? "
+                                        "AND device = ? AND gaps = ? AND gaps_alerted = ? AND gap_since = ?",
+                                        (fleet, device, gaps, alerted, since)).rowcount:
+                    alerts.append((now, fleet, device, "controller", "seq-gap",
+                                   "%d message(s) missing (%d in all)" % (gaps - alerted, gaps), None))
+            if alerts:
+                db.executemany(INSERT_ALERT, alerts)
         return marked
 
     def devices(self, fleet=None, limit=None, offset=0, problems_first=False, device=None):
@@ -206,8 +187,8 @@ class Registry:
         where, params = _where(fleet=fleet, device=device)
         order = "online, CASE status WHEN 'CRITICAL' THEN 0 WHEN 'DEGRADED' THEN 1 ELSE 2 END, " \
             if problems_first else ""
-        with self._store.read() as execute:
-            rows = execute("SELECT %s FROM devices %s ORDER BY %sfleet, device LIMIT ? OFFSET ?"
+        with self._store.read() as db:
+            rows = db.execute("SELECT %s FROM devices %s ORDER BY %sfleet, device LIMIT ? OFFSET ?"
                            % (", ".join(COLUMNS), where, order),
                            params + [NO_LIMIT if limit is None else limit, offset]).fetchall()
         return [_decode(row) for row in rows]
@@ -215,15 +196,15 @@ class Registry:
     def progress(self, fleet=None):
         """{(fleet, device): (online, received)}: what an ingestion monitor polls, without documents."""
         where, params = _where(fleet=fleet)
-        with self._store.read() as execute:
-            rows = execute("SELECT fleet, device, online, received FROM devices %s" % where, params).fetchall()
+        with self._store.read() as db:
+            rows = db.execute("SELECT fleet, device, online, received FROM devices %s" % where, params).fetchall()
         return {(f, d): (bool(online), received) for f, d, online, received in rows}
 
     def counts(self, fleet=None):
         """{"devices", "online", "OK", "DEGRADED", "CRITICAL"}: the online ones by reported status."""
-        with self._store.read() as execute:
+        with self._store.read() as db:
             where, params = _where(fleet=fleet)
-            rows = execute("SELECT online, status, COUNT(*) FROM devices %s GROUP BY online, status" % where,
+            rows = db.execute("SELECT online, status, COUNT(*) FROM devices %s GROUP BY online, status" % where,
                            params).fetchall()
         counts = dict.fromkeys(("devices", "online", "OK", "DEGRADED", "CRITICAL"), 0)
         for online, status, count in rows:
@@ -237,14 +218,120 @@ class Registry:
     def alerts(self, limit=100, fleet=None, device=None):
         """Most recent alerts first."""
         where, params = _where(fleet=fleet, device=device)
-        with self._store.read() as execute:
-            rows = execute("SELECT id, ts, fleet, device, source, kind, message, body FROM alerts %s "
+        with self._store.read() as db:
+            rows = db.execute("SELECT id, ts, fleet, device, source, kind, message, body FROM alerts %s "
                            "ORDER BY id DESC LIMIT ?" % where, params + [limit]).fetchall()
         keys = ("id", "ts", "fleet", "device", "source", "kind", "message", "body")
         return [dict(zip(keys, tuple(row[:-1]) + (json.loads(row[-1]) if row[-1] else None,))) for row in rows]
 
     def close(self):
         self._store.close()
+
+
+class _Changes:
+    """The rules applied to a batch's rows in memory; `write` stores what changed."""
+
+    def __init__(self, rows):
+        self.rows = rows
+        self.changed = {}  # key → {column: value}
+        self.alerts = []
+        self.refusals = {}  # (fleet, device, kind) → [count, last error]
+        self.seen_top = {}  # key → its (epoch, last_n) after the batch, to prune `seen` below
+
+    def _set(self, key, **values):
+        self.rows[key].update(values)
+        self.changed.setdefault(key, {}).update(values)
+
+    def _alert(self, key, source, kind, message, ts, body=None):
+        self.alerts.append((ts, key[0], key[1], source, kind, message,
+                            json.dumps(body, sort_keys=True) if body is not None else None))
+
+    def state(self, key, doc, now):
+        current = self.rows[key]
+        if doc.get("online"):
+            self._set(key, online=1, reason="birth", bdseq=doc.get("bdSeq"),
+                      report_interval=stored_interval(doc, None), birth=doc, last_seen=now)
+            return "birth"
+        if doc.get("bdSeq") != current["bdseq"]:
+            return "stale-death"
+        if current["online"]:
+            self._set(key, online=0, reason="death certificate", last_seen=now)
+            self._alert(key, "controller", "offline", "offline: death certificate (bdSeq %s)" % doc.get("bdSeq"), now)
+        return "death"
+
+    def data(self, key, kind, doc, fresh, now):
+        current = self.rows[key]
+        epoch, n = doc.get("epoch"), doc.get("n")
+        if not isinstance(epoch, str) or not isinstance(n, int):  # checked upstream (wire.messages)
+            return "invalid"
+        if (key + (epoch, n)) not in fresh:
+            self._set(key, duplicates=current["duplicates"] + 1)
+            return "duplicate"
+        fresh.discard(key + (epoch, n))  # a second copy in this batch is a duplicate
+        last = current["last_n"] if epoch == current["epoch"] else 0
+        values = {"received": current["received"] + 1, "last_seen": now}
+        if n < last:  # a hole filled: out of order across replicas, never a replay (seen above)
+            outcome = "late"
+            values["gaps"] = max(current["gaps"] - 1, 0)
+            values["gaps_alerted"] = min(current["gaps_alerted"], values["gaps"])
+        else:
+            outcome = "new"
+            values.update(epoch=epoch, last_n=n)
+            if n > last + 1 and epoch == current["epoch"]:
+                outcome = "gap"
+                values["gaps"] = current["gaps"] + n - last - 1
+                values["gap_since"] = current["gap_since"] or now
+        if not current["online"] and current["reason"] == "silent":
+            values.update(online=1, reason="heard again")
+        if kind == "alert":
+            self._alert(key, "device", str(doc.get("type", "alert")), _describe(doc), doc.get("ts") or now, doc)
+        elif outcome != "late":  # a late health document is older than the one shown
+            found = conditions(doc)
+            for condition in sorted(set(found) - set(current["conditions"])):
+                self._alert(key, "controller", condition, found[condition], now)
+            values.update(health=doc, status=doc.get("status"), conditions=sorted(found))
+        self._set(key, **values)
+        self.seen_top[key] = (self.rows[key]["epoch"], max(n, self.rows[key]["last_n"]))
+        return outcome
+
+    def reject(self, key, kind, error, last_errors, now):
+        count = self.refusals.get(key + (kind,), (0,))[0]
+        self.refusals[key + (kind,)] = (count + 1, error, now)
+        if last_errors.get(key + (kind,)) != error:
+            self._alert(key, "controller", "bad-message", "%s refused: %s" % (kind, error), now)
+        last_errors[key + (kind,)] = error
+        return "rejected"
+
+    def write(self, db, is_not):
+        """What changed, in one statement per shape: the rows, the pruned replay window, the
+        alerts, the refusal counts."""
+        shapes = {}
+        for key, values in self.changed.items():
+            columns = tuple(sorted(values))
+            shapes.setdefault(columns, []).append(
+                [json.dumps(values[c]) if c in JSON_COLUMNS else values[c] for c in columns] + list(key))
+        for columns, rows in shapes.items():
+            db.executemany("UPDATE devices SET %s WHERE fleet = ? AND device = ?" % ", ".join("%s = ?" % c
+                                                                                             for c in columns), rows)
+        if self.seen_top:
+            db.executemany("DELETE FROM seen WHERE fleet = ? AND device = ? AND (epoch %s ? OR n < ?)" % is_not,
+                           [key + (epoch, top - SEEN_WINDOW) for key, (epoch, top) in sorted(self.seen_top.items())])
+        if self.alerts:
+            db.executemany(INSERT_ALERT, self.alerts)
+        if self.refusals:
+            db.executemany("INSERT INTO rejections VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (fleet, device, kind) "
+                           "DO UPDATE SET count = rejections.count + excluded.count, last_error = excluded.last_error, "
+                           "last_ts = excluded.last_ts",
+                           [key + refusal for key, refusal in sorted(self.refusals.items())])
+
+
+def _values(rows, width):
+    """`(?, ?), (?, ?)`: a multi-row VALUES list."""
+    return ", ".join(["(%s)" % ", ".join("?" * width)] * rows)
+
+
+def _flat(rows):
+    return [value for row in rows for value in row]
 
 
 def _where(**equal):

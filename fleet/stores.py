@@ -1,10 +1,13 @@
 """Where the registry keeps its rows: an embedded SQLite file (the default) or a PostgreSQL server
 (controller replicas on several hosts, one store).
 
-Both speak the same SQL to the registry (`?` placeholders, `ON CONFLICT DO NOTHING`); a store
-adds what differs: column types, how a write transaction takes its lock, and how "is not the same
-value, NULL included" is spelled. Each store has a writer connection and a reader connection, so a
-page view never waits behind ingestion and never holds it up.
+Both speak the same SQL to the registry (`?` placeholders, `ON CONFLICT DO NOTHING`, multi-row
+VALUES, RETURNING); a store adds what differs: column types, how a write transaction takes its
+lock, and how "is not the same value, NULL included" is spelled. Each store has a writer connection
+and a reader connection, so a page view never waits behind ingestion and never holds it up.
+
+`StoreError` means "the database could not do it now" (locked, unreachable, a deadlock broken):
+trying the same work again later may succeed. Any other error is the work's own fault.
 """
 
 import contextlib
@@ -78,10 +81,11 @@ class SQLiteStore:
 
     @contextlib.contextmanager
     def write(self):
-        with self._locks[0]:
+        """One transaction on the writer connection (it has `execute` and `executemany`)."""
+        with self._locks[0], _transient(sqlite3.OperationalError):
             self._writer.execute("BEGIN IMMEDIATE")
             try:
-                yield self._writer.execute
+                yield self._writer
             except BaseException:
                 self._writer.execute("ROLLBACK")
                 raise
@@ -89,8 +93,8 @@ class SQLiteStore:
 
     @contextlib.contextmanager
     def read(self):
-        with self._locks[1]:
-            yield self._reader.execute
+        with self._locks[1], _transient(sqlite3.OperationalError):
+            yield self._reader
 
     def close(self):
         for lock, db in zip(self._locks, (self._writer, self._reader)):
@@ -116,12 +120,12 @@ class PostgresStore:
         self._psycopg, self._url = psycopg, url
         self._locks = threading.Lock(), threading.Lock()
         self._connections = [None, None]
-        with self.write() as execute:
+        with self.write() as db:
             # Replicas starting together would race in CREATE TABLE IF NOT EXISTS: one at a time.
-            execute("SELECT pg_advisory_xact_lock(?)", (SCHEMA_LOCK,))
+            db.execute("SELECT pg_advisory_xact_lock(?)", (SCHEMA_LOCK,))
             for statement in filter(str.strip, SCHEMA.format(
                     real="DOUBLE PRECISION", serial="BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY").split(";")):
-                execute(statement)
+                db.execute(statement)
 
     def _connection(self, which):
         connection = self._connections[which]
@@ -133,35 +137,46 @@ class PostgresStore:
             self._connections[which] = connection
         return connection
 
-    def _execute(self, connection):
-        def execute(sql, params=()):
-            return connection.execute(sql.replace("?", "%s"), params)
-        return execute
-
     @contextlib.contextmanager
     def write(self):
-        with self._locks[0]:
+        """One transaction; `executemany` sends its rows in one pipeline (one round trip)."""
+        with self._locks[0], _transient(self._psycopg.OperationalError):
             connection = self._connection(0)
-            try:
-                with connection.transaction():
-                    yield self._execute(connection)
-            except self._psycopg.OperationalError as exc:
-                raise StoreError("registry database: %s" % exc)
+            with connection.transaction():
+                yield _Postgres(connection)
 
     @contextlib.contextmanager
     def read(self):
-        with self._locks[1]:
-            connection = self._connection(1)
-            try:
-                yield self._execute(connection)
-            except self._psycopg.OperationalError as exc:
-                raise StoreError("registry database: %s" % exc)
+        with self._locks[1], _transient(self._psycopg.OperationalError):
+            yield _Postgres(self._connection(1))
 
     def close(self):
         for lock, connection in zip(self._locks, self._connections):
             with lock:
                 if connection is not None:
                     connection.close()
+
+
+class _Postgres:
+    """A connection that takes the registry's `?` placeholders."""
+
+    def __init__(self, connection):
+        self._connection = connection
+
+    def execute(self, sql, params=()):
+        return self._connection.execute(sql.replace("?", "%s"), params)
+
+    def executemany(self, sql, rows):
+        self._connection.cursor().executemany(sql.replace("?", "%s"), rows)
+
+
+@contextlib.contextmanager
+def _transient(*errors):
+    """The database's own failures (locked, gone, a deadlock it broke) as StoreError."""
+    try:
+        yield
+    except errors as exc:
+        raise StoreError("registry database: %s" % exc) from exc
 
 
 def _without_password(url):

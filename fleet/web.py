@@ -2,6 +2,7 @@
 
 - `/api/devices` (a summary a row, paged), `/api/devices/{fleet}/{device}` (the last birth and
   health documents), `/api/alerts`; every parameter bounded, a bad one is a 400 naming it.
+- `/metrics`: the controller's Prometheus metrics (`jetserve_fleet_*`, fleet/metrics.py).
 - With a token every route needs `Authorization: Bearer TOKEN`, or HTTP Basic with the token as
   the password, which is what a browser asks for. A non-loopback address is refused without a
   token and TLS (`check_exposure`); behind a reverse proxy, bind loopback and let it do TLS.
@@ -125,11 +126,12 @@ def render(counts, devices, alerts, offset, limit, now):
                offline, utc(now), shown, "".join(rows), pager, "".join(events)))
 
 
-def create_app(registry, token=None, tls=False):
-    """The ASGI app over `registry`; with `token`, every route needs it."""
+def create_app(registry, token=None, tls=False, metrics=None):
+    """The ASGI app over `registry`; with `token`, every route needs it; with `metrics` (a
+    prometheus_client CollectorRegistry) it serves them at /metrics."""
     from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import HTMLResponse, JSONResponse
+    from fastapi.responses import HTMLResponse, JSONResponse, Response
 
     def authorized(request: Request):
         if token is None:
@@ -189,6 +191,13 @@ def create_app(registry, token=None, tls=False):
                limit: int = Query(100, ge=1, le=1000)):
         return {"alerts": registry.alerts(limit, fleet, device)}
 
+    if metrics is not None:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        @app.get("/metrics")
+        def prometheus():
+            return Response(generate_latest(metrics), media_type=CONTENT_TYPE_LATEST)
+
     return app
 
 
@@ -222,12 +231,12 @@ def _protocol():
 class Server:
     """uvicorn on a thread of its own; `address` is where it listens (port 0 → the real one)."""
 
-    def __init__(self, registry, host, port, token=None, tls_cert=None, tls_key=None):
+    def __init__(self, registry, host, port, token=None, tls_cert=None, tls_key=None, metrics=None):
         import logging
 
         import uvicorn
 
-        config = uvicorn.Config(create_app(registry, token, tls=bool(tls_cert)), host=host, port=port,
+        config = uvicorn.Config(create_app(registry, token, tls=bool(tls_cert), metrics=metrics), host=host, port=port,
                                 http=_protocol(), ssl_certfile=tls_cert, ssl_keyfile=tls_key, access_log=False,
                                 log_level=logging.WARNING, timeout_keep_alive=5, limit_concurrency=MAX_CONNECTIONS,
                                 server_header=False, lifespan="off")

@@ -61,10 +61,11 @@ def add_flags(parser):
                        help="MQTT keepalive in seconds; the broker declares us dead after 1.5x")
 
 
-def new_client(client_id, options):
-    """A client with the credentials and TLS of `options` (an `MqttOptions`)."""
+def new_client(client_id, options, manual_ack=False):
+    """A client with the credentials and TLS of `options` (an `MqttOptions`); with `manual_ack`
+    the caller acknowledges each QoS 1 message itself (`client.ack`), once it has kept it."""
     client = mqtt.Client(callback_api_version=mqtt.CallbackAPIVersion.VERSION2,
-                         client_id=client_id, protocol=mqtt.MQTTv5)
+                         client_id=client_id, protocol=mqtt.MQTTv5, manual_ack=manual_ack)
     password = options.password
     if options.password_file:
         try:
@@ -84,8 +85,11 @@ def new_client(client_id, options):
     return client
 
 
-def session_properties(expiry_s):
-    """CONNECT properties asking the broker to keep the session (subscriptions, queued QoS 1)."""
+def session_properties(expiry_s, receive_maximum=None):
+    """CONNECT properties asking the broker to keep the session (subscriptions, queued QoS 1) and,
+    with `receive_maximum`, to send at most that many QoS 1 messages not yet acknowledged."""
     props = Properties(PacketTypes.CONNECT)
     props.SessionExpiryInterval = expiry_s
+    if receive_maximum is not None:
+        props.ReceiveMaximum = receive_maximum
     return props
