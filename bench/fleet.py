@@ -10,8 +10,11 @@ half cut off (a relay in front of them stops forwarding, as a pulled cable does:
 and the controller's silence rule can tell). Measured, from the registry polled every
 POLL_S: messages the broker acknowledged but the registry never counted (lost), the lag from
 publishing to the registry counting it (p50/p99; it includes up to POLL_S of polling), and how
-long each device that went away took to show offline. Everything is bounded: devices, time, and
-the drain at the end.
+long each device that went away took to show offline. From the controllers' own /metrics
+(scraped every second): their lag from the device's timestamp to the commit, messages per
+transaction, the deepest their queues got, and retried transactions. The 1-minute load average
+before and after each run is kept beside it: the machine may be shared. Everything is bounded:
+devices, time, and the drain at the end.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import sys
 import time
 
 POLL_S = 0.2
+SCRAPE_S = 1.0
 DRAIN_S = 60.0  # after the devices stop, how long the registry gets to count what was acknowledged
 FLEET = "load"
 
@@ -102,16 +106,18 @@ def run_once(args, devices):
             _wait_subscribed(controllers)
             registry = Registry(location)
             fleet_sim = Simulation(args, broker.port, accounts, rng)
-            poller = Poller(registry, fleet_sim)
+            poller = Poller(registry, fleet_sim, [c.metrics_url for c, _ in controllers])
             poller.start()
             cpu_before = dict(_cpu([broker.proc] + [c for c, _ in controllers]), self=sum(os.times()[:2]))
-            started = time.time()
+            started, load_before = time.time(), os.getloadavg()[0]
             asyncio.run(fleet_sim.run())
             drained = poller.wait_drained(DRAIN_S)
             cpu = {k: round(v - cpu_before[k], 1) for k, v in _cpu([broker.proc] + [c for c, _ in controllers]).items()}
             cpu["simulator+poller"] = round(sum(os.times()[:2]) - cpu_before["self"], 1)
             poller.stop()
             result = _measure(args, devices, fleet_sim, poller, started, drained, cpu)
+            result.update(controllers=_controller_metrics(poller.scrape()), load_avg_1m_before=round(load_before, 1),
+                          load_avg_1m=round(os.getloadavg()[0], 1), queue_depth_max=poller.queue_depth_max)
             registry.close()
         finally:
             for process, log in controllers:
@@ -323,12 +329,15 @@ class Simulation:
 
 class Poller:
     """Reads the registry every POLL_S on a thread: when each message became visible (its
-    device's `received` count reached it) and when each device that went away showed offline."""
+    device's `received` count reached it) and when each device that went away showed offline;
+    and the controllers' /metrics every SCRAPE_S, for the deepest their queues got."""
 
-    def __init__(self, registry, simulation):
+    def __init__(self, registry, simulation, metrics_urls):
         import threading
 
-        self.registry, self.sim = registry, simulation
+        self.registry, self.sim, self.metrics_urls = registry, simulation, metrics_urls
+        self.queue_depth_max = 0
+        self._scraped_at = 0.0
         self.visible = {}  # name → [time message k became visible, ...]
         self.offline_at = {}
         self.timeline = []  # (time, messages counted so far)
@@ -345,6 +354,19 @@ class Poller:
     def _loop(self):
         while not self._stop.wait(POLL_S):
             self.poll()
+            if time.time() - self._scraped_at >= SCRAPE_S:
+                self._scraped_at = time.time()
+                try:
+                    depth = sum(_samples(text, "jetserve_fleet_queue_depth_messages")[()] for text in self.scrape())
+                except OSError:  # a controller that stopped answering: the run's results say what it lost
+                    continue
+                self.queue_depth_max = max(self.queue_depth_max, int(depth))
+
+    def scrape(self):
+        """Each controller's /metrics text."""
+        import urllib.request
+
+        return [urllib.request.urlopen(url, timeout=10).read().decode() for url in self.metrics_urls]
 
     def poll(self):
         now = time.time()
@@ -398,10 +420,54 @@ def _measure(args, devices, sim, poller, started, drained, cpu):
         "offline": {kind: {"devices": len(getattr(sim, kind)), "detected": len(ds),
                            "p50_s": round(percentile(ds, 50), 2) if ds else None, "max_s": round(max(ds), 2) if ds else None}
                     for kind, ds in detection.items()},
-        "offline_bound_s": bound, "cpu_s": cpu, "load_avg_1m": round(os.getloadavg()[0], 1), "priority": args.priority,
+        "offline_bound_s": bound, "cpu_s": cpu, "priority": args.priority,
         "goals_met": bool(lost == 0 and not sim.failed and drained and p99 <= args.lag_goal and offline_ok),
         "series": {"lag_p99_by_10s": {k: round(percentile(v, 99), 3) for k, v in sorted(buckets.items())}},
     }
+
+
+def _samples(text, name):
+    """{labels as a sorted tuple of (key, value): value} of one metric's samples in `text`."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {tuple(sorted(sample.labels.items())): sample.value for family in text_string_to_metric_families(text)
+            for sample in family.samples if sample.name == name}
+
+
+def _quantile(buckets, q):
+    """Prometheus' histogram_quantile over cumulative {upper bound: count}: linear in a bucket."""
+    bounds = sorted(buckets)
+    total = buckets[bounds[-1]]
+    if not total:
+        return None
+    rank, below, lower = q * total, 0.0, 0.0
+    for bound in bounds:
+        if buckets[bound] >= rank:
+            if bound == float("inf"):
+                return lower
+            return lower + (bound - lower) * (rank - below) / max(buckets[bound] - below, 1e-12)
+        below, lower = buckets[bound], bound
+    return lower
+
+
+def _controller_metrics(texts):
+    """The controllers' own view, summed over replicas: lag device timestamp → commit (p50/p99
+    from the histogram's buckets), messages per transaction, retried transactions, outcomes."""
+    lag, batch_sum, batches, retried, outcomes = {}, 0.0, 0.0, 0.0, {}
+    for text in texts:
+        for labels, value in _samples(text, "jetserve_fleet_registry_lag_seconds_bucket").items():
+            bound = float(dict(labels)["le"])
+            lag[bound] = lag.get(bound, 0.0) + value
+        batch_sum += sum(_samples(text, "jetserve_fleet_batch_messages_sum").values())
+        batches += sum(_samples(text, "jetserve_fleet_batch_messages_count").values())
+        retried += sum(_samples(text, "jetserve_fleet_store_errors_total").values())
+        for labels, value in _samples(text, "jetserve_fleet_messages_total").items():
+            key = "%s/%s" % (dict(labels)["kind"], dict(labels)["outcome"])
+            outcomes[key] = outcomes.get(key, 0) + int(value)
+    return {"lag_p50_s": round(_quantile(lag, 0.5), 3) if lag else None,
+            "lag_p99_s": round(_quantile(lag, 0.99), 3) if lag else None,
+            "transactions": int(batches), "messages_per_transaction": round(batch_sum / batches, 1) if batches else None,
+            "retried_transactions": int(retried), "outcomes": dict(sorted(outcomes.items()))}
 
 
 def _figures(summary):
@@ -457,7 +523,7 @@ def _controller(args, workdir, port, location, password, index):
     with open(secret, "w") as f:
         f.write(password)
     log = open(os.path.join(workdir, "controller-%d.log" % index), "wb")
-    command = [sys.executable, "-m", "jetserve.cli", "fleet", "run", "--db", location, "--http", "",
+    command = [sys.executable, "-m", "jetserve.cli", "fleet", "run", "--db", location, "--http", "127.0.0.1:0",
                "--mqtt-port", str(port), "--mqtt-user", "jetserve-fleet", "--mqtt-password-file", secret,
                "--client-id", "jetserve-fleet-load-%d" % index, "--log-level", "INFO"]
     if args.replicas > 1:
@@ -468,12 +534,17 @@ def _controller(args, workdir, port, location, password, index):
 
 
 def _wait_subscribed(controllers):
+    """Wait for each controller's subscription; each gets `metrics_url` (from its log's page line)."""
+    import re
+
     deadline = time.monotonic() + 60
     for process, _ in controllers:
         while "subscribed" not in open(process.log_path).read():
             if process.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("a controller did not subscribe: %s" % open(process.log_path).read()[-2000:])
             time.sleep(0.1)
+        page = re.search(r"fleet page on (http://[0-9.]+:[0-9]+)/", open(process.log_path).read())
+        process.metrics_url = page.group(1) + "/metrics"
 
 
 def _registry_location(args, workdir):
