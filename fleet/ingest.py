@@ -91,8 +91,8 @@ class GroupCommit:
                     self._store(batch[:half], stopping)
                     self._store(batch[half:], stopping)
                     return
-                log.exception("the registry refused a %s message from %s/%s; dropped", messages[0].kind,
-                              messages[0].fleet, messages[0].device)
+                log.exception("the registry refused %s/%s's %s message; dropped", messages[0].fleet,
+                              messages[0].device, messages[0].kind)
                 outcomes, unborn = ["failed"], set()
                 break
         now = time.time()

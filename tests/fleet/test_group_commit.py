@@ -1,0 +1,154 @@
+"""Group commit against a real controller, real mosquitto and a real registry (SQLite and
+PostgreSQL): a burst that waits behind a locked registry lands in far fewer transactions than
+messages and loses none; messages not yet committed when the controller is killed come back from
+the broker (acknowledged only after the commit); a message the database refuses alone is
+dropped without taking its batch with it; /metrics passes promtool."""
+
+import contextlib
+import json
+import shutil
+import signal
+import subprocess
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from jetserve.fleet.registry import Registry
+from tests.agent.conftest import Process, controller_args, free_port, wait_for
+from tests.fleet.test_poison import alert, health, publish, publisher, raw, topic
+
+BURST = 200  # messages: 20 devices x 10 health reports
+DEVICES = ["burst-%02d" % i for i in range(20)]
+
+
+@contextlib.contextmanager
+def registry_locked(location):
+    """Hold the registry's write lock from outside, as a long transaction of another writer would."""
+    if "://" in location:
+        import psycopg
+
+        with psycopg.connect(location) as held:
+            held.execute("LOCK TABLE devices IN SHARE MODE")  # no insert or update until we end
+            yield
+    else:
+        import sqlite3
+
+        held = sqlite3.connect(location, isolation_level=None)
+        held.execute("BEGIN EXCLUSIVE")
+        try:
+            yield
+        finally:
+            held.close()
+
+
+def start(broker, location, tmp_path, name):
+    port = free_port()
+    controller = Process(controller_args(broker, location, "--http", "127.0.0.1:%d" % port,
+                                         "--silence-factor", "1000"), str(tmp_path / (name + ".log")))
+    wait_for(lambda: "subscribed" in controller.output(), 30, what="the controller's subscription")
+    controller.metrics_url = "http://127.0.0.1:%d/metrics" % port
+    return controller
+
+
+def scrape(controller):
+    return urllib.request.urlopen(controller.metrics_url, timeout=10).read().decode()
+
+
+def value(text, name, **labels):
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()))
+
+
+def counted(location):
+    registry = Registry(location)
+    try:
+        return {d["device"]: d for d in registry.devices()}
+    finally:
+        registry.close()
+
+
+def burst(client):
+    """BURST health reports, interleaved across the devices, each acknowledged by the broker."""
+    for n in range(1, BURST // len(DEVICES) + 1):
+        for device in DEVICES:
+            publish(client, topic(device, "health"), raw(health(n=n)))
+
+
+def test_a_burst_lands_in_few_transactions_none_lost_and_metrics_pass_promtool(broker, registry_location, tmp_path):
+    controller = start(broker, registry_location, tmp_path, "controller")
+    client = publisher(broker.port)
+    try:
+        with registry_locked(registry_location):
+            burst(client)
+            wait_for(lambda: value(scrape(controller), "jetserve_fleet_queue_depth_messages") >= BURST - 10, 60,
+                     what="the burst queued behind the lock")
+        devices = wait_for(lambda: (lambda d: d if sum(x["received"] for x in d.values()) == BURST else None)(
+            counted(registry_location)), 60, what="every message of the burst counted")
+        assert all((d["received"], d["last_n"], d["gaps"], d["duplicates"]) == (10, 10, 0, 0)
+                   for d in devices.values())
+        text = scrape(controller)
+        transactions = value(text, "jetserve_fleet_batch_messages_count")
+        print("%d messages in %d transactions" % (BURST, transactions))
+        assert transactions <= BURST / 4, "the queued burst is stored a batch per transaction"
+        assert value(text, "jetserve_fleet_batch_messages_sum") == BURST
+        assert value(text, "jetserve_fleet_messages_total", kind="health", outcome="new") == BURST
+        assert value(text, "jetserve_fleet_registry_lag_seconds_count") == BURST
+        promtool = shutil.which("promtool")
+        assert promtool, "promtool is not installed: apt-get install prometheus (.ci/run does)"
+        checked = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True,
+                                 timeout=60)
+        assert checked.returncode == 0 and not (checked.stdout + checked.stderr).strip(), \
+            checked.stdout + checked.stderr
+    finally:
+        client.disconnect()
+        client.loop_stop()
+        assert controller.stop() == 0, controller.output()[-3000:]
+
+
+def test_messages_not_committed_when_the_controller_dies_come_back(broker, registry_location, tmp_path):
+    """Killed (-9) while the burst waits behind a locked registry: nothing of it was acknowledged,
+    so the broker hands all of it to the restarted controller; counted once each."""
+    controller = start(broker, registry_location, tmp_path, "first")
+    client = publisher(broker.port)
+    try:
+        with registry_locked(registry_location):
+            burst(client)
+            wait_for(lambda: value(scrape(controller), "jetserve_fleet_queue_depth_messages") >= BURST - 10, 60,
+                     what="the burst queued behind the lock")
+            controller.stop(signal.SIGKILL)
+        assert sum(d["received"] for d in counted(registry_location).values()) == 0
+        controller = start(broker, registry_location, tmp_path, "second")
+        devices = wait_for(lambda: (lambda d: d if sum(x["received"] for x in d.values()) == BURST else None)(
+            counted(registry_location)), 60, what="the burst delivered again and counted")
+        assert all((d["received"], d["gaps"], d["duplicates"]) == (10, 0, 0) for d in devices.values())
+    finally:
+        client.disconnect()
+        client.loop_stop()
+        controller.stop()
+
+
+def test_a_message_the_database_refuses_alone_costs_only_itself(broker, postgres_url, tmp_path):
+    """A NUL character passes the message checks (JSON allows it) but PostgreSQL text refuses it:
+    the batch it sits in is split until that one alert is found; it is dropped and counted, the
+    rest of the batch is stored."""
+    controller = start(broker, postgres_url, tmp_path, "controller")
+    client = publisher(broker.port)
+    try:
+        with registry_locked(postgres_url):
+            burst(client)
+            publish(client, topic("nul", "alert"), json.dumps(alert(n=1, type="x\u0000y")))
+            publish(client, topic("nul", "health"), raw(health(n=2)))
+            wait_for(lambda: value(scrape(controller), "jetserve_fleet_queue_depth_messages") >= BURST - 10, 60,
+                     what="the burst queued behind the lock")
+        devices = wait_for(lambda: (lambda d: d if sum(x["received"] for x in d.values()) == BURST + 1 else None)(
+            counted(postgres_url)), 60, what="everything but the refused alert counted")
+        assert devices["nul"]["last_n"] == 2 and devices["nul"]["received"] == 1
+        text = scrape(controller)
+        assert value(text, "jetserve_fleet_messages_total", kind="alert", outcome="failed") == 1
+        assert controller.proc.poll() is None
+        assert "the registry refused lab/nul's alert message; dropped" in controller.output()
+    finally:
+        client.disconnect()
+        client.loop_stop()
+        assert controller.stop() == 0, controller.output()[-3000:]
