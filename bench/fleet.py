@@ -96,14 +96,15 @@ def run_once(args, devices):
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory(prefix="jetserve-fleet-load-") as workdir:
         accounts = {"device-%05d" % i: secrets.token_urlsafe(12) for i in range(devices)}
-        controller_password = secrets.token_urlsafe(12)
+        # one account a replica: under use_username_as_clientid two on one account take each other's session
+        controller_accounts = {"jetserve-fleet-%d" % i: secrets.token_urlsafe(12) for i in range(args.replicas)}
         users = {"%s/%s" % (FLEET, name): password for name, password in accounts.items()}  # deploy/acl's %u
-        broker = Broker(workdir, dict(users, **{"jetserve-fleet": controller_password})).start()
+        broker = Broker(workdir, dict(users, **controller_accounts), controllers=sorted(controller_accounts)).start()
         location = _registry_location(args, workdir)
         controllers = []
         try:
-            controllers = [_controller(args, workdir, broker.port, location, controller_password, i)
-                           for i in range(args.replicas)]
+            controllers = [_controller(args, workdir, broker.port, location, user, password, i)
+                           for i, (user, password) in enumerate(sorted(controller_accounts.items()))]
             _wait_subscribed(controllers)
             registry = Registry(location)
             fleet_sim = Simulation(args, broker.port, accounts, rng)
@@ -135,9 +136,10 @@ def run_once(args, devices):
 
 class Broker:
     """mosquitto on a free loopback port with deploy/'s broker settings, ACL and one account a
-    device (`mosquitto_passwd -U` hashes them all at once)."""
+    device (`mosquitto_passwd -U` hashes them all at once); each of `controllers` gets the shipped
+    controller block of the ACL, as `deploy/add-user.sh controller NAME` appends it."""
 
-    def __init__(self, workdir, accounts):
+    def __init__(self, workdir, accounts, controllers):
         import socket
         import subprocess
 
@@ -158,7 +160,7 @@ class Broker:
             # the listener first: use_username_as_clientid is per listener (above any, it opens 1883)
             f.write("\n".join(["listener %d 127.0.0.1" % self.port] + kept + [
                 "password_file %s" % passwd,
-                "acl_file %s" % os.path.join(deploy, "acl"), "log_dest file %s/mosquitto.log" % workdir,
+                "acl_file %s" % _acl(deploy, workdir, controllers), "log_dest file %s/mosquitto.log" % workdir,
                 "persistence false", "max_connections -1"]
                 + (["user %s" % _user()] if os.geteuid() == 0 else [])) + "\n")
         self.proc = None
@@ -517,15 +519,26 @@ def _documents():
     return doc, birth
 
 
-def _controller(args, workdir, port, location, password, index):
+def _acl(deploy, workdir, controllers):
+    """deploy/acl with its controller block (`user jetserve-fleet` and its topics) once for each
+    of `controllers`; the path of the copy."""
+    shipped = open(os.path.join(deploy, "acl")).read()
+    block = shipped[shipped.index("user jetserve-fleet\n"):].split("\n\n")[0].strip().split("\n")[1:]
+    path = os.path.join(workdir, "acl")
+    with open(path, "w") as f:
+        f.write(shipped + "".join("\nuser %s\n%s\n" % (name, "\n".join(block)) for name in controllers))
+    return path
+
+
+def _controller(args, workdir, port, location, user, password, index):
     import subprocess
 
-    secret = os.path.join(workdir, "controller-password")
+    secret = os.path.join(workdir, "controller-%d-password" % index)
     with open(secret, "w") as f:
         f.write(password)
     log = open(os.path.join(workdir, "controller-%d.log" % index), "wb")
     command = [sys.executable, "-m", "jetserve.cli", "fleet", "run", "--db", location, "--http", "127.0.0.1:0",
-               "--mqtt-port", str(port), "--mqtt-user", "jetserve-fleet", "--mqtt-password-file", secret,
+               "--mqtt-port", str(port), "--mqtt-user", user, "--mqtt-password-file", secret,
                "--client-id", "jetserve-fleet-load-%d" % index, "--log-level", "INFO"]
     if args.replicas > 1:
         command += ["--share", "load"]
