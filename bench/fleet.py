@@ -118,7 +118,7 @@ def run_once(args, devices):
             cpu["simulator+poller"] = round(sum(os.times()[:2]) - cpu_before["self"], 1)
             poller.stop()
             result = _measure(args, devices, fleet_sim, poller, started, drained, cpu)
-            result.update(controllers=_controller_metrics(poller.scrape()), load_avg_1m_before=round(load_before, 1),
+            result.update(controllers=_controller_metrics(poller), load_avg_1m_before=round(load_before, 1),
                           load_avg_1m=round(os.getloadavg()[0], 1), queue_depth_max=poller.queue_depth_max)
             registry.close()
         finally:
@@ -453,9 +453,14 @@ def _quantile(buckets, q):
     return lower
 
 
-def _controller_metrics(texts):
+def _controller_metrics(poller):
     """The controllers' own view, summed over replicas: lag device timestamp → commit (p50/p99
-    from the histogram's buckets), messages per transaction, retried transactions, outcomes."""
+    from the histogram's buckets), messages per transaction, retried transactions, outcomes;
+    None when a controller does not answer (it stopped, or predates /metrics)."""
+    try:
+        texts = poller.scrape()
+    except OSError:
+        return None
     lag, batch_sum, batches, retried, outcomes = {}, 0.0, 0.0, 0.0, {}
     for text in texts:
         for labels, value in _samples(text, "jetserve_fleet_registry_lag_seconds_bucket").items():
