@@ -189,8 +189,8 @@ class Registry:
             if problems_first else ""
         with self._store.read() as db:
             rows = db.execute("SELECT %s FROM devices %s ORDER BY %sfleet, device LIMIT ? OFFSET ?"
-                           % (", ".join(COLUMNS), where, order),
-                           params + [NO_LIMIT if limit is None else limit, offset]).fetchall()
+                              % (", ".join(COLUMNS), where, order),
+                              params + [NO_LIMIT if limit is None else limit, offset]).fetchall()
         return [_decode(row) for row in rows]
 
     def progress(self, fleet=None):
@@ -205,7 +205,7 @@ class Registry:
         with self._store.read() as db:
             where, params = _where(fleet=fleet)
             rows = db.execute("SELECT online, status, COUNT(*) FROM devices %s GROUP BY online, status" % where,
-                           params).fetchall()
+                              params).fetchall()
         counts = dict.fromkeys(("devices", "online", "OK", "DEGRADED", "CRITICAL"), 0)
         for online, status, count in rows:
             counts["devices"] += count
@@ -220,7 +220,7 @@ class Registry:
         where, params = _where(fleet=fleet, device=device)
         with self._store.read() as db:
             rows = db.execute("SELECT id, ts, fleet, device, source, kind, message, body FROM alerts %s "
-                           "ORDER BY id DESC LIMIT ?" % where, params + [limit]).fetchall()
+                              "ORDER BY id DESC LIMIT ?" % where, params + [limit]).fetchall()
         keys = ("id", "ts", "fleet", "device", "source", "kind", "message", "body")
         return [dict(zip(keys, tuple(row[:-1]) + (json.loads(row[-1]) if row[-1] else None,))) for row in rows]
 

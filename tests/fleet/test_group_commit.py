@@ -11,7 +11,6 @@ import signal
 import subprocess
 import urllib.request
 
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from jetserve.fleet.registry import Registry
