@@ -42,9 +42,10 @@ def registry_locked(location):
 
 
 def start(broker, location, tmp_path, name):
+    """A controller with /metrics; its stall timeout is longer than a test holds the registry."""
     port = free_port()
-    controller = Process(controller_args(broker, location, "--http", "127.0.0.1:%d" % port,
-                                         "--silence-factor", "1000"), str(tmp_path / (name + ".log")))
+    controller = Process(controller_args(broker, location, "--http", "127.0.0.1:%d" % port, "--silence-factor",
+                                         "1000", "--stall-timeout", "600"), str(tmp_path / (name + ".log")))
     wait_for(lambda: "subscribed" in controller.output(), 30, what="the controller's subscription")
     controller.metrics_url = "http://127.0.0.1:%d/metrics" % port
     return controller
@@ -68,10 +69,11 @@ def counted(location):
 
 
 def burst(client):
-    """BURST health reports, interleaved across the devices, each acknowledged by the broker."""
-    for n in range(1, BURST // len(DEVICES) + 1):
-        for device in DEVICES:
-            publish(client, topic(device, "health"), raw(health(n=n)))
+    """BURST health reports, interleaved across the devices, then each acknowledged by the broker."""
+    sent = [client.publish(topic(device, "health"), raw(health(n=n)), qos=1)
+            for n in range(1, BURST // len(DEVICES) + 1) for device in DEVICES]
+    for info in sent:
+        info.wait_for_publish(60)
 
 
 def test_a_burst_lands_in_few_transactions_none_lost_and_metrics_pass_promtool(broker, registry_location, tmp_path):
@@ -80,10 +82,10 @@ def test_a_burst_lands_in_few_transactions_none_lost_and_metrics_pass_promtool(b
     try:
         with registry_locked(registry_location):
             burst(client)
-            wait_for(lambda: value(scrape(controller), "jetserve_fleet_queue_depth_messages") >= BURST - 10, 60,
+            wait_for(lambda: value(scrape(controller), "jetserve_fleet_queue_depth_messages") >= BURST - 10, 120,
                      what="the burst queued behind the lock")
         devices = wait_for(lambda: (lambda d: d if sum(x["received"] for x in d.values()) == BURST else None)(
-            counted(registry_location)), 60, what="every message of the burst counted")
+            counted(registry_location)), 120, what="every message of the burst counted")
         assert all((d["received"], d["last_n"], d["gaps"], d["duplicates"]) == (10, 10, 0, 0)
                    for d in devices.values())
         text = scrape(controller)
@@ -113,13 +115,13 @@ def test_messages_not_committed_when_the_controller_dies_come_back(broker, regis
     try:
         with registry_locked(registry_location):
             burst(client)
-            wait_for(lambda: value(scrape(controller), "jetserve_fleet_queue_depth_messages") >= BURST - 10, 60,
+            wait_for(lambda: value(scrape(controller), "jetserve_fleet_queue_depth_messages") >= BURST - 10, 120,
                      what="the burst queued behind the lock")
             controller.stop(signal.SIGKILL)
         assert sum(d["received"] for d in counted(registry_location).values()) == 0
         controller = start(broker, registry_location, tmp_path, "second")
         devices = wait_for(lambda: (lambda d: d if sum(x["received"] for x in d.values()) == BURST else None)(
-            counted(registry_location)), 60, what="the burst delivered again and counted")
+            counted(registry_location)), 120, what="the burst delivered again and counted")
         assert all((d["received"], d["gaps"], d["duplicates"]) == (10, 0, 0) for d in devices.values())
     finally:
         client.disconnect()
@@ -138,10 +140,10 @@ def test_a_message_the_database_refuses_alone_costs_only_itself(broker, postgres
             burst(client)
             publish(client, topic("nul", "alert"), json.dumps(alert(n=1, type="x\u0000y")))
             publish(client, topic("nul", "health"), raw(health(n=2)))
-            wait_for(lambda: value(scrape(controller), "jetserve_fleet_queue_depth_messages") >= BURST - 10, 60,
+            wait_for(lambda: value(scrape(controller), "jetserve_fleet_queue_depth_messages") >= BURST - 10, 120,
                      what="the burst queued behind the lock")
         devices = wait_for(lambda: (lambda d: d if sum(x["received"] for x in d.values()) == BURST + 1 else None)(
-            counted(postgres_url)), 60, what="everything but the refused alert counted")
+            counted(postgres_url)), 120, what="everything but the refused alert counted")
         assert devices["nul"]["last_n"] == 2 and devices["nul"]["received"] == 1
         text = scrape(controller)
         assert value(text, "jetserve_fleet_messages_total", kind="alert", outcome="failed") == 1
