@@ -2,17 +2,28 @@
 
 Each server variant (`--server NAME:FLAGS`, e.g. the engine core in a thread or in its own
 process, or an older install through PYTHONPATH=...) is started as `jetserve serve` in its own
-process; this process only sends requests and reads streams (grpc.aio). N concurrent streams
-(`--concurrency`) or a Poisson request rate (`--request-rate`), random prompt token ids (fresh
-for every request: no prefix-cache hits), `--output-len` tokens each, greedy, EOS ignored; a
-warm-up round first, then `--repeats` timed rounds (min and median reported). TTFT, ITL (per
-message, i.e. per engine step as vLLM counts it) and TPOT p50/p90/p99 and total tok/s, next to
-the engine's own step time for the same batch, measured in the same run with `LLMEngine`
-alone (no server), so "of engine" = served tok/s ÷ (batch ÷ engine step).
+process. N concurrent streams (`--concurrency`, each sending `--rounds` requests back to back) or
+a Poisson request rate (`--request-rate`), random prompt token ids (fresh for every request: no
+prefix-cache hits), `--output-len` tokens each, greedy, EOS ignored; a warm-up run with the timed
+settings first, then `--repeats` timed runs (min and median). TTFT, ITL (per message, i.e. per
+engine step as vLLM counts it) and TPOT p50/p90/p99 and total tok/s.
+
+The engine alone (`LLMEngine` in this process, built from the servers' own engine flags) in the
+same run gives two baselines: its decode step at each batch ("of step" = served tok/s ÷
+(batch ÷ step), the issue's ratio, which a stream's prefill alone keeps below 100%), and the
+very same workload (same arrivals, prompt and output lengths) driven by the engine with no
+server ("of engine" = served ÷ that: what the service costs). Idle TTFT is split into the
+engine's prefill and the service's own part (gRPC and admission; IPC and the core's loop).
+
+The load comes from `--client-processes` processes (grpc.aio each, streams spread over them, one
+start time): each reports the CPU it used over its run, so a client that was the bottleneck
+shows (`client_cpu`: the busiest process's CPU-seconds per second, near 1.0 = bound). The
+server's CPU per delivered token is read from /proc (front end, and core process).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import shlex
@@ -20,26 +31,31 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 
 from jetserve.bench.common import SHAPES, median, percentile, write_results
 
 
 def add_arguments(p):
-    p.add_argument("--model", help="checkpoint directory (default: random weights of --shape)")
+    p.add_argument("--model", help="checkpoint directory, or demo (default: random weights of --shape)")
     p.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES))
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--concurrency", default="1,8,32", help="concurrent streams, comma-separated")
-    p.add_argument("--request-rate", type=float, help="requests/s, Poisson arrivals (instead of --concurrency)")
+    p.add_argument("--request-rate", type=float, help="also a run of Poisson arrivals at this many requests/s "
+                                                      "(as many requests as the largest concurrency's run)")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--rounds", type=int, default=2, help="requests per stream in a timed run")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per setting (min and median)")
     p.add_argument("--server", action="append", metavar="NAME:FLAGS",
                    help="a server variant: extra `jetserve serve` flags, and ENV=VALUE words for its environment "
-                        "(default: thread:--no-engine-core-process and process:--engine-core-process)")
-    p.add_argument("--serve-flags", default="", help="flags every server gets (e.g. --cudagraph-capture-sizes 1,8,32)")
+                        "(default: process:--engine-core-process)")
+    p.add_argument("--serve-flags", default="",
+                   help="engine flags every server and the engine alone get (e.g. --speculative-config ...)")
     p.add_argument("--engine-steps", type=int, default=64, help="decode steps timed per batch (engine alone)")
+    p.add_argument("--client-processes", type=int,
+                   help="load generator processes (default: one per 8 streams, at most half the CPUs)")
 
 
 def _ints(text):
@@ -50,17 +66,30 @@ def run(args) -> dict:
     import tempfile
     from pathlib import Path
 
+    from jetserve import DEMO_MODEL, demo_model_dir
+
     concurrency = _ints(args.concurrency)
+    settings = [Setting(str(c), c) for c in concurrency]
+    if args.request_rate:
+        settings.append(Setting("%g/s" % args.request_rate, max(concurrency), args.request_rate))
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or _random_model(args, Path(tmp) / args.shape)
-        engine = _engine_alone(args, model, concurrency)
-        servers = args.server or ["thread:--no-engine-core-process", "process:--engine-core-process"]
+        if model == DEMO_MODEL and not os.path.isdir(model):
+            model = demo_model_dir()  # a path: `serve` adds no demo defaults the engine alone would lack
+        engine_flags = ["--model", model, "--device", args.device, "--dtype", args.dtype,
+                        "--max-num-seqs", str(max(concurrency)),
+                        "--max-model-len", str(args.prompt_len + max(args.output_len, args.engine_steps + 8) + 16),
+                        "--cudagraph-capture-sizes", ",".join(map(str, concurrency)),
+                        *shlex.split(args.serve_flags)]
+        engine = _engine_alone(args, engine_flags, settings)
+        servers = args.server or ["process:--engine-core-process"]
         results = {}
         for spec in servers:
             name, _, flags = spec.partition(":")
-            results[name] = _serve_and_load(args, model, flags, concurrency, engine)
+            results[name] = _serve_and_load(args, engine_flags, flags, settings, engine)
     result = {"model": args.model or args.shape, "prompt_len": args.prompt_len, "output_len": args.output_len,
-              "request_rate": args.request_rate, "engine": engine, "servers": results, "env": _env(engine)}
+              "rounds": args.rounds, "request_rate": args.request_rate, "engine_flags": engine_flags[2:],
+              "engine": engine, "servers": results, "env": _env(engine)}
     write_results(args.out, result, {"serve": _plot(result)})
     _print_table(result)
     return result
@@ -78,21 +107,23 @@ def _random_model(args, path):
     return str(path)
 
 
-def _engine_alone(args, model, batches) -> dict:
-    """The engine's own step (median ms) at each batch, and a 128-token prefill, with no server."""
+# -- the engine alone ----------------------------------------------------------------------------
+
+def _engine_alone(args, engine_flags, settings) -> dict:
+    """With no server: the decode step (median ms) at each batch, a `prompt_len` prefill, and the
+    timed workload itself (tok/s, TTFT), on an engine built from the servers' own flags."""
     import random
 
     from jetserve.engine import EngineArgs, SamplingParams
     from jetserve.engine.llm_engine import LLMEngine
 
-    config = EngineArgs(model=model, device=args.device, dtype=args.dtype, max_num_seqs=max(batches),
-                        cudagraph_capture_sizes=list(batches),
-                        max_model_len=args.prompt_len + args.output_len + args.engine_steps + 16,
-                        max_num_batched_tokens=max(512, args.prompt_len * max(batches))).resolve()
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    batches = sorted({s.concurrency for s in settings})
+    config = EngineArgs.from_cli_args(parser.parse_known_args(engine_flags)[0]).resolve()
     if config.device == "cpu":  # the threads the engine core process takes there (core.py)
         import torch
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) - 1))
-    engine = LLMEngine(config)
+    engine = LLMEngine(config, detokenize=False)  # as the core: text is the front end's
     vocab = config.model_config.vocab_size
     rng = random.Random(1)
     ids = iter(range(10**9))
@@ -103,31 +134,98 @@ def _engine_alone(args, model, batches) -> dict:
     def timed_step():
         _sync(config.device)
         start = time.perf_counter()
-        outputs = engine.step()
+        engine.step()
         _sync(config.device)
-        return time.perf_counter() - start, outputs
+        return time.perf_counter() - start
 
     out = {"device": config.device, "dtype": config.dtype, "cuda_graphs": bool(config.cuda_graphs),
-           "step_ms": {}, "prefill_ms": None}
+           "num_speculative_tokens": config.num_speculative_tokens, "step_ms": {}, "prefill_ms": None,
+           "workload": {}}
     params = SamplingParams(temperature=0, max_tokens=args.engine_steps + 4, ignore_eos=True)
     for warm in (True, False):  # a first pass warms every shape (Triton, graphs) up
         prefills = []
         for _ in range(3):
             engine.add_request(str(next(ids)), prompt(), SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
-            prefills.append(timed_step()[0])
+            prefills.append(timed_step())
         out["prefill_ms"] = median(prefills) * 1e3
         for batch in batches:
             for _ in range(batch):
                 engine.add_request(str(next(ids)), prompt(), params)
             while engine.scheduler.waiting or any(s.num_output_tokens == 0 for s in engine.scheduler.running):
                 engine.step()
-            times = [timed_step()[0] for _ in range(args.engine_steps if not warm else 4)]
+            times = [timed_step() for _ in range(args.engine_steps if not warm else 4)]
             for request_id in list(engine.requests):
                 engine.abort(request_id)
             out["step_ms"][batch] = median(times) * 1e3
+    output = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    for setting in settings:
+        runs = [_engine_workload(engine, args, setting, prompt, output, ids)
+                for _ in range(1 + args.repeats)][1:]  # the first warms this workload's shapes up
+        out["workload"][setting.name] = {"tok_s_median": median([r["tok_s"] for r in runs]),
+                              "tok_s_max": max(r["tok_s"] for r in runs),
+                              "ttft_ms_p50": median([r["ttft_ms_p50"] for r in runs])}
     del engine
     _free(config.device)
     return out
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A timed run's shape: `concurrency` streams of `rounds` requests each, or (with `rate`) as
+    many requests at Poisson arrivals."""
+
+    name: str
+    concurrency: int
+    rate: float | None = None
+
+
+def _arrivals(args, setting) -> list[float]:
+    """Offsets (s) of a Poisson run's requests from its start; [] for a closed loop."""
+    import random
+
+    if not setting.rate:
+        return []
+    rng, t, times = random.Random(1), 0.0, []
+    for _ in range(setting.concurrency * args.rounds):
+        times.append(t)
+        t += rng.expovariate(setting.rate)
+    return times
+
+
+def _engine_workload(engine, args, setting, prompt, params, ids) -> dict:
+    """The served workload driven by the engine itself, between its steps: `concurrency` streams
+    each sending its next request when its last one finishes, or the Poisson arrivals."""
+    arrivals = _arrivals(args, setting)
+    left = {} if arrivals else {stream: args.rounds for stream in range(setting.concurrency)}  # requests to send
+    sent, owner, first, tokens = {}, {}, [], 0
+
+    def send(stream):
+        request_id = str(next(ids))
+        engine.add_request(request_id, prompt(), params)
+        sent[request_id], owner[request_id] = time.perf_counter(), stream
+        if stream is not None:
+            left[stream] -= 1
+
+    start = time.perf_counter()
+    for stream in list(left):
+        send(stream)
+    while engine.has_unfinished_requests() or arrivals:
+        now = time.perf_counter() - start
+        while arrivals and arrivals[0] <= now:
+            arrivals.pop(0)
+            send(None)
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, arrivals[0] - now))
+            continue
+        for out in engine.step():
+            n = len(out.outputs[0].token_ids)
+            if n and out.request_id in sent:
+                first.append((time.perf_counter() - sent.pop(out.request_id)) * 1e3)
+            tokens += n
+            stream = owner[out.request_id]
+            if out.finished and stream is not None and left[stream]:
+                send(stream)
+    return {"tok_s": tokens / (time.perf_counter() - start), "ttft_ms_p50": percentile(first, 50)}
 
 
 def _sync(device):
@@ -144,27 +242,26 @@ def _free(device):
         torch.cuda.empty_cache()
 
 
+# -- the servers and their load ----------------------------------------------------------------
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
-def _serve_and_load(args, model, flags, concurrency, engine) -> dict:
-    words = shlex.split(flags) + shlex.split(args.serve_flags)
+def _serve_and_load(args, engine_flags, flags, settings, engine) -> dict:
+    words = shlex.split(flags)
     env = dict(os.environ, **dict(w.split("=", 1) for w in words if re.match(r"^[A-Z_]+=", w)))
     flags = [w for w in words if not re.match(r"^[A-Z_]+=", w)]
     port = _free_port()
-    command = [sys.executable, "-m", "jetserve.cli", "serve", "--model", model, "--device", args.device,
-               "--dtype", args.dtype, "--port", str(port), "--metrics-port", "0", "--log-level", "WARNING",
-               "--max-num-seqs", str(max(concurrency)),
-               "--max-model-len", str(args.prompt_len + args.output_len + 16), *flags]
+    command = [sys.executable, "-m", "jetserve.cli", "serve", *engine_flags, "--port", str(port),
+               "--metrics-port", "0", "--openai-port", "0", "--log-level", "WARNING", *flags]
     server = subprocess.Popen(command, env=env, cwd="/")
     try:
         target = "127.0.0.1:%d" % port
         _wait_serving(target, server)
-        import asyncio
-        return asyncio.run(_load_all(args, target, concurrency, engine))
+        return _load_all(args, target, settings, engine, server.pid)
     finally:
         server.terminate()
         try:
@@ -191,117 +288,198 @@ def _wait_serving(target, server):
     raise RuntimeError("the server exited (code %s) before serving" % server.returncode)
 
 
-async def _load_all(args, target, concurrency, engine) -> dict:
-    import random
+def _load_all(args, target, settings, engine, server_pid) -> dict:
+    import multiprocessing
 
-    import grpc
+    vocab = _vocab(target)
+    processes = args.client_processes or max(1, min(-(-max(s.concurrency for s in settings) // 8), len(os.sched_getaffinity(0)) // 2))
+    seeds = iter(range(10**9))
 
-    from jetserve.v1 import inference_pb2 as pb
-    from jetserve.v1 import inference_pb2_grpc as pb_grpc
+    def job(**kw):
+        return {"target": target, "vocab": vocab, "prompt_len": args.prompt_len, "output_len": args.output_len,
+                "rounds": args.rounds, "streams": 0, "arrivals": None, "sequential": 0, "seed": next(seeds), **kw}
 
-    rng = random.Random(0)
-    vocab = await _vocab(target)
-    out = {}
-    async with grpc.aio.insecure_channel(target) as channel:
-        stub = pb_grpc.InferenceServiceStub(channel)
-
-        async def one(output_len):
-            ids = [rng.randrange(vocab) for _ in range(args.prompt_len)]  # fresh: no prefix-cache hit
-            request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), sampling=pb.SamplingOptions(
-                temperature=0, max_tokens=output_len, ignore_eos=True))
-            start = time.perf_counter()
-            stamps, tokens = [], 0
-            async for reply in stub.Generate(request):
-                if reply.token_ids:
-                    stamps.append(time.perf_counter())
-                    tokens += len(reply.token_ids)
-            return start, stamps, tokens
-
-        idle_ttft = []
-        for _ in range(3 + 8):  # an idle server's TTFT for one prompt (the first 3 warm up)
-            start, stamps, _ = await one(1)
-            idle_ttft.append((stamps[0] - start) * 1e3)
-        out["idle_ttft_ms"] = median(idle_ttft[3:])
-
-        for c in concurrency:
-            await _round(one, c, 1, None, args.output_len)  # warm-up
-            runs = [await _round(one, c, args.rounds, args.request_rate, args.output_len)
-                    for _ in range(args.repeats)]
-            engine_tok_s = c * 1e3 / engine["step_ms"][c]
-            best = max(runs, key=lambda r: r["tok_s"])
-            out[c] = {"runs": runs, "tok_s_max": best["tok_s"], "tok_s_median": median([r["tok_s"] for r in runs]),
-                      "engine_tok_s": engine_tok_s, "of_engine": median([r["tok_s"] for r in runs]) / engine_tok_s,
-                      "tpot_over_step": median([r["tpot_ms"]["p50"] for r in runs]) / engine["step_ms"][c]}
+    out = {"client_processes": processes, "settings": {}}
+    # spawn, not fork: grpc's C core does not survive a fork of a process that used it
+    with multiprocessing.get_context("spawn").Pool(processes) as pool:
+        pool.map(_client_ready, range(processes), chunksize=1)
+        idle = _run_jobs(pool, [job(sequential=3 + 8, output_len=1)])["results"][3:]
+        client = median([(s[0] - t0) * 1e3 for t0, s, _, _ in idle])
+        server = median([ttft * 1e3 for _, _, _, ttft in idle])
+        prefill = engine["prefill_ms"]
+        # TTFT of one prompt on an idle server = the engine's prefill + the service's own part:
+        # gRPC and admission (client − server's arrival-to-first-token), IPC and the core's loop (the rest).
+        out["idle_ttft"] = {"client_ms": client, "server_ms": server, "engine_prefill_ms": prefill,
+                            "service_ms": client - prefill, "grpc_and_admission_ms": client - server,
+                            "ipc_and_core_loop_ms": server - prefill}
+        for setting in settings:
+            c, n = setting.concurrency, min(processes, setting.concurrency)
+            _run_jobs(pool, _jobs(args, setting, n, job))  # warm-up: the timed settings once
+            cpu0, wall0 = _server_cpu(server_pid), time.monotonic()
+            runs = [_summary(_run_jobs(pool, _jobs(args, setting, n, job))) for _ in range(args.repeats)]
+            cpu1, wall = _server_cpu(server_pid), time.monotonic() - wall0
+            tokens = sum(r["tokens"] for r in runs)
+            # a closed loop of c streams runs batches of c; Poisson arrivals run whatever has come
+            step_tok_s = None if setting.rate else c * 1e3 / engine["step_ms"][c]
+            workload_tok_s = engine["workload"][setting.name]["tok_s_median"]
+            served = median([r["tok_s"] for r in runs])
+            out["settings"][setting.name] = {
+                      "concurrency": c, "rate": setting.rate, "runs": runs,
+                      "tok_s_max": max(r["tok_s"] for r in runs), "tok_s_median": served,
+                      "engine_step_tok_s": step_tok_s, "of_step": step_tok_s and served / step_tok_s,
+                      "engine_workload_tok_s": workload_tok_s, "of_engine": served / workload_tok_s,
+                      "tpot_over_step": median([r["tpot_ms"]["p50"] for r in runs]) / engine["step_ms"][c],
+                      "client_cpu": max(r["client_cpu"] for r in runs),
+                      "frontend_cpu": (cpu1[0] - cpu0[0]) / wall, "core_cpu": (cpu1[1] - cpu0[1]) / wall,
+                      "frontend_cpu_us_per_token": (cpu1[0] - cpu0[0]) * 1e6 / tokens}
     return out
 
 
-async def _round(one, concurrency, rounds, rate, output_len) -> dict:
-    """`concurrency` streams, each sending `rounds` requests back to back (or, with a rate, that
-    many requests in all at Poisson arrivals); latencies and total throughput."""
-    import asyncio
-    import random
+def _jobs(args, setting, processes, job) -> list[dict]:
+    """The run's streams (or Poisson arrivals) spread over the client processes."""
+    if setting.rate:
+        arrivals = _arrivals(args, setting)
+        return [job(arrivals=arrivals[i::processes]) for i in range(processes)]
+    c = setting.concurrency
+    return [job(streams=c // processes + (i < c % processes)) for i in range(processes)]
 
-    results = []
 
-    async def stream():
-        for _ in range(rounds):
-            results.append(await one(output_len))
+def _run_jobs(pool, jobs) -> dict:
+    """Every job at one start time, each in its own client process; their results merged."""
+    start = time.monotonic() + 0.2
+    done = pool.map(_client, [dict(j, start_at=start) for j in jobs], chunksize=1)
+    results = [r for d in done for r in d["results"]]
+    return {"start": start, "results": results, "client_cpu": max(d["cpu"] / d["wall"] for d in done)}
 
-    start = time.perf_counter()
-    if rate:
-        rng, tasks = random.Random(1), []
-        for _ in range(concurrency * rounds):
-            tasks.append(asyncio.create_task(one(output_len)))
-            await asyncio.sleep(rng.expovariate(rate))
-        results = await asyncio.gather(*tasks)
-    else:
-        await asyncio.gather(*(stream() for _ in range(concurrency)))
-    wall = time.perf_counter() - start
-    ttft = [(s[0] - t0) * 1e3 for t0, s, _ in results]
-    itl = [(b - a) * 1e3 for _, s, _ in results for a, b in zip(s, s[1:])]
-    tpot = [(s[-1] - s[0]) * 1e3 / (n - 1) for _, s, n in results if n > 1]
-    tokens = sum(n for _, _, n in results)
+
+def _summary(run) -> dict:
+    results = run["results"]
+    ttft = [(s[0] - t0) * 1e3 for t0, s, _, _ in results]
+    itl = [(b - a) * 1e3 for _, s, _, _ in results for a, b in zip(s, s[1:])]
+    tpot = [(s[-1] - s[0]) * 1e3 / (n - 1) for _, s, n, _ in results if n > 1]
+    tokens = sum(n for _, _, n, _ in results)
+    wall = max(s[-1] for _, s, _, _ in results) - run["start"]
 
     def pcts(values):
         return {"p50": percentile(values, 50), "p90": percentile(values, 90), "p99": percentile(values, 99)}
 
     return {"tok_s": tokens / wall, "ttft_ms": pcts(ttft), "itl_ms": pcts(itl), "tpot_ms": pcts(tpot),
-            "requests": len(results), "tokens": tokens, "messages": sum(len(s) for _, s, _ in results)}
+            "requests": len(results), "tokens": tokens, "messages": sum(len(s) for _, s, _, _ in results),
+            "client_cpu": run["client_cpu"]}
 
 
-async def _vocab(target) -> int:
+def _server_cpu(pid) -> tuple[float, float]:
+    """CPU-seconds used so far by the server's own process (the front end) and by its children
+    (the engine core), from /proc."""
+    def cpu(p):
+        fields = open(f"/proc/{p}/stat").read().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    children = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        children += open(f"/proc/{pid}/task/{task}/children").read().split()
+    return cpu(pid), sum(cpu(c) for c in children)
+
+
+def _client_ready(_):
+    """Each client process up, grpc imported, before any timed run."""
+    import grpc  # noqa: F401
+
+    from jetserve.v1 import inference_pb2_grpc  # noqa: F401
+
+
+def _client(job) -> dict:
+    """One client process's share of a run: its streams (or arrivals), from `start_at` on."""
+    import asyncio
+
+    return asyncio.run(_client_run(job))
+
+
+async def _client_run(job) -> dict:
+    import asyncio
+    import random
+
     import grpc
 
     from jetserve.v1 import inference_pb2 as pb
     from jetserve.v1 import inference_pb2_grpc as pb_grpc
 
-    async with grpc.aio.insecure_channel(target) as channel:
-        info = await pb_grpc.InferenceServiceStub(channel).GetModelInfo(pb.GetModelInfoRequest())
-    return info.vocab_size
+    rng = random.Random(job["seed"])
+    results = []
+    async with grpc.aio.insecure_channel(job["target"]) as channel:
+        stub = pb_grpc.InferenceServiceStub(channel)
+        await channel.channel_ready()
+
+        async def one(output_len):
+            ids = [rng.randrange(job["vocab"]) for _ in range(job["prompt_len"])]  # fresh: no prefix-cache hit
+            request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), sampling=pb.SamplingOptions(
+                temperature=0, max_tokens=output_len, ignore_eos=True))
+            start, stamps, tokens, server_ttft = time.monotonic(), [], 0, None
+            async for reply in stub.Generate(request):
+                if reply.token_ids:
+                    stamps.append(time.monotonic())
+                    tokens += len(reply.token_ids)
+                if reply.HasField("timing"):
+                    server_ttft = reply.timing.time_to_first_token_s
+            results.append((start, stamps, tokens, server_ttft))
+
+        async def stream():
+            for _ in range(job["rounds"]):
+                await one(job["output_len"])
+
+        await asyncio.sleep(max(0.0, job["start_at"] - time.monotonic()))
+        cpu, wall = time.process_time(), time.monotonic()
+        if job["sequential"]:
+            for _ in range(job["sequential"]):
+                await one(job["output_len"])
+        elif job["arrivals"] is not None:
+            tasks = []
+            for offset in job["arrivals"]:
+                await asyncio.sleep(max(0.0, job["start_at"] + offset - time.monotonic()))
+                tasks.append(asyncio.create_task(one(job["output_len"])))
+            await asyncio.gather(*tasks)
+        else:
+            await asyncio.gather(*(stream() for _ in range(job["streams"])))
+        return {"results": results, "cpu": time.process_time() - cpu, "wall": time.monotonic() - wall}
+
+
+def _vocab(target) -> int:
+    import grpc
+
+    from jetserve.v1 import inference_pb2 as pb
+    from jetserve.v1 import inference_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(target) as channel:
+        return pb_grpc.InferenceServiceStub(channel).GetModelInfo(pb.GetModelInfoRequest()).vocab_size
 
 
 def _env(engine) -> dict:
     import torch
 
     from jetserve.bench.common import environment
-    return {**environment(torch.device(engine["device"])), "cpus": len(os.sched_getaffinity(0))}
+    return {**environment(torch.device(engine["device"])), "cpus": len(os.sched_getaffinity(0)),
+            "load_average": os.getloadavg()}
 
 
 def _print_table(result):
     engine = result["engine"]
-    print("\n| server | streams | engine step ms | engine tok/s | served tok/s (median) | of engine | "
-          "TPOT p50/p90/p99 ms | ITL p50/p99 ms | TTFT p50/p99 ms | idle TTFT ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| server | streams | engine step ms | served tok/s (median) | of step | engine, same work tok/s | "
+          "of engine | TPOT p50/p90 ms | ITL p50/p99 ms | TTFT p50/p99 ms | client CPU | front-end CPU |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, runs in result["servers"].items():
-        for c, r in runs.items():
-            if c == "idle_ttft_ms":
-                continue
+        for c, r in runs["settings"].items():
             best = min(r["runs"], key=lambda x: x["tpot_ms"]["p50"])
-            print("| %s | %s | %.2f | %.0f | %.0f | %.0f%% | %.2f / %.2f / %.2f | %.2f / %.2f | %.1f / %.1f | %.1f |" % (
-                name, c, engine["step_ms"][c], r["engine_tok_s"], r["tok_s_median"], 100 * r["of_engine"],
-                best["tpot_ms"]["p50"], best["tpot_ms"]["p90"], best["tpot_ms"]["p99"], best["itl_ms"]["p50"],
-                best["itl_ms"]["p99"], best["ttft_ms"]["p50"], best["ttft_ms"]["p99"], runs["idle_ttft_ms"]))
-    print("engine alone: %d-token prefill %.2f ms" % (result["prompt_len"], engine["prefill_ms"]))
+            print("| %s | %s | %.2f | %.0f | %s | %.0f | %.0f%% | %.2f / %.2f | %.2f / %.2f | %.1f / %.1f | "
+                  "%.2f | %.2f (%.0f µs/token) |" % (
+                      name, c, engine["step_ms"][r["concurrency"]], r["tok_s_median"],
+                      "%.0f%%" % (100 * r["of_step"]) if r["of_step"] else "–",
+                      r["engine_workload_tok_s"], 100 * r["of_engine"], best["tpot_ms"]["p50"],
+                      best["tpot_ms"]["p90"], best["itl_ms"]["p50"], best["itl_ms"]["p99"], best["ttft_ms"]["p50"],
+                      best["ttft_ms"]["p99"], r["client_cpu"], r["frontend_cpu"], r["frontend_cpu_us_per_token"]))
+        t = runs["idle_ttft"]
+        print("%s: idle TTFT %.2f ms = engine prefill %.2f ms + service %.2f ms (gRPC and admission %.2f, "
+              "IPC and core loop %.2f)" % (name, t["client_ms"], t["engine_prefill_ms"], t["service_ms"],
+                                          t["grpc_and_admission_ms"], t["ipc_and_core_loop_ms"]))
 
 
 def _plot(result):
@@ -312,17 +490,29 @@ def _plot(result):
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     engine = result["engine"]
     batches = sorted(engine["step_ms"])
-    left.plot(batches, [b * 1e3 / engine["step_ms"][b] for b in batches], "k--o", label="engine alone")
+    left.plot(batches, [b * 1e3 / engine["step_ms"][b] for b in batches], "k--o", label="engine step alone")
+    left.plot(batches, [engine["workload"][str(b)]["tok_s_median"] for b in batches], "k:s",
+              label="engine alone, same workload")
+    labels, of_step, of_engine = [], [], []
     for name, runs in result["servers"].items():
-        cs = [c for c in runs if c != "idle_ttft_ms"]
-        left.plot(cs, [runs[c]["tok_s_median"] for c in cs], "-o", label="%s (gRPC)" % name)
-        right.bar([f"{name}\n{c}" for c in cs], [runs[c]["of_engine"] * 100 for c in cs])
+        rows = runs["settings"]
+        closed = [r for r in rows.values() if not r["rate"]]
+        left.plot([r["concurrency"] for r in closed], [r["tok_s_median"] for r in closed], "-o",
+                  label="%s (gRPC)" % name)
+        labels += [f"{name}\n{c}" for c in rows]
+        of_step += [(r["of_step"] or 0) * 100 for r in rows.values()]
+        of_engine += [r["of_engine"] * 100 for r in rows.values()]
+    x = range(len(labels))
+    right.bar([i - 0.2 for i in x], of_step, 0.4, label="of the engine's step")
+    right.bar([i + 0.2 for i in x], of_engine, 0.4, label="of the engine on the same workload")
+    right.set_xticks(list(x), labels)
     left.set_xscale("log", base=2)
     left.set_xlabel("concurrent streams")
     left.set_ylabel("tokens/s")
-    left.legend()
+    left.legend(fontsize=8)
     right.axhline(90, color="k", ls="--", lw=1)
-    right.set_ylabel("% of the engine's tok/s at that batch")
+    right.set_ylabel("served tok/s, % of the engine's")
+    right.legend(fontsize=8)
     fig.suptitle("jetserve bench serve: %s, prompt %d, output %d (%s)" % (
         result["model"], result["prompt_len"], result["output_len"], result["env"].get("gpu", "CPU")))
     return fig

@@ -285,19 +285,23 @@ class MPClient(_CoreClient):
         while True:
             events = dict(poller.poll())
             if self._outbox in events:  # drain first: the core's last words come before its exit
+                # Every step that is waiting goes out in one hand-over: a front end that fell
+                # behind catches up with one wake-up of each event loop, not one per step.
+                outputs = []
                 while True:
                     try:
-                        message = self._decode(self._outbox.recv(zmq.NOBLOCK, copy=False).buffer)
+                        message = self._decode(self._outbox.recv(zmq.NOBLOCK))
                     except zmq.Again:
                         break
                     self.last_heartbeat = time.monotonic()
                     if isinstance(message, Outputs):
                         self._stats = message.stats
-                        if message.outputs:
-                            self._on_outputs(message.outputs)
+                        outputs += message.outputs
                     elif isinstance(message, Reply):
                         self._stats = message.stats
                         self._calls.answer(message)
+                if outputs:
+                    self._on_outputs(outputs)
             elif self.sentinel in events:
                 if self._stopping:
                     return

@@ -88,20 +88,24 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
 
     async def Generate(self, request, context):
         async for reply in self._stream(context, request.request_id, request.sampling,
-                                        functools.partial(generate_prompt, request), pb.GenerateResponse):
+                                        functools.partial(generate_prompt, request), pb.GenerateResponse,
+                                        tokenizes=request.WhichOneof("prompt") != "token_ids"):
             yield reply
 
     async def Chat(self, request, context):
         async for reply in self._stream(context, request.request_id, request.sampling,
-                                        functools.partial(chat_prompt, request), pb.ChatResponse):
+                                        functools.partial(chat_prompt, request), pb.ChatResponse, tokenizes=True):
             yield reply
 
-    async def _stream(self, context, request_id, sampling, make_prompt, response_type):
+    async def _stream(self, context, request_id, sampling, make_prompt, response_type, tokenizes: bool):
         try:
             engine = self._server.admit()
             request_id = check_request_id(request_id) if request_id else uuid.uuid4().hex
             params = sampling_params(sampling)
-            prompt = await asyncio.to_thread(lambda: tokenized(make_prompt(engine), engine))
+            if tokenizes:  # in a worker thread: a long prompt never stalls the event loop
+                prompt = await asyncio.to_thread(lambda: tokenized(make_prompt(engine), engine))
+            else:  # token ids: no thread hop before the first token
+                prompt = make_prompt(engine)
             completion_tokens = 0
             async for out in self._server.stream(prompt, params, request_id):
                 replies = []
