@@ -2,11 +2,12 @@
 
 This is the front end: it tokenizes and checks prompts in the caller's frame, hands token ids to
 the engine core (its own process by default, see `EngineConfig.engine_core_process`, or
-a thread), and turns the core's token deltas into text (`OutputProcessor`) on the client's
-thread, never in the step loop. A request for n completions goes to the core as n requests
-(vLLM V1's parallel sampling: the prompt's KV is shared through the prefix cache), its stream
-tagged by index. Each stream reads from a `RequestOutputCollector` on its own event loop, so
-several servers (gRPC, HTTP) on different loops may share one engine.
+a thread), and turns the core's token deltas into text (`OutputProcessor`) on the event loop
+that started it (on the core's thread for an in-process core), never in the step loop. A
+request for n completions goes to the core as n requests (vLLM V1's parallel sampling: the
+prompt's KV is shared through the prefix cache), its stream tagged by index. Each stream reads
+from a `RequestOutputCollector` on its own event loop, so several servers (gRPC, HTTP) on
+different loops may share one engine.
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ class AsyncLLM:
             collector = self._streams.pop(request_id, None)
             last, running = self._processor.abort(request_id, time.monotonic())
         if collector is not None and last is not None:
-            _call_soon(collector.loop, collector.put, last)
+            _deliver(collector.loop, collector.put, last)
         if running:
             self.core.abort(running)
 
@@ -117,10 +118,10 @@ class AsyncLLM:
         """A snapshot taken after the core's latest step or control call (never blocks on a step)."""
         return self.core.stats()
 
-    # -- the core client's thread ---------------------------------------------------------
+    # -- the core client's side (the reading event loop, or the core's thread) -------------
 
     def _on_outputs(self, outputs: list[CoreOutput]) -> None:
-        """Text for the core's deltas; one wake-up per event loop for the whole step."""
+        """Text for the core's deltas; one hand-over per event loop for all of them."""
         now = time.monotonic()
         deliveries: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
         stopped = []  # ended here (a stop string, or a sibling refused): the core stops them and frees their blocks
@@ -143,7 +144,7 @@ class AsyncLLM:
         if stopped:
             self.core.abort(stopped)
         for loop, items in deliveries.items():
-            _call_soon(loop, _put_all, items)
+            _deliver(loop, _put_all, items)
 
     def _on_death(self, exc: BaseException) -> None:
         self._error = exc
@@ -152,7 +153,7 @@ class AsyncLLM:
             for request_id in list(self._processor.parents):
                 self._processor.drop(request_id)
         for collector in streams.values():
-            _call_soon(collector.loop, collector.put, exc)
+            _deliver(collector.loop, collector.put, exc)
 
 
 def _put_all(items) -> None:
@@ -160,7 +161,15 @@ def _put_all(items) -> None:
         collector.put(item)
 
 
-def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+def _deliver(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    """fn(*args) on `loop`: now when we run on it (the core's deltas read by that loop), else by a wake-up."""
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is loop:
+        fn(*args)
+        return
     try:
         loop.call_soon_threadsafe(fn, *args)
     except RuntimeError:  # that loop is closed: its streams are gone with it

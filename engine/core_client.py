@@ -1,16 +1,18 @@
 """How the front end (`AsyncLLM`) reaches the engine core (vLLM V1's EngineCoreClient).
 
 `MPClient`: the core in its own process (`core.run_engine_core`), so the step loop never shares
-a GIL with the servers; requests in and deltas out over ZMQ, one thread here reading the deltas.
-Its death is seen at once: that thread polls the process sentinel beside the socket.
+a GIL with the servers; requests in and deltas out over ZMQ, the deltas read by the event loop
+that started it. Its death is seen at once: that loop watches the process sentinel beside the socket.
 `InprocClient`: the core in a thread of this process (no spawn, no IPC).
 
-Both call `on_outputs(list[CoreOutput])` from their own thread and `on_death(exc)` once if the
-core dies; `call` returns only once a control is in effect, and `stats()` is never older than it.
+They call `on_outputs(list[CoreOutput])` (from that event loop, or from the core's thread) and
+`on_death(exc)` once if the core dies; `call` returns only once a control is in effect, and
+`stats()` is never older than it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import os
@@ -200,7 +202,8 @@ class MPClient(_CoreClient):
         self._decode = msgspec.msgpack.Decoder(CoreMessage).decode
         self._calls = _Calls()
         self._stopping = self._dead = False
-        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the one that reads the core (start())
+        self._loop_thread: int | None = None
         self.sentinel, alive = os.pipe()
         try:
             self.process = subprocess.Popen(
@@ -240,8 +243,24 @@ class MPClient(_CoreClient):
                 raise EngineError(f"the engine core exited while loading (exit code {self.process.wait()})")
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._read_outputs, name="jetserve-core-output", daemon=True)
-        self._thread.start()
+        """Read the core's messages on the calling event loop: deltas go to their streams with no
+        thread hand-over and no wait for the GIL, as vLLM's AsyncMPClient does. The sentinel is
+        watched beside the socket, so a death is seen at once."""
+        import zmq
+
+        self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
+        self._outbox_fd = self._outbox.getsockopt(zmq.FD)
+        self._loop.add_reader(self._outbox_fd, self._read_outputs)
+        self._loop.add_reader(self.sentinel, self._core_exited)
+        # ZMQ's descriptor signals changes, not pending messages: whatever came before is read now.
+        self._read_outputs()
+
+    def call(self, method: str, *args) -> None:
+        if threading.get_ident() == self._loop_thread:  # its Reply is read by this very loop
+            raise RuntimeError(f"{method} waits for the engine core's reply, which this event loop reads: "
+                               "call it from another thread (asyncio.to_thread)")
+        super().call(method, *args)
 
     def shutdown(self) -> None:
         self._stopping = True
@@ -251,9 +270,29 @@ class MPClient(_CoreClient):
                 self.process.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 log.warning("the engine core did not stop within 10 s: killing it")
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+        self._stop_reading()
         self._close()
+
+    def _stop_reading(self) -> None:
+        """Take the socket and the sentinel off the loop (on its own thread) before they close."""
+        loop, self._loop = self._loop, None
+        if loop is None or loop.is_closed():
+            return
+        removed = threading.Event()
+
+        def remove():
+            loop.remove_reader(self._outbox_fd)
+            loop.remove_reader(self.sentinel)
+            removed.set()
+
+        if threading.get_ident() == self._loop_thread:
+            remove()
+            return
+        try:
+            loop.call_soon_threadsafe(remove)
+        except RuntimeError:  # closed meanwhile: its readers went with it
+            return
+        removed.wait(10)
 
     def _close(self) -> None:
         if self.process.poll() is None:
@@ -276,39 +315,34 @@ class MPClient(_CoreClient):
                 pass
 
     def _read_outputs(self) -> None:
-        """The one reader of the core's socket: deltas, replies and heartbeats, until the process ends."""
+        """Every message waiting (deltas, replies, heartbeats), then one hand-over of all the
+        deltas: a front end that fell behind catches up in one pass, not one per step."""
         import zmq
 
-        poller = zmq.Poller()
-        poller.register(self._outbox, zmq.POLLIN)
-        poller.register(self.sentinel, zmq.POLLIN)
+        outputs = []
         while True:
-            events = dict(poller.poll())
-            if self._outbox in events:  # drain first: the core's last words come before its exit
-                # Every step that is waiting goes out in one hand-over: a front end that fell
-                # behind catches up with one wake-up of each event loop, not one per step.
-                outputs = []
-                while True:
-                    try:
-                        message = self._decode(self._outbox.recv(zmq.NOBLOCK))
-                    except zmq.Again:
-                        break
-                    self.last_heartbeat = time.monotonic()
-                    if isinstance(message, Outputs):
-                        self._stats = message.stats
-                        outputs += message.outputs
-                    elif isinstance(message, Reply):
-                        self._stats = message.stats
-                        self._calls.answer(message)
-                if outputs:
-                    self._on_outputs(outputs)
-            elif self.sentinel in events:
-                if self._stopping:
-                    return
-                self._dead = True
-                code = self.process.wait()
-                log.error("the engine core process died (exit code %s)", code)
-                self.last_heartbeat = float("-inf")
-                self._calls.fail_all()
-                self._on_death(EngineError(f"the engine core process died (exit code {code})"))
-                return
+            try:
+                message = self._decode(self._outbox.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                break
+            self.last_heartbeat = time.monotonic()
+            if isinstance(message, Outputs):
+                self._stats = message.stats
+                outputs += message.outputs
+            elif isinstance(message, Reply):
+                self._stats = message.stats
+                self._calls.answer(message)
+        if outputs:
+            self._on_outputs(outputs)
+
+    def _core_exited(self) -> None:
+        self._read_outputs()  # its last words come before its exit
+        self._stop_reading()
+        if self._stopping:
+            return
+        self._dead = True
+        code = self.process.wait()
+        log.error("the engine core process died (exit code %s)", code)
+        self.last_heartbeat = float("-inf")
+        self._calls.fail_all()
+        self._on_death(EngineError(f"the engine core process died (exit code {code})"))
