@@ -82,16 +82,14 @@ def run(args) -> dict:
                         "--cudagraph-capture-sizes", ",".join(map(str, concurrency)),
                         *shlex.split(args.serve_flags)]
         engine = _engine_alone(args, engine_flags, settings)
-        servers = args.server or ["process:--engine-core-process"]
-        results = {}
-        for spec in servers:
+        result = {"model": args.model or args.shape, "prompt_len": args.prompt_len, "output_len": args.output_len,
+                  "rounds": args.rounds, "request_rate": args.request_rate, "engine_flags": engine_flags[2:],
+                  "engine": engine, "servers": {}, "env": _env(engine)}
+        for spec in args.server or ["process:--engine-core-process"]:
             name, _, flags = spec.partition(":")
-            results[name] = _serve_and_load(args, engine_flags, flags, settings, engine)
-    result = {"model": args.model or args.shape, "prompt_len": args.prompt_len, "output_len": args.output_len,
-              "rounds": args.rounds, "request_rate": args.request_rate, "engine_flags": engine_flags[2:],
-              "engine": engine, "servers": results, "env": _env(engine)}
-    write_results(args.out, result, {"serve": _plot(result)})
-    _print_table(result)
+            result["servers"][name] = _serve_and_load(args, engine_flags, flags, settings, engine)
+            _print_table(dict(result, servers={name: result["servers"][name]}))
+            write_results(args.out, result, {"serve": _plot(result)})  # each server's, kept if a later one fails
     return result
 
 
