@@ -62,6 +62,14 @@ def _ints(text):
     return [int(x) for x in text.split(",") if x]
 
 
+_START = time.monotonic()
+
+
+def _progress(text: str) -> None:
+    """Where the run is, with the seconds since it began (stderr: stdout is the results')."""
+    print("[bench serve %5.0f s] %s" % (time.monotonic() - _START, text), file=sys.stderr, flush=True)
+
+
 def run(args) -> dict:
     import tempfile
     from pathlib import Path
@@ -81,6 +89,7 @@ def run(args) -> dict:
                         "--max-model-len", str(args.prompt_len + max(args.output_len, args.engine_steps + 8) + 16),
                         "--cudagraph-capture-sizes", ",".join(map(str, concurrency)),
                         *shlex.split(args.serve_flags)]
+        _progress("engine flags: %s" % " ".join(engine_flags))
         engine = _engine_alone(args, engine_flags, settings)
         result = {"model": args.model or args.shape, "prompt_len": args.prompt_len, "output_len": args.output_len,
                   "rounds": args.rounds, "request_rate": args.request_rate, "engine_flags": engine_flags[2:],
@@ -155,6 +164,9 @@ def _engine_alone(args, engine_flags, settings) -> dict:
             for request_id in list(engine.requests):
                 engine.abort(request_id)
             out["step_ms"][batch] = median(times) * 1e3
+        _progress("engine alone%s: step %s ms, %d-token prefill %.2f ms" % (
+            " (warm-up)" if warm else "", {b: round(t, 3) for b, t in out["step_ms"].items()}, args.prompt_len,
+            out["prefill_ms"]))
     output = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     for setting in settings:
         runs = [_engine_workload(engine, args, setting, prompt, output, ids)
@@ -162,6 +174,8 @@ def _engine_alone(args, engine_flags, settings) -> dict:
         out["workload"][setting.name] = {"tok_s_median": median([r["tok_s"] for r in runs]),
                               "tok_s_max": max(r["tok_s"] for r in runs),
                               "ttft_ms_p50": median([r["ttft_ms_p50"] for r in runs])}
+        _progress("engine alone, workload %s: %.0f tok/s" % (setting.name,
+                                                              out["workload"][setting.name]["tok_s_median"]))
     del engine
     _free(config.device)
     return out
@@ -259,6 +273,7 @@ def _serve_and_load(args, engine_flags, flags, settings, engine) -> dict:
     try:
         target = "127.0.0.1:%d" % port
         _wait_serving(target, server)
+        _progress("server %s serving" % (flags or "(no extra flags)"))
         return _load_all(args, target, settings, engine, server.pid)
     finally:
         server.terminate()
@@ -330,6 +345,8 @@ def _load_all(args, target, settings, engine, server_pid) -> dict:
                       "client_cpu": max(r["client_cpu"] for r in runs),
                       "frontend_cpu": (cpu1[0] - cpu0[0]) / wall, "core_cpu": (cpu1[1] - cpu0[1]) / wall,
                       "frontend_cpu_us_per_token": (cpu1[0] - cpu0[0]) * 1e6 / tokens}
+            _progress("served %s: %.0f tok/s, %.0f%% of the engine on it" % (
+                setting.name, served, 100 * served / workload_tok_s))
     return out
 
 
