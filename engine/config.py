@@ -19,7 +19,7 @@ from jetserve import DEMO_MODEL, demo_model_dir
 from jetserve.engine.model.checkpoint import CheckpointError, num_mtp_layers, read_json
 
 DEFAULT_MAX_MODEL_LEN = 4096  # when the model allows more: KV for a longer default rarely fits a Jetson
-DEFAULT_CHUNK_BUDGET = 512  # tokens a step with chunked prefill computes at most (see README: chunked prefill)
+DEFAULT_CHUNK_BUDGET = 256  # tokens a step with chunked prefill computes at most: measured (README: chunked prefill)
 HAS_TRITON = importlib.util.find_spec("triton") is not None  # the fused CUDA kernels and the graphs need it
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
@@ -217,11 +217,26 @@ class QuantizationConfig:
 
 @dataclass(frozen=True)
 class CUDAGraphConfig:
-    """What the runner captures: batch buckets x step shapes (see cuda_graphs.py)."""
+    """What the runner captures: batch buckets x step shapes, and whole steps of any other shape
+    (prefill chunks, alone or beside decodes) bucketed by token count (see cuda_graphs.py)."""
 
     capture_sizes: tuple[int, ...]
     step_shapes: tuple[tuple[int | None, int], ...]  # (drafts proposed or None: plain decode; tokens a sequence)
     num_warmup: int
+    token_sizes: tuple[int, ...] = ()  # mixed-step buckets; empty: those steps run eagerly
+
+
+CUDAGRAPH_MODES = ("full", "full_decode_only")  # vLLM's cudagraph_mode values that jetserve implements
+MAX_GRAPHED_TOKENS = 16384  # bigger steps run eagerly: compute-bound, and their graph would pin much memory
+
+
+def token_sizes(budget: int) -> list[int]:
+    """Token-count buckets of the mixed-step graphs: powers of two from 16 to 512, then every 512,
+    and the step budget itself, up to MAX_GRAPHED_TOKENS (a step pads up to the next bucket: at
+    most 2x below 512 tokens, where a step is launch-bound, and at most 512 tokens above)."""
+    limit = min(budget, MAX_GRAPHED_TOKENS)
+    sizes = [16, 32, 64, 128, 256, 512, *range(1024, limit, 512), limit]
+    return sorted({s for s in sizes if s <= limit})
 
 
 def capture_sizes(sizes: list[int] | None, max_size: int | None, max_num_seqs: int) -> list[int]:
@@ -292,7 +307,7 @@ class EngineArgs:
     device: str = "auto"  # auto: cuda when available, else cpu
     max_model_len: int | None = None  # default: the model's max_position_embeddings, capped at 4096
     max_num_seqs: int = 16
-    max_num_batched_tokens: int | None = None  # default: 512 with chunking, max_model_len without
+    max_num_batched_tokens: int | None = None  # default: DEFAULT_CHUNK_BUDGET with chunking, max_model_len without
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True  # reuse the KV of prompt prefixes seen before
     gpu_memory_utilization: float = 0.9
@@ -306,6 +321,7 @@ class EngineArgs:
     cudagraph_capture_sizes: list[int] | None = None
     max_cudagraph_capture_size: int | None = None
     cuda_graph_num_warmup_steps: int = 2  # eager runs of each step shape before it is captured
+    cudagraph_mode: str = "full"  # vLLM's: "full" graphs every step (mixed ones by token count); "full_decode_only"
     engine_core_process: bool = True  # False: in a thread; a process on CPUs too (bench/results/serve-cpu)
     quantization: str | None = None  # weight-only: int8/int4 on the fly; awq/gptq come from the checkpoint
 
@@ -351,6 +367,9 @@ class EngineArgs:
         g.add_argument("--quantization", default=d.quantization, choices=QUANTIZATION_METHODS,
                        help="weight-only: int8 (per channel) or int4 (group 128) quantizes a float checkpoint "
                             "while loading; AWQ and GPTQ checkpoints are recognised without it")
+        g.add_argument("--cudagraph-mode", type=str.lower, default=d.cudagraph_mode, choices=CUDAGRAPH_MODES,
+                       help="FULL: every step replays a CUDA graph (steps with prefill chunks bucketed by token "
+                            "count, non-speculative); FULL_DECODE_ONLY: decode and verify steps only")
         g.add_argument("--cuda-graph-num-warmup-steps", type=int, default=d.cuda_graph_num_warmup_steps,
                        help="eager runs of each step shape before its CUDA graph is captured")
         g.add_argument("--engine-core-process", action=argparse.BooleanOptionalAction, default=d.engine_core_process,
@@ -381,6 +400,8 @@ class EngineArgs:
         for name in ("max_model_len", "max_num_batched_tokens", "num_kv_blocks"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
+        if self.cudagraph_mode not in CUDAGRAPH_MODES:
+            raise ValueError(f"cudagraph_mode must be one of {CUDAGRAPH_MODES}, got {self.cudagraph_mode!r}")
         if self.backend not in ("torch", "tensorrt-llm"):
             raise ValueError(f"backend must be 'torch' or 'tensorrt-llm', got {self.backend!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -406,9 +427,13 @@ class EngineArgs:
         graphs = None
         if not self.enforce_eager and (fused or self.backend == "tensorrt-llm"):
             k = spec.num_speculative_tokens if spec else 0
+            # Steps with prefill chunks are graphed without speculation only: with it, their MTP pass
+            # reads every row's hidden state (spec_decode), which a bucketed graph does not keep.
+            mixed = self.cudagraph_mode == "full" and not spec and self.backend == "torch"
             graphs = CUDAGraphConfig(
                 tuple(capture_sizes(self.cudagraph_capture_sizes, self.max_cudagraph_capture_size, self.max_num_seqs)),
-                tuple(step_shapes(k)), self.cuda_graph_num_warmup_steps)
+                tuple(step_shapes(k)), self.cuda_graph_num_warmup_steps,
+                tuple(token_sizes(budget)) if mixed else ())
         return EngineConfig(
             model=model, served_model_name=self.served_model_name or model,
             model_config=model_config, backend=self.backend, device=device,

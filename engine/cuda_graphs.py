@@ -1,4 +1,4 @@
-"""CUDA graphs for decode-shaped steps: plain decode and whole speculative steps.
+"""CUDA graphs for every step shape: plain decode, whole speculative steps, and mixed steps.
 
 A decode step of a small model is a few hundred short kernels; launched one by one from Python,
 the CPU sets the pace (7.4 µs a launch against 1.0 µs inside a graph on the H200). So each step
@@ -17,9 +17,15 @@ shape is captured once — (model part, tokens per sequence, batch bucket) — a
   int tensor (tokens, accepted counts, next drafts), the only thing the host reads back;
 - graphs are captured largest first into one shared memory pool, each after warm-up runs
   (Triton compiles, cuBLAS handles, allocator state);
-- steps with prefill chunks, batches above the largest bucket and buckets whose capture failed
-  run eagerly. Sampling other than greedy stays outside the graphs (a sampled speculative
-  step runs the same function eagerly over the same static inputs).
+- any other step — prefill chunks, alone or beside decodes (vLLM's full-graph mode) — replays
+  a graph bucketed by its token count (`MixedStepGraphs`): its varlen attention metadata
+  (query starts, query tiles, context lengths, block tables) are static inputs sized for
+  max_num_seqs sequences, padded tokens write the scratch slot, padded query tiles point at an
+  empty sequence; the graph ends in the vocab projection of the sampled rows and their argmax;
+- batches above the largest bucket, steps above the largest token bucket, steps with prefill
+  chunks when speculating, and buckets whose capture failed run eagerly. Sampling other than
+  greedy stays outside the graphs (a sampled speculative step runs the same function eagerly
+  over the same static inputs).
 """
 
 from __future__ import annotations
@@ -27,12 +33,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from itertools import accumulate
 
 import torch
 from tqdm import tqdm
 
 from jetserve.engine.config import CUDAGraphConfig
-from jetserve.engine.model.attention import AttentionMetadata, slot_mapping
+from jetserve.engine.model.attention import PREFILL_BLOCK_M, AttentionMetadata, prefill_tiles, slot_mapping
 from jetserve.engine.spec_decode import ChainInputs, device_chain_inputs, speculative_step
 
 log = logging.getLogger(__name__)
@@ -42,6 +49,61 @@ def _name(num_drafts: int | None, q_len: int) -> str:
     if num_drafts is None:
         return "decode"
     return f"speculative step ({q_len} token{'s' * (q_len > 1)} verified, {num_drafts} drafted)"
+
+
+class StagedInputs:
+    """A graph family's static inputs: one int32 device tensor, written on the host into one of
+    two pinned buffers and sent in one copy. Two, because with async scheduling the host writes
+    step N+1's inputs while step N's copy may still wait in the stream; an event per buffer,
+    recorded after its copy, tells when the host may write that buffer again."""
+
+    def __init__(self, size: int, device: torch.device, split: Callable, init: Callable[..., None]):
+        pinned = device.type == "cuda"
+        self._staging = [torch.zeros(size, dtype=torch.int32, pin_memory=pinned) for _ in range(2)]
+        self._host = [split(staging.numpy()) for staging in self._staging]
+        for views in self._host:
+            init(*views)
+        self._copied = [torch.cuda.Event(), torch.cuda.Event()] if pinned else None
+        self._turn = 0
+        self.device = self._staging[0].to(device)
+        self.views = split(self.device)
+
+    def host(self) -> tuple:
+        """Views of the staging buffer to write next (once its previous copy has left it)."""
+        if self._copied is not None:
+            self._copied[self._turn].synchronize()
+        return self._host[self._turn]
+
+    def send(self, end: int) -> None:
+        """Copy the first `end` entries of the buffer just written to the device."""
+        turn, self._turn = self._turn, 1 - self._turn
+        self.device[:end].copy_(self._staging[turn][:end], non_blocking=True)
+        if self._copied is not None:
+            self._copied[turn].record()
+
+
+def _capture(todo: list, step: Callable, num_warmup: int, pool, describe: Callable[[tuple], str],
+             progress: Callable[[str], None] | None) -> dict:
+    """Capture `step(*key)` for each key (largest first) into the shared pool, each after
+    `num_warmup` eager runs. A key whose capture fails is left out (its steps run eagerly) and
+    the engine still starts. Returns {key: (graph, step's output)}."""
+    captured = {}
+    for i, key in enumerate(tqdm(todo, desc="capturing CUDA graphs", unit="graph", leave=False)):
+        if progress:
+            progress(f"capturing CUDA graphs {i + 1}/{len(todo)}")
+        try:
+            for _ in range(num_warmup):
+                step(*key)
+            torch.cuda.empty_cache()  # the warm-ups' memory, for the graph's private pool
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = step(*key)
+        except Exception as exc:  # whatever broke, this bucket runs eagerly and the engine still starts
+            log.warning("CUDA graph capture failed for %s (%s: %s); that bucket runs eagerly", describe(key),
+                        type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+            continue
+        captured[key] = graph, out
+    return captured
 
 
 class CUDAGraphs:
@@ -56,26 +118,20 @@ class CUDAGraphs:
         # Wide enough for max_model_len plus the KV slots reserved for drafts.
         self.width = -(-(max_model_len + max_q) // block_size)
         size = 3 * self.max_rows + self.max_batch * (1 + self.width)
-        # Two pinned staging buffers: with async scheduling the host writes step N+1's inputs
-        # while step N's copy may still wait in the stream. An event per buffer, recorded after
-        # its copy, tells when the host may write that buffer again.
-        self._staging = [torch.zeros(size, dtype=torch.int32, pin_memory=True) for _ in range(2)]
-        for staging in self._staging:
-            _, _, slots, context_lens, block_tables = self._split(staging)
-            slots.fill_(self.scratch_slot)
-            context_lens.fill_(1)
-            block_tables.fill_(scratch_block)
-        self._host = [self._split(staging.numpy()) for staging in self._staging]
-        self._copied = [torch.cuda.Event(), torch.cuda.Event()]
-        self._turn = 0
-        # Static inputs, shared by every graph (one step runs at a time).
-        self.inputs = self._staging[0].to(kv_cache.device)
-        self.ids, self.positions, self.slots, self.context_lens, self.block_tables = self._split(self.inputs)
+        self.staged = StagedInputs(size, kv_cache.device, self._split, self._pad)
+        self.inputs = self.staged.device  # static inputs, shared by every graph (one step runs at a time)
+        self.ids, self.positions, self.slots, self.context_lens, self.block_tables = self.staged.views
         # Outside the pool and shared by the main-model graphs: one graph's own output would pin
         # its logits in the pool, one such copy per captured graph.
         self.logits = torch.zeros(self.max_rows, model.config.vocab_size, dtype=torch.float32, device=kv_cache.device)
         self.graphs: dict[tuple[int | None, int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int | None, int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
+
+    def _pad(self, ids, positions, slots, context_lens, block_tables) -> None:
+        """Padding that touches no real sequence: the scratch slot, a context of one key."""
+        slots.fill(self.scratch_slot)
+        context_lens.fill(1)
+        block_tables.fill(self.scratch_block)
 
     def _split(self, flat):
         """Views of one buffer, laid out [ids n | positions n | slots n | context_lens b | block_tables b×W]
@@ -117,23 +173,12 @@ class CUDAGraphs:
         return hidden, logits.argmax(-1)
 
     @torch.inference_mode()
-    def capture(self, progress: Callable[[str], None] | None = None) -> None:
+    def capture(self, pool, progress: Callable[[str], None] | None = None) -> None:
         todo = sorted(((d, q, b) for d, q in self.shapes for b in self.sizes), key=lambda k: -k[1] * k[2])
-        pool = torch.cuda.graph_pool_handle()
         start, reserved = time.perf_counter(), torch.cuda.memory_reserved()
-        for i, key in enumerate(tqdm(todo, desc="capturing CUDA graphs", unit="graph", leave=False)):
-            if progress:
-                progress(f"capturing CUDA graphs {i + 1}/{len(todo)}")
-            try:
-                for _ in range(self.num_warmup):
-                    self._step(*key)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    out = self._step(*key)
-            except Exception as exc:  # whatever broke, this bucket runs eagerly and the engine still starts
-                log.warning("CUDA graph capture failed for %s at batch size %d (%s: %s); that bucket runs eagerly",
-                            _name(*key[:2]), key[2], type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
-                continue
+        captured = _capture(todo, self._step, self.num_warmup, pool,
+                            lambda key: f"{_name(*key[:2])} at batch size {key[2]}", progress)
+        for key, (graph, out) in captured.items():
             self.graphs[key], self.outputs[key] = graph, out
         torch.cuda.synchronize()
         log.info("CUDA graphs: %d of %d captured in %.1f s (batch sizes %s; %s), %.0f MiB", len(self.graphs), len(todo),
@@ -147,9 +192,7 @@ class CUDAGraphs:
         inputs: through pinned staging, in one copy of the part this bucket reads."""
         _, q_len, bucket = key
         n, batch, bs = len(ids), len(ctx_lens), self.block_size
-        turn, self._turn = self._turn, 1 - self._turn
-        self._copied[turn].synchronize()  # this buffer's previous copy has left it
-        host_ids, host_positions, slots, context_lens, block_tables = self._host[turn]
+        host_ids, host_positions, slots, context_lens, block_tables = self.staged.host()
         host_ids[:n] = ids
         host_positions[:n] = positions
         slots[:n] = slot_mapping(tables, ctx_lens, [q_len] * batch, bs)
@@ -160,9 +203,7 @@ class CUDAGraphs:
         for row, table in zip(block_tables, tables):
             row[:len(table)] = table
         block_tables[batch:bucket, 0] = self.scratch_block
-        end = self.inputs.shape[0] - (self.max_batch - bucket) * self.width
-        self.inputs[:end].copy_(self._staging[turn][:end], non_blocking=True)
-        self._copied[turn].record()
+        self.staged.send(self.inputs.shape[0] - (self.max_batch - bucket) * self.width)
 
     def replay(self, key: tuple[int | None, int, int], n: int
                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -181,3 +222,114 @@ class CUDAGraphs:
         if greedy is None:
             return hidden[:n], None, None
         return hidden[:n], self.logits[:n], greedy[:n]
+
+
+class MixedStepGraphs:
+    """Whole steps of any shape — prefill chunks, alone or beside decodes — as CUDA graphs
+    bucketed by token count. A step of n tokens over b sequences replays the graph of the
+    smallest bucket T >= n: its varlen attention metadata live in static buffers sized for
+    `max_seqs` sequences plus one empty one, index `max_seqs`, that padding points at — padded
+    tokens are no sequence's (their KV goes to the scratch slot, their rows are never read),
+    padded query tiles belong to the empty sequence and return at once. The graph ends in the
+    vocab projection of the step's sampled rows (one a sequence at most; padded: row 0) and their
+    argmax, into a logits buffer outside the pool. Only those leave the graph, so the graphs'
+    activations share one pool whatever their number: it grows to the largest step's."""
+
+    def __init__(self, model, kv_cache: torch.Tensor, sizes: tuple[int, ...], max_seqs: int, width: int,
+                 block_size: int, scratch_block: int, num_warmup: int):
+        self.model, self.kv_cache, self.sizes, self.num_warmup = model, kv_cache, sorted(sizes), num_warmup
+        self.max_seqs, self.width, self.block_size = max_seqs, width, block_size
+        self.scratch_block, self.scratch_slot = scratch_block, scratch_block * block_size
+        self.max_tokens = max(self.sizes)
+        n, b = self.max_tokens, max_seqs
+        size = 3 * n + (b + 1) + (b + 2) + b + 2 * self.max_tiles(n) + (b + 1) * width
+        self.staged = StagedInputs(size, kv_cache.device, self._split, self._pad)
+        self.ids, self.positions, self.slots, self.context_lens, self.starts, self.sample_rows, self.tiles, \
+            self.block_tables = self.staged.views
+        self.logits = torch.zeros(max_seqs, model.config.vocab_size, dtype=torch.float32, device=kv_cache.device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.greedy: dict[int, torch.Tensor] = {}
+
+    def max_tiles(self, tokens: int) -> int:
+        """Query tiles a step of `tokens` tokens over up to max_seqs sequences may have."""
+        return tokens // PREFILL_BLOCK_M + self.max_seqs
+
+    def _split(self, flat):
+        """Views of one buffer: [ids n | positions n | slots n | context_lens b+1 | query starts b+2 |
+        sampled rows b | query tiles 2×K | block_tables (b+1)×W] (n: the largest bucket, b: max_seqs,
+        K: its most query tiles; the empty sequence is row b)."""
+        n, b, w = self.max_tokens, self.max_seqs, self.width
+        bounds = [0, *accumulate((n, n, n, b + 1, b + 2, b, 2 * self.max_tiles(n)))]
+        views = [flat[lo:hi] for lo, hi in zip(bounds, bounds[1:])]
+        return (*views, flat[bounds[-1]:].reshape(b + 1, w))
+
+    def _pad(self, ids, positions, slots, context_lens, starts, sample_rows, tiles, block_tables) -> None:
+        slots.fill(self.scratch_slot)
+        block_tables.fill(self.scratch_block)  # the empty sequence's context length stays 0
+
+    def bucket(self, num_tokens: int, num_seqs: int, width: int) -> int | None:
+        """The captured bucket for a step of `num_tokens` tokens over `num_seqs` sequences whose
+        block tables are `width` wide; None: the step runs eagerly."""
+        bucket = next((s for s in self.sizes if s >= num_tokens), None)
+        ok = bucket in self.graphs and num_seqs <= self.max_seqs and width <= self.width
+        return bucket if ok else None
+
+    def meta(self, tokens: int) -> AttentionMetadata:
+        """Varlen attention metadata over the static inputs, for the bucket of `tokens` tokens."""
+        k = self.max_tiles(tokens)
+        return AttentionMetadata(slot_mapping=self.slots[:tokens], context_lens=self.context_lens,
+                                 query_start_loc=self.starts, query_tiles=self.tiles[:2 * k].view(2, k),
+                                 block_tables=self.block_tables, block_size=self.block_size)
+
+    def step(self, tokens: int) -> torch.Tensor:
+        """The captured work of a bucket: the forward, the sampled rows' fp32 logits (into
+        `self.logits`) and their argmax. Eager on the same static inputs where graphs are
+        unavailable (the CPU tests)."""
+        hidden = self.model(self.ids[:tokens], self.positions[:tokens], self.kv_cache, self.meta(tokens))
+        self.logits.copy_(self.model.compute_logits(hidden.index_select(0, self.sample_rows)))
+        return self.logits.argmax(-1)
+
+    @torch.inference_mode()
+    def capture(self, pool, progress: Callable[[str], None] | None = None) -> None:
+        start, reserved = time.perf_counter(), torch.cuda.memory_reserved()
+        captured = _capture([(tokens,) for tokens in sorted(self.sizes, reverse=True)], self.step, self.num_warmup,
+                            pool, lambda key: f"a mixed step of {key[0]} tokens", progress)
+        for (tokens,), (graph, greedy) in captured.items():
+            self.graphs[tokens], self.greedy[tokens] = graph, greedy
+        torch.cuda.synchronize()
+        log.info("CUDA graphs of mixed steps: %d of %d captured in %.1f s (tokens %s), %.0f MiB", len(self.graphs),
+                 len(self.sizes), time.perf_counter() - start, ",".join(map(str, self.sizes)),
+                 (torch.cuda.memory_reserved() - reserved) / 2**20)
+
+    def stage(self, bucket: int, ids: list[int], positions: list[int], q_lens: list[int], ctx_lens: list[int],
+              tables: list[list[int]], sample_at: list[int]) -> None:
+        """Write a step, as the host lists the runner builds (per token: id and position; per
+        sequence: new tokens, context length after the step, block table; the rows to sample, one
+        a sequence at most), into the static inputs, padded to `bucket` tokens: one copy."""
+        n, b = len(ids), len(q_lens)
+        host_ids, host_positions, slots, context_lens, starts, sample_rows, tiles, block_tables = self.staged.host()
+        host_ids[:n] = ids
+        host_positions[:n] = positions
+        slots[:n] = slot_mapping(tables, ctx_lens, q_lens, self.block_size)
+        slots[n:bucket] = self.scratch_slot
+        context_lens[:b] = ctx_lens
+        starts[0] = 0
+        starts[1:b + 1] = list(accumulate(q_lens))
+        starts[b + 1:] = n  # every sequence after the real ones, the empty one included, has no tokens
+        sample_rows[:len(sample_at)] = sample_at
+        sample_rows[len(sample_at):] = 0
+        k = self.max_tiles(bucket)
+        seqs, firsts = prefill_tiles(q_lens, ctx_lens)
+        tiles[:len(seqs)] = seqs
+        tiles[len(seqs):k] = self.max_seqs  # padded tiles: the empty sequence's
+        tiles[k:k + len(firsts)] = firsts
+        tiles[k + len(firsts):2 * k] = 0
+        for row, table in zip(block_tables, tables):
+            row[:len(table)] = table
+        self.staged.send(self.staged.device.shape[0])
+
+    def replay(self, bucket: int, num_sampled: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay a bucket over the static inputs: the sampled rows' fp32 logits and greedy tokens
+        (views, read before the next replay as the decode graphs' are)."""
+        self.graphs[bucket].replay()
+        return self.logits[:num_sampled], self.greedy[bucket][:num_sampled]

@@ -12,9 +12,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from tqdm import tqdm
 
 from jetserve.engine.config import EngineConfig
-from jetserve.engine.cuda_graphs import CUDAGraphs
+from jetserve.engine.cuda_graphs import CUDAGraphs, MixedStepGraphs
 from jetserve.engine.model.attention import MAX_UNIFORM_Q, AttentionMetadata, to_device
 from jetserve.engine.model.loader import load_model, torch_dtype
 from jetserve.engine.outputs import LogprobsLists
@@ -30,14 +31,49 @@ log = logging.getLogger(__name__)
 def kv_reserve(config: EngineConfig, measure: Callable[[int, int], int]) -> int:
     """Bytes the KV cache must leave free: the activations of the largest step the scheduler may
     run (its whole token budget, with logits of up to max_num_seqs rows), plus, with CUDA graphs,
-    those of the largest captured step (logits of every row). `measure(tokens, logit_rows)` is a
-    dry run's peak."""
+    those of the largest captured decode-shaped step (logits of every row). The mixed-step graphs
+    need no more: they share one pool, which grows to their largest step's activations, and with
+    them captured (no speculation) the eager path runs no step of that size. `measure(tokens,
+    logit_rows)` is a dry run's peak."""
     n = config.max_num_batched_tokens
     reserve = measure(n, min(n, config.max_num_seqs))
     if config.cuda_graphs:
         rows = max(config.cuda_graphs.capture_sizes) * max(q for _, q in config.cuda_graphs.step_shapes)
         reserve += measure(rows, rows)
     return reserve
+
+
+def skinny_row_counts() -> list[int]:
+    """The row counts that key the skinny matmuls' tiles: powers of two up to SKINNY_MAX_ROWS."""
+    from jetserve.engine.model.kernels import SKINNY_MAX_ROWS
+
+    return [2 ** i for i in range(SKINNY_MAX_ROWS.bit_length())]
+
+
+@torch.inference_mode()
+def tune_kernels(model, kv_cache: torch.Tensor, block_size: int, scratch_block: int, prefill: int,
+                 row_counts: list[int] | None = None, progress: Callable[[str], None] | None = None) -> None:
+    """Every kernel timing at start-up, so that no request pays for one: a dry step of each row
+    count a skinny product may see (`skinny_row_counts`: decode batches, verifies, drafts, small
+    mixed steps), with the vocab projection and the MTP layers, then a `prefill`-token prefill
+    (the flash kernel's autotuning). Their KV goes to the scratch block, the prefill's to the
+    first blocks (no sequence holds any yet)."""
+    device = kv_cache.device
+    todo = (row_counts or skinny_row_counts()) + [prefill]
+    for i, n in enumerate(tqdm(todo, desc="tuning kernel tiles", unit="shape", leave=False)):
+        if progress:
+            progress(f"tuning kernel tiles {i + 1}/{len(todo)}")
+        rows = i < len(todo) - 1  # n sequences of one token each
+        meta = (AttentionMetadata.build([1] * n, [1] * n, [[scratch_block]] * n, block_size, device, True) if rows
+                else AttentionMetadata.build([n], [n], [list(range(-(-n // block_size)))], block_size, device, True))
+        ids = torch.zeros(n, dtype=torch.long, device=device)
+        hidden = model(ids, ids, kv_cache, meta)  # position 0 for all: only the shapes matter
+        if rows:
+            model.compute_logits(hidden)
+            for step in range(len(model.mtp)):
+                model.mtp_forward(step, ids, ids, hidden, kv_cache, meta)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def block_bytes(config: EngineConfig) -> int:
@@ -57,12 +93,14 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         self.model = load_model(config.model, self.dtype, self.device, config.max_model_len, progress,
                                 config.quantization)
+        self.kernels = None
         if config.fused_kernels:
             # Chosen here, once, and handed down: two engines in one process (tests, benchmarks)
             # each keep their own tile choices; tiles are timed only where graphs are captured.
             from jetserve.engine.model.quant_kernels import QuantFusedKernels  # needs Triton
 
-            self.model.use_kernels(QuantFusedKernels(tile_timing=config.cuda_graphs is not None))
+            self.kernels = QuantFusedKernels(tile_timing=config.cuda_graphs is not None)
+            self.model.use_kernels(self.kernels)
         self.num_blocks = config.num_kv_blocks or self._fit_num_blocks()
         if self.num_blocks < config.max_blocks_per_seq:
             raise ValueError(f"num_kv_blocks={self.num_blocks} of {config.block_size} tokens cannot hold one "
@@ -78,11 +116,33 @@ class ModelRunner:
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB) on %s, %s", self.num_blocks, self.block_size,
                  self.kv_cache.numel() * self.kv_cache.element_size() / 2**20, self.device, self.dtype)
         self._last_sampled: tuple[torch.Tensor, dict[Sequence, int]] | None = None  # see launch()
-        self.graphs = None
+        self.graphs = self.mixed = None
         if config.cuda_graphs:
+            prefill = min(config.max_num_batched_tokens, 1024, self.num_blocks * self.block_size)
+            tune_kernels(self.model, self.kv_cache, self.block_size, self.num_blocks, prefill, self._row_counts(),
+                         progress)
             self.graphs = CUDAGraphs(self.model, self.kv_cache, config.cuda_graphs, config.max_model_len,
                                      self.block_size, scratch_block=self.num_blocks)
-            self.graphs.capture(progress)
+            pool = torch.cuda.graph_pool_handle()  # one for all: captured largest first, the mixed steps'
+            if config.cuda_graphs.token_sizes:
+                self.mixed = MixedStepGraphs(self.model, self.kv_cache, config.cuda_graphs.token_sizes,
+                                             config.max_num_seqs, self.graphs.width, self.block_size,
+                                             scratch_block=self.num_blocks, num_warmup=config.cuda_graphs.num_warmup)
+                self.mixed.capture(pool, progress)
+            self.graphs.capture(pool, progress)
+            self.kernels.freeze()
+
+    def _row_counts(self) -> list[int]:
+        """The skinny-matmul row counts (powers of two) this engine's steps bring: with every
+        step graphed, those of the decode buckets (rows and their logits), of the small mixed-step
+        buckets and of their sampled rows (max_num_seqs); with speculation, where some steps run
+        eagerly (drafting beside prefill chunks), every count."""
+        graphs = self.config.cuda_graphs
+        if not graphs.token_sizes:
+            return skinny_row_counts()
+        rows = {b * q for b in graphs.capture_sizes for _, q in graphs.step_shapes}
+        rows |= {*graphs.token_sizes, self.config.max_num_seqs}
+        return [n for n in skinny_row_counts() if any(n // 2 < r <= n for r in rows)]
 
     @property
     def block_bytes(self) -> int:
@@ -274,6 +334,14 @@ class ModelRunner:
             if sampled[-1]:
                 sample_at.extend(range(len(ids) - 1 - len(seq.spec_token_ids), len(ids)))
         key = self._graph_key(q_lens, tables)
+        bucket = self.mixed.bucket(len(ids), len(q_lens), max(map(len, tables))) if (
+            key is None and self.mixed is not None) else None
+        if bucket is not None:  # any other step of a captured token count (no speculation: one sampled row a sequence)
+            self.mixed.stage(bucket, ids, positions, q_lens, ctx_lens, tables, sample_at)
+            if pending:
+                self._fill_pending(self.mixed.ids, pending)
+            logits, greedy = self.mixed.replay(bucket, len(sample_at))
+            return _Step(None, self.mixed.positions[:len(ids)], None, sample_at, sampled, logits, greedy)
         if key is not None:
             graphs = self.graphs
             graphs.stage(key, ids, positions, ctx_lens, tables)
@@ -390,9 +458,9 @@ def _to_host(tensor: torch.Tensor) -> torch.Tensor:
 class _Step:
     """A step's forward, as sampling and drafting read it."""
 
-    hidden: torch.Tensor  # [tokens, hidden] final-normed
+    hidden: torch.Tensor | None  # [tokens, hidden] final-normed; None from a mixed-step graph (logits given)
     positions: torch.Tensor
-    meta: AttentionMetadata
+    meta: AttentionMetadata | None
     sample_at: list[int]  # the rows to sample
     sampled: list[bool]  # per sequence: whether this step samples it
     logits: torch.Tensor | None = None  # [len(sample_at), vocab] fp32, when the graph computed them

@@ -380,8 +380,7 @@ _TILES = [(4, 1024, 4), (1, 4096, 4), (2, 2048, 4), (2, 4096, 4), (4, 2048, 4), 
           (4, 4096, 8), (8, 2048, 8), (16, 1024, 8),  # more bytes in flight a program, for big weights
           (2, 1024, 8), (4, 512, 8), (8, 256, 8)]  # small enough for 8 rows
 # Tensor-core tiles (16-64 rows): narrow N for many programs on small weights, wide K for bytes in flight.
-_DOT_TILES = [(16, 256, 4), (32, 128, 4), (32, 256, 4), (64, 128, 4), (64, 64, 4), (128, 64, 4), (64, 256, 8),
-              (128, 128, 8)]
+_DOT_TILES = [(16, 256, 4), (32, 128, 4), (32, 256, 4), (64, 128, 4), (64, 64, 4), (128, 64, 8)]
 _UNTUNED_BYTES = 256 * 1024  # weights this small take the first tile that fits: nothing to gain from timing
 _MAX_PRODUCTS_PER_THREAD = 64  # more spills registers
 

@@ -174,6 +174,30 @@ def test_failing_bucket_falls_back_to_eager(checkpoint, caplog, monkeypatch):
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("budget", [7, 64])
+def test_mixed_steps_graphed_equal_transformers(checkpoint, budget):
+    """Prefill chunks (mid-block, beside decodes; budget 7) and whole prompts with decodes (64)
+    replay the mixed-step graphs, padded to their token bucket: transformers' greedy tokens, the
+    blocks all freed, and no kernel shape met after start-up tuning."""
+    path, hf_model = checkpoint
+    prompts = PROMPTS + [list(range(3, 120))]
+    reference = [hf_greedy(hf_model, p, GREEDY.max_tokens) for p in prompts]
+    llm = LLM(str(path), device="cuda", max_num_seqs=8, dtype="float32", max_num_batched_tokens=budget)
+    runner, buckets = llm.engine.runner, []
+    replay = runner.mixed.replay
+
+    def recorded(bucket, n):
+        buckets.append(bucket)
+        return replay(bucket, n)
+    runner.mixed.replay = recorded
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == reference
+    assert set(buckets) == {7} if budget == 7 else {64} <= set(buckets) <= {16, 32, 64}, set(buckets)
+    assert llm.engine.scheduler.blocks.num_used == 0 and runner.kernels.untuned == set()
+
+
+@gpu
+@pytest.mark.gpu
 def test_enforce_eager_captures_nothing(checkpoint):
     llm, _ = generate(checkpoint[0], PROMPTS[:1], enforce_eager=True)
     assert llm.engine.runner.graphs is None and llm.engine.model_info.cuda_graphs is False

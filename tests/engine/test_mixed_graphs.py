@@ -1,0 +1,124 @@
+"""Mixed-step graphs and start-up tuning, on the CPU: the kernels run in Triton's interpreter
+(tests/conftest.py), the graphs' work runs eagerly over their static inputs — what a capture
+records, with the same padding. On the GPU, test_cuda_graphs replays the captured graphs."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from jetserve.engine.config import EngineArgs, token_sizes  # noqa: E402
+from jetserve.engine.cuda_graphs import MixedStepGraphs  # noqa: E402
+from jetserve.engine.model.attention import AttentionMetadata  # noqa: E402
+from jetserve.engine.model.kernels import SKINNY_MAX_ROWS, FusedKernels  # noqa: E402
+from jetserve.engine.model.loader import load_model  # noqa: E402
+from jetserve.engine.runner import skinny_row_counts, tune_kernels  # noqa: E402
+
+from tests.engine.builders import build_drafting_model, build_qwen3  # noqa: E402
+
+# One layer, two query heads on one kv head: the interpreter runs a program at a time, and the
+# per-token kernels' programs (tokens x heads) set a forward's time.
+SMALL = dict(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+BLOCK_SIZE = 16
+NUM_BLOCKS = 24  # the scratch block is the one after
+
+
+def fused_model(path, kernels):
+    model = load_model(str(path), torch.float32, DEVICE, 256)
+    model.use_kernels(kernels)
+    c = model.config
+    cache = torch.zeros(model.num_kv_layers, 2, (NUM_BLOCKS + 1) * BLOCK_SIZE, c.num_key_value_heads, c.head_dim,
+                        device=DEVICE)
+    return model, cache
+
+
+def step_lists(q_lens, ctx_lens, tables):
+    """A step as the runner builds it: ids, positions, and the last row of each sequence to sample."""
+    gen = torch.Generator().manual_seed(sum(q_lens))
+    ids = torch.randint(0, 300, (sum(q_lens),), generator=gen).tolist()
+    positions = [p for q, c in zip(q_lens, ctx_lens) for p in range(c - q, c)]
+    ends = [sum(q_lens[:i + 1]) - 1 for i in range(len(q_lens))]
+    return ids, positions, ends
+
+
+@torch.inference_mode()
+def test_mixed_step_on_static_inputs_equals_eager(tmp_path):
+    """Steps of prefill chunks beside decodes, padded to their token bucket (tokens, query tiles,
+    sequences), give eager's logits and greedy tokens; a smaller step after a bigger one reads
+    none of its stale inputs."""
+    build_qwen3(tmp_path, **SMALL)
+    model, cache = fused_model(tmp_path, FusedKernels(tile_timing=False))
+    mixed = MixedStepGraphs(model, cache, (16, 32), max_seqs=5, width=8, block_size=BLOCK_SIZE,
+                            scratch_block=NUM_BLOCKS, num_warmup=0)
+    # (q_len, ctx_len) per sequence: a fresh prompt, a chunk starting mid-block, two decodes, a
+    # chunk whose first 16 tokens hit the prefix cache (the first sequence's first block).
+    steps = [([(9, 9), (9, 30), (1, 40), (1, 7)], [[0], [2, 3], [4, 5, 6], [7]]),
+             ([(3, 19), (1, 41)], [[0, 8], [4, 5, 6]]),
+             ([(4, 20), (1, 8), (1, 31), (1, 42), (2, 22)], [[0, 9], [7], [2, 3], [4, 5, 6], [0, 1]])]
+    for step, tables in steps:
+        q_lens, ctx_lens = [q for q, _ in step], [c for _, c in step]
+        ids, positions, sample_at = step_lists(q_lens, ctx_lens, tables)
+        meta = AttentionMetadata.build(q_lens, ctx_lens, tables, BLOCK_SIZE, DEVICE, fused=True)
+        hidden = model(torch.tensor(ids, device=DEVICE), torch.tensor(positions, device=DEVICE), cache, meta)
+        want = model.compute_logits(hidden[sample_at]).float()
+        bucket = 16 if len(ids) <= 16 else 32
+        mixed.stage(bucket, ids, positions, q_lens, ctx_lens, tables, sample_at)
+        greedy = mixed.step(bucket)[:len(sample_at)]
+        torch.testing.assert_close(mixed.logits[:len(sample_at)], want, rtol=1e-4, atol=1e-4)
+        assert greedy.tolist() == want.argmax(-1).tolist()
+
+
+@torch.inference_mode()
+def test_start_up_tuning_leaves_no_untuned_shape(tmp_path):
+    """After `tune_kernels` and `freeze`, no step brings a skinny-matmul shape that would be timed
+    lazily: decode and verify batches of every size (a shape is keyed by its rows' power of two),
+    MTP drafts, the vocab projection, the mixed-step buckets that take skinny products. The
+    engine tunes every power of two up to SKINNY_MAX_ROWS; here 1 (FMA tiles) and 16 (tensor-core
+    tiles), the interpreter being slow."""
+    assert skinny_row_counts() == [1, 2, 4, 8, 16, 32, 64] and max(skinny_row_counts()) == SKINNY_MAX_ROWS
+    path = build_drafting_model(tmp_path, mtp_layers=1)
+    kernels = FusedKernels(tile_timing=False)
+    model, cache = fused_model(path, kernels)
+    untuned = FusedKernels(tile_timing=False)  # the check can fail: a frozen engine, never tuned
+    model.use_kernels(untuned)
+    untuned.freeze()
+    run_rows(model, cache, 1)
+    assert untuned.untuned
+    model.use_kernels(kernels)
+    tune_kernels(model, cache, BLOCK_SIZE, NUM_BLOCKS, prefill=17, row_counts=[1, 16])
+    kernels.freeze()
+    for rows in (1, 13):
+        run_rows(model, cache, rows)
+    mixed = MixedStepGraphs(model, cache, token_sizes(16), max_seqs=4, width=4, block_size=BLOCK_SIZE,
+                            scratch_block=NUM_BLOCKS, num_warmup=0)
+    mixed.stage(16, [1] * 9, list(range(9)), [9], [9], [[0]], [8])
+    mixed.step(16)
+    assert kernels.untuned == set() and kernels.chosen
+
+
+def run_rows(model, cache, rows):
+    """A decode step of `rows` sequences, its vocab projection and its MTP draft."""
+    meta = AttentionMetadata.build([1] * rows, [2] * rows, [[NUM_BLOCKS]] * rows, BLOCK_SIZE, DEVICE, True)
+    ids = torch.ones(rows, dtype=torch.long, device=DEVICE)
+    hidden = model(ids, ids, cache, meta)
+    model.compute_logits(hidden)
+    model.mtp_forward(0, ids, ids, hidden, cache, meta)
+
+
+def test_token_buckets_and_modes(tmp_path):
+    """Mixed-step buckets: powers of two to 512, then every 512, the budget, capped at 16384;
+    FULL_DECODE_ONLY and speculation capture none."""
+    assert token_sizes(512) == [16, 32, 64, 128, 256, 512]
+    assert token_sizes(100) == [16, 32, 64, 100]
+    assert token_sizes(2048) == [16, 32, 64, 128, 256, 512, 1024, 1536, 2048]
+    assert token_sizes(8704)[-3:] == [7680, 8192, 8704] and token_sizes(40000)[-1] == 16384
+    build_qwen3(tmp_path / "plain")
+    args = dict(model=str(tmp_path / "plain"), max_num_batched_tokens=256)
+    assert EngineArgs(**args).resolve("cuda").cuda_graphs.token_sizes == (16, 32, 64, 128, 256)
+    assert EngineArgs(**args, cudagraph_mode="full_decode_only").resolve("cuda").cuda_graphs.token_sizes == ()
+    with pytest.raises(ValueError, match="cudagraph_mode"):
+        EngineArgs(**args, cudagraph_mode="piecewise").resolve("cuda")
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    drafting = build_drafting_model(tmp_path / "mtp", mtp_layers=1)
+    assert EngineArgs(model=drafting, speculative_config=spec).resolve("cuda").cuda_graphs.token_sizes == ()
