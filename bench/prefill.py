@@ -5,8 +5,9 @@ Without chunking its whole prefill is one step, and every stream stalls for it; 
 budget per step it is split into chunks that ride along with the decodes. Reported per
 configuration: the streams' inter-token latency (ITL) p50/p99/max in steady state and while the
 long prompt is processed (its arrival to its first token), the long prompt's TTFT (and its ratio
-to chunking off), peak memory; and the recommended budget: the shortest TTFT among those that keep
-the streams' ITL p99 under a bar (8 ms by default).
+to chunking off), the TTFT of a short prompt on the idle engine (the service's first token is
+this prefill step plus the gRPC path), peak memory; and the recommended budget: the shortest
+TTFT among those that keep the streams' ITL p99 under a bar (8 ms by default).
 """
 
 
@@ -20,6 +21,9 @@ def add_arguments(p):
     p.add_argument("--budgets", default="256,512,1024,2048", help="max_num_batched_tokens with chunking")
     p.add_argument("--steady-steps", type=int, default=24, help="stream steps before and after the long prompt")
     p.add_argument("--jitter", type=float, default=1.5, help="the bar: ITL p99 <= jitter * p50 during the prefill")
+    p.add_argument("--short-prompt-len", type=int, default=128, help="the idle engine's TTFT prompt")
+    p.add_argument("--cudagraph-mode", default="full", choices=["full", "full_decode_only"],
+                   help="full_decode_only: steps with prefill chunks run eagerly (the path before graphed mixed steps)")
     p.add_argument("--itl-p99-ms", type=float, default=8.0,
                    help="the streams' bar: ITL p99 while the long prompt runs; the recommended budget is the one "
                         "with the shortest TTFT of those under it")
@@ -38,6 +42,7 @@ def run(args) -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     budgets = [int(b) for b in args.budgets.split(",") if b]
     result = {"env": environment(device), "shape": args.model or args.shape, "streams": args.streams,
+              "cudagraph_mode": args.cudagraph_mode,
               "stream_prompt_len": args.stream_prompt_len, "long_prompt_len": args.long_prompt_len, "configs": {}}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model
@@ -52,6 +57,7 @@ def run(args) -> dict:
             # Warm-up in the same engine: kernel compiles and cuBLAS heuristics for new shapes.
             _measure(args, engine, min(args.long_prompt_len, 2 * (budget or 1024)), seed=1)
             result["configs"][name] = _measure(args, engine, args.long_prompt_len, seed=0)
+            result["configs"][name].update(_idle_ttft(args, engine))
             result["configs"][name]["peak_memory_MiB"] = (peak_memory(device) or 0) // 2**20 or None
             del engine
             _summarize(args, result, budgets)
@@ -81,7 +87,33 @@ def _engine(args, model_dir, device, budget):
     return LLMEngine(EngineArgs(
         model=model_dir, device=str(device), max_model_len=length, max_num_seqs=args.streams + 1,
         enable_chunked_prefill=budget is not None, max_num_batched_tokens=budget or length,
-        num_kv_blocks=(args.streams + 1) * -(-length // 16) + 1, cudagraph_capture_sizes=[args.streams]).resolve())
+        num_kv_blocks=(args.streams + 1) * -(-length // 16) + 1, cudagraph_capture_sizes=[args.streams],
+        cudagraph_mode=args.cudagraph_mode).resolve())
+
+
+def _idle_ttft(args, engine, repeats=8) -> dict:
+    """A fresh `short_prompt_len`-token prompt alone on the engine, one token: its TTFT, min and
+    median of `repeats` (after one warm-up), i.e. one prefill step and its sampling."""
+    import time
+
+    import torch
+
+    from jetserve.bench.common import median
+    from jetserve.engine.sampling_params import SamplingParams
+
+    rng = torch.Generator().manual_seed(7)
+    vocab = engine.config.model_config.vocab_size
+    times = []
+    for i in range(repeats + 1):
+        ids = torch.randint(0, vocab, (args.short_prompt_len,), generator=rng).tolist()
+        start = time.perf_counter()
+        engine.add_request(f"idle{i}", {"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=1))
+        while engine.has_unfinished_requests():
+            engine.step()
+        times.append(time.perf_counter() - start)
+    times = times[1:]
+    return {"idle_ttft_prompt_len": args.short_prompt_len, "idle_ttft_min_ms": round(min(times) * 1e3, 3),
+            "idle_ttft_median_ms": round(median(times) * 1e3, 3)}
 
 
 def _measure(args, engine, long_len, seed) -> dict:
