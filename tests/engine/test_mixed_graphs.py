@@ -73,7 +73,8 @@ def test_mixed_step_on_static_inputs_equals_eager(tmp_path):
 def test_start_up_tuning_leaves_no_untuned_shape(tmp_path):
     """After `tune_kernels` and `freeze`, no step brings a skinny-matmul shape that would be timed
     lazily: decode and verify batches of every size (a shape is keyed by its rows' power of two),
-    MTP drafts, the vocab projection, the mixed-step buckets that take skinny products. The
+    MTP drafts, the vocab projection, the mixed-step buckets that take skinny products (one
+    sampled row here: the engine tunes its max_num_seqs rows' count too). The
     engine tunes every power of two up to SKINNY_MAX_ROWS; here 1 (FMA tiles) and 16 (tensor-core
     tiles), the interpreter being slow."""
     assert skinny_row_counts() == [1, 2, 4, 8, 16, 32, 64] and max(skinny_row_counts()) == SKINNY_MAX_ROWS
@@ -90,7 +91,7 @@ def test_start_up_tuning_leaves_no_untuned_shape(tmp_path):
     kernels.freeze()
     for rows in (1, 13):
         run_rows(model, cache, rows)
-    mixed = MixedStepGraphs(model, cache, token_sizes(16), max_seqs=4, width=4, block_size=BLOCK_SIZE,
+    mixed = MixedStepGraphs(model, cache, token_sizes(16), max_seqs=1, width=4, block_size=BLOCK_SIZE,
                             scratch_block=NUM_BLOCKS, num_warmup=0)
     mixed.stage(16, [1] * 9, list(range(9)), [9], [9], [[0]], [8])
     mixed.step(16)
