@@ -334,9 +334,12 @@ class ModelRunner:
             if sampled[-1]:
                 sample_at.extend(range(len(ids) - 1 - len(seq.spec_token_ids), len(ids)))
         key = self._graph_key(q_lens, tables)
+        # Any other step of a captured token count replays a mixed-step graph (no speculation: one
+        # sampled row a sequence), unless prompt_logprobs need every row's hidden state.
         bucket = self.mixed.bucket(len(ids), len(q_lens), max(map(len, tables))) if (
-            key is None and self.mixed is not None) else None
-        if bucket is not None:  # any other step of a captured token count (no speculation: one sampled row a sequence)
+            key is None and self.mixed is not None
+            and not any(seq.params.prompt_logprobs is not None for seq in batch.seqs)) else None
+        if bucket is not None:
             self.mixed.stage(bucket, ids, positions, q_lens, ctx_lens, tables, sample_at)
             if pending:
                 self._fill_pending(self.mixed.ids, pending)
