@@ -2,13 +2,21 @@
 random weights in real Qwen3 shapes (timing only), and what it projects for the Jetsons.
 
 A batch-1 decode step reads every weight it multiplies by once, so its floor is bytes read /
-bandwidth. Per shape and method: the engine's TPOT (median step) and the graph replay alone,
-the bytes read a token (from the memory plan's meta model), the H200 roofline and the measured
-share of it, and for each Jetson board the bandwidth floor and that floor scaled by the H200's
-measured ratio (a board reaching the same share of its bandwidth).
+bandwidth. Two tables:
+- kernels: each projection of a layer (qkv with the norm, o, gate·up with add + norm, down with
+  SiLU·up) alone, every candidate tile timed in a CUDA graph over weights cold in L2 as the
+  engine's start-up does; the fastest tile's time and the GB/s it reads the weights at (packed
+  integers, scales and zero points);
+- engine: per shape and method the TPOT (median step over fresh prompts, each repeat, min and
+  median over repeats) and the graph replay alone, the bytes read a token (from the memory
+  plan's meta model), the H200 roofline and the measured share of it, and for each Jetson board
+  the bandwidth floor and that floor scaled by the H200's measured ratio (a board reaching the
+  same share of its bandwidth).
+Every kernel variant is compiled first by a pool of processes (Triton's on-disk cache then
+serves the timing process): compiled one after another they take minutes.
 """
 
-DEFAULT_SHAPES = ["qwen3-4b", "qwen3-0.6b"]
+DEFAULT_SHAPES = ["qwen3-0.6b", "qwen3-4b"]
 METHODS = ["bf16", "int8", "int4"]
 
 
@@ -16,8 +24,186 @@ def add_arguments(p):
     p.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES)
     p.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
     p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--steps", type=int, default=48, help="decode steps timed a method")
-    p.add_argument("--repeats", type=int, default=2, help="times each method is timed (min and median kept)")
+    p.add_argument("--steps", type=int, default=48, help="decode steps timed a repeat")
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats a method, each with fresh prompts")
+    p.add_argument("--skip-engine", action="store_true", help="the kernel table only")
+
+
+def _projections(shape: str) -> dict:
+    """name → (prologue, out features, in features) of one decoder layer of `shape`."""
+    from jetserve.bench.common import SHAPES
+    from jetserve.engine.model import kernels
+
+    c = SHAPES[shape]
+    h, q, kv = c["hidden_size"], c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
+    return {"qkv": (kernels.NORM, q + 2 * kv, h), "o": (kernels.PLAIN, h, q),
+            "gate_up": (kernels.ADD_NORM, 2 * c["intermediate_size"], h),
+            "down": (kernels.SILU_MUL, h, c["intermediate_size"]), "lm_head": (kernels.PLAIN, c["vocab_size"], h)}
+
+
+def _methods(name: str, methods: list[str]) -> list[str]:
+    """The vocab projection stays in the model dtype (as in AWQ and GPTQ exports)."""
+    return ["bf16"] if name == "lm_head" else methods
+
+
+def _operands(prologue: int, n: int, k: int, method: str, device):
+    """(x, weight, residual, norm weight) of one batch-1 product, random."""
+    import torch
+
+    from jetserve.engine.config import ON_THE_FLY
+    from jetserve.engine.model import kernels, quant
+
+    torch.manual_seed(n + k)
+    dense = torch.randn(n, k, device=device) / k**0.5
+    weight = dense.to(torch.bfloat16) if method == "bf16" else quant.quantize(dense, *ON_THE_FLY[method])
+    del dense
+    x = torch.randn(1, 2 * k if prologue == kernels.SILU_MUL else k, device=device, dtype=torch.bfloat16)
+    residual = torch.randn(1, k, device=device, dtype=torch.bfloat16) if prologue == kernels.ADD_NORM else None
+    norm = torch.rand(k, device=device, dtype=torch.bfloat16) + 0.5 if prologue in (kernels.NORM,
+                                                                                   kernels.ADD_NORM) else None
+    return x, weight, residual, norm
+
+
+def _variants(shapes, methods) -> list[tuple]:
+    """(method, prologue, k, tile) of every kernel the run compiles: N is a launch argument
+    (all real ones multiples of 16, as Triton specializes them), K and the tile are compiled in."""
+    from jetserve.engine.model import kernels
+    from jetserve.engine.model.quant_kernels import TILES
+
+    seen = []
+    for shape in shapes:
+        for name, (prologue, _, k) in _projections(shape).items():
+            for method in _methods(name, methods):
+                tiles = [t for t in kernels._TILES if t[0] * t[1] <= kernels._MAX_PRODUCTS_PER_THREAD * 32 * t[2]] \
+                    if method == "bf16" else TILES
+                seen += [(method, prologue, k, tile) for tile in tiles if (method, prologue, k, tile) not in seen]
+    return seen
+
+
+def _compile(variant) -> str | None:
+    """Compile (and run once) one variant; what went wrong, if anything (that tile is then
+    skipped by the tuning too)."""
+    import torch
+
+    from jetserve.engine.model import kernels
+    from jetserve.engine.model.quant_kernels import quant_matmul
+
+    method, prologue, k, tile = variant
+    x, weight, residual, norm = _operands(prologue, 64, k, method, torch.device("cuda"))
+    run = kernels._run if method == "bf16" else quant_matmul
+    try:
+        run(tile, prologue, x, weight, residual, norm, 1e-6)
+        torch.cuda.synchronize()
+    except Exception as exc:  # noqa: BLE001 - reported, the run goes on
+        return f"{variant}: {type(exc).__name__}: {exc}"[:300]
+    return None
+
+
+def precompile(shapes, methods) -> None:
+    import multiprocessing
+    import os
+    from concurrent.futures import ProcessPoolExecutor
+
+    from tqdm import tqdm
+
+    variants = _variants(shapes, methods)
+    workers = max(1, min(len(variants), (os.cpu_count() or 2) - 1))
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        errors = [e for e in tqdm(pool.map(_compile, variants), total=len(variants),
+                                  desc="[quant] compiling kernel variants") if e]
+    for error in errors:
+        tqdm.write(f"[quant] failed: {error}")
+
+
+def _weight_bytes(weight) -> int:
+    import torch
+
+    if isinstance(weight, torch.Tensor):
+        return weight.numel() * weight.element_size()
+    return sum(t.numel() * t.element_size() for t in (weight.qweight, weight.scales, weight.zeros) if t is not None)
+
+
+def _relative_error(fused, prologue, x, weight, residual, norm) -> float:
+    """||out - ref|| / ||ref|| of the tuned kernel against the same product in fp32 (dequantized
+    weights): bf16 activations and outputs put it near 3e-3; a wrong kernel, near 1."""
+    import torch
+    import torch.nn.functional as F
+
+    from jetserve.engine.model import kernels, quant
+
+    eps = 1e-6
+    dense = weight.float() if isinstance(weight, torch.Tensor) else quant.dequantize(weight, torch.float32)
+    h = x.float()
+    if prologue == kernels.SILU_MUL:
+        h = F.silu(h[:, :h.shape[1] // 2]) * h[:, h.shape[1] // 2:]
+    if residual is not None:
+        h = h + residual.float()
+    if norm is not None:
+        h = norm.float() * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    want = F.linear(h, dense)
+    got = fused.skinny_matmul(prologue, x, weight, residual, norm, eps)
+    got = (got[0] if isinstance(got, tuple) else got).float()
+    return round(((got - want).norm() / want.norm()).item(), 5)
+
+
+def kernel_table(shapes, methods, bandwidth: float) -> dict:
+    """Per shape, projection and method: the start-up tile tuning's fastest tile and GB/s."""
+    import torch
+
+    from jetserve.engine.model.quant_kernels import QuantFusedKernels
+
+    device = torch.device("cuda")
+    table = {}
+    for shape in shapes:
+        rows = table[shape] = {}
+        for name, (prologue, n, k) in _projections(shape).items():
+            for method in _methods(name, methods):
+                x, weight, residual, norm = _operands(prologue, n, k, method, device)
+                fused = QuantFusedKernels(tile_timing=True)
+                fused.skinny_matmul(prologue, x, weight, residual, norm, 1e-6)
+                (key, tile), = fused.chosen.items()
+                times = fused.tuning_times[key]
+                ms = min(times.values())
+                size = _weight_bytes(weight)
+                error = _relative_error(fused, prologue, x, weight, residual, norm)
+                rows[f"{name} {method}"] = {
+                    "shape_nk": [n, k], "weight_bytes": size, "us": round(ms * 1e3, 2),
+                    "GBps": round(size / ms / 1e6, 1), "share_of_read_bandwidth": round(size / ms / 1e3 / bandwidth, 3),
+                    "tile": "cuBLAS" if tile is None else list(tile), "relative_error": error,
+                    "cuBLAS_us": round(times[None] * 1e3, 2) if None in times else None,
+                    "tiles_us": {str(t): round(v * 1e3, 2) for t, v in times.items()}}
+                row = rows[f"{name} {method}"]
+                print(f"[quant] kernel {shape} {name} {method}: {row['us']} us {row['GBps']} GB/s tile {tile} "
+                      f"error {row['relative_error']}", flush=True)
+                del x, weight, residual, norm, fused
+    return table
+
+
+def _time_decode(engine, args, rng) -> tuple[float, float | None]:
+    """One repeat: fresh random prompt, prefill, then the median of `steps` decode steps (ms),
+    and the decode graph's replay alone."""
+    import time
+
+    import torch
+
+    from jetserve.bench.common import median
+    from jetserve.bench.decode import _replay_ms
+    from jetserve.engine.sampling_params import SamplingParams
+
+    vocab = engine.config.model_config.vocab_size
+    ids = torch.randint(0, vocab, (args.prompt_len,), generator=rng).tolist()
+    engine.add_request(f"r{rng.initial_seed()}-{time.monotonic_ns()}", {"prompt_token_ids": ids},
+                       SamplingParams(temperature=0, max_tokens=args.steps + 2, ignore_eos=True))
+    while not engine.step():  # prefill until the sequence decodes
+        pass
+    times = []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return median(times) * 1e3, _replay_ms(engine.runner.graphs, 1) if engine.runner.graphs else None
 
 
 def run(args) -> dict:
@@ -28,15 +214,20 @@ def run(args) -> dict:
     from tqdm import tqdm
 
     from jetserve.bench.common import environment, median, random_checkpoint, read_bandwidth, write_results
-    from jetserve.bench.decode import _time_engine
     from jetserve.engine.config import EngineArgs
+    from jetserve.engine.llm_engine import LLMEngine
     from jetserve.engine.plan import BOARDS, memory_plan
 
     device = torch.device("cuda")
+    precompile(args.shapes, args.methods)
     bandwidth = read_bandwidth(device)
     result = {"env": environment(device), "read_bandwidth_GBps": round(bandwidth / 1e9, 1), "batch": 1,
-              "activations": "bfloat16", "shapes": {}}
-    args.device = "cuda"
+              "activations": "bfloat16", "kernels": {}, "shapes": {}}
+    result["kernels"] = kernel_table(args.shapes, args.methods, bandwidth / 1e9)
+    write_results(args.out, result, {})
+    if args.skip_engine:
+        return result
+    rng = torch.Generator().manual_seed(0)
     for shape in args.shapes:
         with tempfile.TemporaryDirectory() as tmp:
             tqdm.write(f"[quant] building a random {shape} checkpoint")
@@ -47,25 +238,27 @@ def run(args) -> dict:
             for method in args.methods:
                 quantization = None if method == "bf16" else method
                 length = args.prompt_len + args.steps + 16
-                config = EngineArgs(model=tmp, quantization=quantization, max_num_seqs=1,
-                                    max_model_len=length).resolve()
+                config = EngineArgs(model=tmp, device="cuda", quantization=quantization, max_num_seqs=1,
+                                    max_model_len=length, num_kv_blocks=-(-length // 16) + 1).resolve()
                 read = memory_plan(config, "orin-nano-8gb").bytes_per_token
-                tpots, replays = [], []
-                for _ in range(args.repeats):
-                    timed = _time_engine(args, tmp, device, [1], enforce_eager=False, quantization=quantization)
-                    tpots.append(timed[1])
-                    replays.append(timed["graph_replay_ms"][1])
+                engine = LLMEngine(config)
+                _time_decode(engine, args, rng)  # warm: every shape compiled, tuned and captured
+                tpots, replays = zip(*(_time_decode(engine, args, rng) for _ in range(args.repeats)))
+                tiles = {str(k): v for k, v in engine.runner.model.layers[0].mlp.down_proj.kernels.chosen.items()}
+                del engine
+                torch.cuda.empty_cache()
                 roofline = read / bandwidth * 1e3
                 ratio = min(replays) / roofline
                 out[method] = {
-                    "tpot_ms": {"min": min(tpots), "median": round(median(tpots), 4)},
-                    "graph_replay_ms": {"min": min(replays), "median": round(median(replays), 4)},
+                    "tpot_ms": {"min": round(min(tpots), 4), "median": round(median(tpots), 4)},
+                    "graph_replay_ms": {"min": round(min(replays), 4), "median": round(median(replays), 4)},
                     "bytes_read_per_token": read, "h200_roofline_ms": round(roofline, 4),
-                    "measured_over_roofline": round(ratio, 2),
+                    "measured_over_roofline": round(ratio, 2), "tiles": tiles,
                     "jetson_ms_per_token": {name: {"bandwidth_floor": round(read / b.bandwidth * 1e3, 2),
                                                    "at_h200_ratio": round(read / b.bandwidth * 1e3 * ratio, 2)}
                                             for name, b in BOARDS.items()}}
-                tqdm.write(f"[quant] {shape} {method}: {out[method]['tpot_ms']} ms/token")
+                tqdm.write(f"[quant] {shape} {method}: {out[method]['tpot_ms']} ms/token, replay "
+                           f"{out[method]['graph_replay_ms']}")
                 write_results(args.out, result, {"quant": _plot(result)})
     return result
 

@@ -147,9 +147,9 @@ def _quant_linear(linear: Linear, config: QuantizationConfig, mode: str) -> quan
     """The (meta) module a projection becomes, shaped from metadata alone."""
     k, n = linear.in_features, linear.out_features
     if mode == "packed":
-        return quant.QuantLinear(k, n, config.bits, config.group_size, has_zeros=True, signed=False)
+        return quant.QuantLinear(k, n, config.bits, config.group_size, has_zeros=True)
     bits, group, sym = ON_THE_FLY[mode]
-    return quant.QuantLinear(k, n, bits, group, has_zeros=not sym or bits == 4, signed=sym)
+    return quant.QuantLinear(k, n, bits, group, has_zeros=not sym)
 
 
 def _quantized_weight(ckpt: Checkpoint, names: list[str], config: QuantizationConfig, mode: str,

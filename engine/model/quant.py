@@ -1,11 +1,16 @@
 """Weight-only quantized projections: the published layouts, unpacked once into one of ours.
 
 Every format loads into the same runtime layout, so one kernel family serves all of them:
-`qweight` holds the integers row by row along the input dim (8 bits: uint8/int8 [N, K]; 4 bits:
-int32 [N, K/8], nibble i of word j is column 8j + i), `scales` fp32 [N, K/group] and, for
-formats with zero points, `zeros` uint8 [N, K/group]; w = (q - z) * s in fp32, where it is exact
-(a small integer times an fp16 scale), so rounding it to fp16 gives each format's reference
-dequantization bit for bit; the product is cast to the activation dtype.
+`qweight` int32 [N, K * bits / 32], the unsigned integers of each output row packed along the
+input dim in spans of 16 words (`SPAN_WORDS`): field i (bits i*b..) of word j of span c holds
+input column c * 16 * fields + i * 16 + j (fields = 32 / bits). A kernel then reads a row's words
+with 128-bit loads, and field i of 16 consecutive words is 16 consecutive input columns, so one
+shift and mask a field gives a tile of weights whose activations are a contiguous run: no
+per-weight word gathers, no reshapes. `scales` fp32 [N, K/group]; `zeros` uint8 [N, K/group] for
+formats with zero points, None for symmetric ones (zero 2**(bits-1): a signed integer is stored
+offset by it). w = (q - z) * s in fp32, where it is exact (a small integer times an fp16 scale),
+so rounding it to fp16 gives each format's reference dequantization bit for bit; the product is
+cast to the activation dtype.
 
 - AWQ (GEMM version): qweight int32 [K, N/8] packed along the output dim in the order
   0 2 4 6 1 3 5 7, qzeros likewise [K/group, N/8], scales [K/group, N].
@@ -34,6 +39,9 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ puts output column 8j + AWQ_ORDER[i]
 _AWQ_UNORDER = tuple(AWQ_ORDER.index(c) for c in range(8))
 
 
+SPAN_WORDS = 16  # words a span: field i of a span's words is 16 consecutive input columns
+
+
 class QuantizedWeight(NamedTuple):
     """What the kernels read: the runtime layout of one projection (see the module docstring)."""
 
@@ -46,17 +54,24 @@ class QuantizedWeight(NamedTuple):
     @property
     def shape(self) -> tuple[int, int]:
         """(out, in), as a float weight's."""
-        return self.qweight.shape[0], self.qweight.shape[1] * (32 // self.bits if self.bits == 4 else 1)
+        return self.qweight.shape[0], self.qweight.shape[1] * 32 // self.bits
 
 
-def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """int [N, K] in 0..15 → int32 [N, K/8], column 8j + i in nibble i of word j."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=q.device)
-    words = q.to(torch.int32).view(q.shape[0], -1, 8) << shifts
-    out = words[..., 0]
-    for i in range(1, 8):
-        out = out | words[..., i]
-    return out
+def span(bits: int) -> int:
+    """Input columns a span of words holds: the input dim must be a multiple."""
+    return SPAN_WORDS * 32 // bits
+
+
+def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Unsigned integers [N, K] → int32 words [N, K * bits / 32] in the span layout."""
+    n, k = q.shape
+    if k % span(bits):
+        raise ValueError(f"{bits}-bit weights need an input dim that is a multiple of {span(bits)}, not {k}")
+    fields = q.to(torch.int32).view(n, k // span(bits), 32 // bits, SPAN_WORDS).transpose(-1, -2)
+    out = fields[..., 0]
+    for i in range(1, 32 // bits):
+        out = out | (fields[..., i] << (i * bits))  # int32 shifts wrap into the sign bit, as packed words do
+    return out.reshape(n, -1).contiguous()
 
 
 def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
@@ -66,21 +81,28 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def integers(w: QuantizedWeight) -> torch.Tensor:
-    """The stored integers as int32 [N, K]."""
-    return unpack(w.qweight, 4).flatten(1) if w.bits == 4 else w.qweight.to(torch.int32)
+    """The stored (unsigned) integers as int32 [N, K]."""
+    n = w.qweight.shape[0]
+    fields = unpack(w.qweight, w.bits).view(n, -1, SPAN_WORDS, 32 // w.bits)
+    return fields.transpose(-1, -2).reshape(n, -1)
+
+
+def zero_points(w: QuantizedWeight) -> torch.Tensor:
+    """int32 [N, K/group]: the stored ones, or the midpoint a symmetric format is offset by."""
+    if w.zeros is not None:
+        return w.zeros.to(torch.int32)
+    return torch.full(w.scales.shape, 1 << (w.bits - 1), dtype=torch.int32, device=w.scales.device)
 
 
 def dequantize(w: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
     """(q - z) * s in fp32 (exact), cast to `dtype` (rounded once)."""
-    q = integers(w)
-    if w.zeros is not None:
-        q = q - w.zeros.to(torch.int32).repeat_interleave(w.group_size, dim=1)
+    q = integers(w) - zero_points(w).repeat_interleave(w.group_size, dim=1)
     return (q.float() * w.scales.float().repeat_interleave(w.group_size, dim=1)).to(dtype)
 
 
 def quantize(weight: torch.Tensor, bits: int, group_size: int, sym: bool) -> QuantizedWeight:
-    """Round to nearest, in fp32: symmetric (zero 0, int8 storage) or min-max with zero points
-    (uint8/packed storage); group_size -1: one scale per output channel."""
+    """Round to nearest, in fp32: symmetric (no zero points) or min-max with zero points;
+    group_size -1: one scale per output channel."""
     n, k = weight.shape
     group = k if group_size == -1 else group_size
     if k % group:
@@ -98,21 +120,16 @@ def quantize(weight: torch.Tensor, bits: int, group_size: int, sym: bool) -> Qua
         z = (-torch.round(lo / scales)).clamp(0, top)
         q = (torch.round(w / scales) + z).clamp(0, top)
         zeros = z.reshape(n, -1).to(torch.uint8)
-    q = q.reshape(n, k)
-    if bits == 4:
-        qweight = pack_int4(q + (8 if sym else 0))  # stored unsigned: a symmetric nibble carries zero 8
-        zeros = torch.full((n, k // group), 8, dtype=torch.uint8, device=weight.device) if sym else zeros
-    else:
-        qweight = q.to(torch.int8 if sym else torch.uint8)
-    return QuantizedWeight(qweight.contiguous(), scales.reshape(n, -1).contiguous(), zeros, bits, group)
+    q = q.reshape(n, k) + (2 ** (bits - 1) if sym else 0)  # stored unsigned: symmetric values around the midpoint
+    return QuantizedWeight(pack(q, bits), scales.reshape(n, -1).contiguous(), zeros, bits, group)
 
 
 def from_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int) -> QuantizedWeight:
     """AWQ GEMM tensors → ours (see the module docstring)."""
     q = unpack(qweight, 4)[..., list(_AWQ_UNORDER)].flatten(1)  # [K, N]
     z = unpack(qzeros, 4)[..., list(_AWQ_UNORDER)].flatten(1)  # [K/group, N]
-    return QuantizedWeight(pack_int4(q.t()).contiguous(), scales.t().float().contiguous(),
-                           z.t().to(torch.uint8).contiguous(), 4, group_size)
+    return QuantizedWeight(pack(q.t(), 4), scales.t().float().contiguous(), z.t().to(torch.uint8).contiguous(), 4,
+                           group_size)
 
 
 def from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int,
@@ -121,8 +138,7 @@ def from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
     q = unpack(qweight, bits)  # [K/pack, N, pack]
     q = q.permute(0, 2, 1).flatten(0, 1)  # [K, N]
     z = (unpack(qzeros, bits).flatten(1) + zero_offset) & ((1 << bits) - 1)  # [K/group, N]
-    stored = pack_int4(q.t()) if bits == 4 else q.t().to(torch.uint8)
-    return QuantizedWeight(stored.contiguous(), scales.t().float().contiguous(), z.t().to(torch.uint8).contiguous(),
+    return QuantizedWeight(pack(q.t(), bits), scales.t().float().contiguous(), z.t().to(torch.uint8).contiguous(),
                            bits, group_size)
 
 
@@ -165,16 +181,15 @@ class QuantLinear(_KernelUser):
     """A bias-free projection with quantized weights. A few rows on CUDA take the fused kernel
     (through the model's kernels, like `Linear`); anything else dequantizes and multiplies."""
 
-    def __init__(self, in_features: int, out_features: int, bits: int, group_size: int, has_zeros: bool, signed: bool):
+    def __init__(self, in_features: int, out_features: int, bits: int, group_size: int, has_zeros: bool):
         super().__init__()
+        if in_features % span(bits):
+            raise CheckpointError(f"{bits}-bit weights need input dims in multiples of {span(bits)}: "
+                                  f"a projection has {in_features}")
         self.in_features, self.out_features, self.bits = in_features, out_features, bits
         self.group_size = in_features if group_size == -1 else group_size
         groups = in_features // self.group_size
-        if bits == 4:
-            q = torch.empty(out_features, in_features // 8, dtype=torch.int32)
-        else:
-            q = torch.empty(out_features, in_features, dtype=torch.int8 if signed else torch.uint8)
-        self.register_buffer("qweight", q)
+        self.register_buffer("qweight", torch.empty(out_features, in_features * bits // 32, dtype=torch.int32))
         self.register_buffer("scales", torch.empty(out_features, groups, dtype=torch.float32))
         self.register_buffer("zeros", torch.empty(out_features, groups, dtype=torch.uint8) if has_zeros else None)
 

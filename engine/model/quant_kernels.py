@@ -1,11 +1,12 @@
 """W8A16 and W4A16 skinny matmuls: model/kernels.py's decode-path product over quantized weights.
 
 The same fusion as the float kernel (RMSNorm, residual add + RMSNorm or SiLU·up before the
-product, see `_input_chunk`), the same tiling (each program streams BLOCK_N weight rows once for
-every input row), but the weights arrive as int8 or packed int4 and are dequantized in
-registers: w = (q - z) * s per group in fp32, as `quant.dequantize` computes it, so the two
-differ only in reduction order. Per-channel scales multiply the finished dot products instead. Decode on a GPU, a Jetson most of all, is
-bound by the bytes of weights read a token: INT8 halves them, INT4 quarters them.
+product, see `_input_chunk`), but the weights arrive as int32 words of packed 8- or 4-bit
+integers in quant.py's span layout and are dequantized in registers, exactly (q - z) * s in
+fp32 as `quant.dequantize` computes it, so the two differ only in reduction order. Decode on a
+GPU, a Jetson most of all, is bound by the bytes of weights read a token: INT8 halves them, INT4
+quarters them — if dequantizing costs few enough instructions a weight to keep up with memory
+(an H200 streams ~10^13 INT4 weights a second, about a third of its FP32 instruction rate).
 """
 
 from __future__ import annotations
@@ -32,86 +33,125 @@ def _as_float(q):
 @triton.jit
 def _quant_skinny_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, res_out_ptr, M, N,
                          K: tl.constexpr, eps, NORM: tl.constexpr, ADD: tl.constexpr, SILU: tl.constexpr,
-                         BITS: tl.constexpr, SIGNED: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, NORM_BLOCK: tl.constexpr):
     """out[M, N] = a(x)[M, K] @ dequant(w)[N, K]^T, a() the prologue as in `_skinny_matmul_kernel`.
-    Each weight is (q - z) * s in fp32: q from its byte or nibble (a tile's columns share words,
-    groups, which the loads see as constant runs and fetch once), z and s of its group; with one
-    group a row (GROUP == K) the scale multiplies the finished dot products instead."""
+
+    A program streams BLOCK_N rows of words, BLOCK_W words a row at a time (128-bit loads),
+    the next tile requested before this one is multiplied. Field i of the tile's words is one
+    weight tile whose activations are a contiguous run (quant.py's span layout); each weight
+    costs a shift, a mask-and-OR into the bits of 2**23 (bit cast: q exactly, no int-to-float
+    conversion), a subtraction and an FMA. The zero point and scale come once a word, where a
+    word's fields share a group: sum_i a_i (q_i - z) s = (sum_i a_i q_i - z sum_i a_i) s, the
+    activations' sum shared by all the tile's rows; with one group a row, once a row at the end.
+    Smaller groups take both per weight."""
     pid = tl.program_id(0)
+    FIELDS: tl.constexpr = 32 // BITS
+    SPAN: tl.constexpr = 16 * FIELDS  # input columns a span of 16 words holds
+    KW: tl.constexpr = K // FIELDS  # words a row
+    GROUPS: tl.constexpr = K // GROUP
+    WHOLE: tl.constexpr = GROUP % SPAN == 0  # all fields of a word in one group
+    MID: tl.constexpr = 1 << (BITS - 1)  # the zero point of symmetric formats
+    LOW: tl.constexpr = (1 << BITS) - 1
     rows = tl.arange(0, BLOCK_M)
     row_mask = rows < M
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
-    n64 = n.to(tl.int64)
+    row_words = qw_ptr + n.to(tl.int64)[:, None] * KW
+    row_groups = n.to(tl.int64)[:, None] * GROUPS
+    t = tl.arange(0, BLOCK_W)
+    field0 = (t // 16) * SPAN + t % 16  # input column of field 0 of the tile's word t, from the tile's first
     dtype = out_ptr.dtype.element_ty
-    GROUPS: tl.constexpr = K // GROUP
-    PER_ROW: tl.constexpr = GROUP == K
+    words = tl.load(row_words + t[None, :], mask=n_mask[:, None] & (t < KW)[None, :], other=0)  # in flight first
     if NORM:  # first pass: each row's mean square
-        inv = _row_inv_rms(x_ptr, res_ptr, res_out_ptr, rows, row_mask, K, eps, ADD, SILU, dtype, BLOCK_M, BLOCK_K)
-    if PER_ROW:
-        offset = _as_float(tl.zeros([BLOCK_N], tl.int32) + 128 * SIGNED)
-        if HAS_ZEROS:
-            offset = _as_float(tl.load(z_ptr + n64, mask=n_mask, other=0).to(tl.int32))
-    acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        k_mask = cols < K
-        mask = n_mask[:, None] & k_mask[None, :]
-        if BITS == 4:  # requested first: the prologue runs while they arrive
-            word = tl.load(qw_ptr + n64[:, None] * (K // 8) + (cols // 8)[None, :], mask=mask, other=0)
-            q = (word >> ((cols % 8) * 4)[None, :]) & 15
-        else:
-            q = tl.load(qw_ptr + n64[:, None] * K + cols[None, :], mask=mask, other=0).to(tl.int32) + 128 * SIGNED
-        if PER_ROW:
-            w = _as_float(q) - offset[:, None]
-        else:
-            at = n64[:, None] * GROUPS + (cols // GROUP)[None, :]
-            w = _as_float(q)
+        inv = _row_inv_rms(x_ptr, res_ptr, res_out_ptr, rows, row_mask, K, eps, ADD, SILU, dtype, BLOCK_M,
+                           NORM_BLOCK)
+    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_W], tl.float32)
+    a_sum = tl.zeros([BLOCK_M, BLOCK_W], tl.float32)
+    for w0 in range(0, KW, BLOCK_W):
+        word = w0 + t
+        w_mask = n_mask[:, None] & (word < KW)[None, :]
+        if WHOLE and GROUPS > 1:  # this tile's zero points and scales, used after the fields
+            at = row_groups + ((word // 16) * SPAN // GROUP)[None, :]
+            scale = tl.load(s_ptr + at, mask=w_mask, other=0.0)
             if HAS_ZEROS:
-                w = w - _as_float(tl.load(z_ptr + at, mask=mask, other=0).to(tl.int32))
+                zero = _as_float(tl.load(z_ptr + at, mask=w_mask, other=0).to(tl.int32)) - 8388608.0
+        cur = words
+        following = word + BLOCK_W
+        words = tl.load(row_words + following[None, :], mask=n_mask[:, None] & (following < KW)[None, :], other=0)
+        if WHOLE and GROUPS > 1:
+            part = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_W], tl.float32)
+            a_part = tl.zeros([BLOCK_M, BLOCK_W], tl.float32)
+        for i in tl.static_range(FIELDS):
+            cols = w0 * FIELDS + field0 + i * 16
+            k_mask = cols < K
+            a = _input_chunk(x_ptr, res_ptr, res_out_ptr, rows, cols, row_mask[:, None] & k_mask[None, :], K,
+                             pid == 0, ADD, SILU, dtype)
+            if NORM:
+                a = _normalized(a, inv, norm_w_ptr, cols, k_mask, dtype)
+            a = a.to(tl.float32)
+            q = _as_float((cur >> (i * BITS)) & LOW) - 8388608.0  # exactly q
+            if not WHOLE:
+                at = row_groups + (cols // GROUP)[None, :]
+                wk_mask = n_mask[:, None] & k_mask[None, :]
+                if HAS_ZEROS:
+                    q = q - (_as_float(tl.load(z_ptr + at, mask=wk_mask, other=0).to(tl.int32)) - 8388608.0)
+                else:
+                    q = q - MID
+                acc += a[:, None, :] * (q * tl.load(s_ptr + at, mask=wk_mask, other=0.0))[None, :, :]
+            elif GROUPS > 1:
+                part += a[:, None, :] * q[None, :, :]
+                a_part += a
             else:
-                w = w - _as_float(tl.zeros_like(q) + 128 * SIGNED)
-            w = w * tl.load(s_ptr + at, mask=mask, other=0.0)
-        a = _input_chunk(x_ptr, res_ptr, res_out_ptr, rows, cols, row_mask[:, None] & k_mask[None, :], K,
-                         pid == 0, ADD, SILU, dtype)
-        if NORM:
-            a = _normalized(a, inv, norm_w_ptr, cols, k_mask, dtype)
-        acc3 += a.to(tl.float32)[:, None, :] * w[None, :, :]
-    acc = tl.sum(acc3, axis=2)
-    if PER_ROW:
-        acc = acc * tl.load(s_ptr + n64, mask=n_mask, other=0.0)[None, :]
-    tl.store(out_ptr + rows[:, None] * N + n[None, :], acc.to(dtype), mask=row_mask[:, None] & n_mask[None, :])
+                acc += a[:, None, :] * q[None, :, :]
+                a_sum += a
+        if WHOLE and GROUPS > 1:
+            if HAS_ZEROS:
+                part -= zero[None, :, :] * a_part[:, None, :]
+            else:
+                part -= MID * a_part[:, None, :]
+            acc += part * scale[None, :, :]
+    out = tl.sum(acc, axis=2)
+    if WHOLE and GROUPS == 1:  # (sum a q - z sum a) s, a row's zero point and scale applied once
+        if HAS_ZEROS:
+            zero = tl.load(z_ptr + n, mask=n_mask, other=0).to(tl.float32)
+        else:
+            zero = tl.zeros([BLOCK_N], tl.float32) + MID
+        out = (out - zero[None, :] * tl.sum(a_sum, axis=1)[:, None]) * tl.load(s_ptr + n, mask=n_mask, other=0.0)
+    tl.store(out_ptr + rows[:, None] * N + n[None, :], out.to(dtype), mask=row_mask[:, None] & n_mask[None, :])
 
 
-# (BLOCK_N, BLOCK_K, warps) tried for each shape, as in kernels._TILES.
-TILES = [(4, 512, 4), (8, 256, 4), (2, 1024, 4), (16, 128, 4), (4, 1024, 8), (8, 512, 8), (16, 256, 8),
-         (2, 2048, 8), (32, 128, 8), (1, 1024, 4), (8, 128, 4), (4, 256, 4), (2, 512, 4)]
-_MAX_PRODUCTS_PER_THREAD = 64
+# (BLOCK_N, BLOCK_W, warps) tried for each shape, as in kernels._TILES: BLOCK_W words a row at a
+# time (a power of two, at least a span). Few rows and wide tiles give many programs, a whole
+# small row in one load; more rows a program share each activation's prologue work.
+TILES = [(1, 256, 4), (2, 128, 4), (4, 64, 4), (4, 128, 4), (8, 64, 4), (8, 128, 4), (16, 64, 4), (16, 32, 4),
+         (32, 32, 4), (8, 128, 8), (16, 64, 8), (32, 64, 8), (16, 128, 8)]
+_MAX_WORDS_PER_THREAD = 16  # accumulators a thread holds per word: more spills registers
 
 
 def fitting_tiles(rows: int, weight: QuantizedWeight) -> list[tuple[int, int, int]]:
-    """Tiles this shape can take: few enough products a thread; fp32 scales (the loader's)."""
+    """Tiles this shape can take: few enough accumulators a thread; fp32 scales (the loader's)."""
     if weight.scales.dtype != torch.float32:
         return []
-    return [t for t in TILES if triton.next_power_of_2(rows) * t[0] * t[1] <= _MAX_PRODUCTS_PER_THREAD * 32 * t[2]]
+    return [t for t in TILES if triton.next_power_of_2(rows) * t[0] * t[1] <= _MAX_WORDS_PER_THREAD * 32 * t[2]]
 
 
 def quant_matmul(tile, prologue, x, weight: QuantizedWeight, residual=None, norm_weight=None, eps=0.0):
     """One launch of the fused kernel in `tile`; None: dequantize and take the float path."""
     if tile is None:
         return _torch_variant(prologue, x, dequantize(weight, x.dtype), residual, norm_weight, eps)
-    block_n, block_k, warps = tile
+    block_n, block_w, warps = tile
     m, (n, k) = x.shape[0], weight.shape
+    block_m = triton.next_power_of_2(m)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     res_out = torch.empty(m, k, dtype=x.dtype, device=x.device) if prologue == ADD_NORM else out
     zeros = weight.zeros if weight.zeros is not None else weight.scales
     _quant_skinny_kernel[(triton.cdiv(n, block_n),)](
         x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, weight.qweight,
         weight.scales, zeros, out, res_out, m, n, k, eps, NORM=prologue in (NORM, ADD_NORM), ADD=prologue == ADD_NORM,
-        SILU=prologue == SILU_MUL, BITS=weight.bits, SIGNED=weight.qweight.dtype == torch.int8,
-        GROUP=weight.group_size, HAS_ZEROS=weight.zeros is not None,
-        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+        SILU=prologue == SILU_MUL, BITS=weight.bits, GROUP=weight.group_size, HAS_ZEROS=weight.zeros is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_W=block_w, NORM_BLOCK=min(triton.next_power_of_2(k), 4096 // block_m),
+        num_warps=warps)
     if prologue == NORM:
         return out, x
     return (out, res_out) if prologue == ADD_NORM else out
@@ -140,8 +180,16 @@ class QuantFusedKernels(FusedKernels):
         if torch.cuda.is_current_stream_capturing():  # first seen in a capture: untimed this time
             return tiles[0]
         copies = [weight._replace(qweight=q) for q in _cold_copies(weight.qweight)]
-        times = [graph_time([lambda w=w, t=t: quant_matmul(t, prologue, x, w, residual, norm_weight, eps)
-                             for w in copies]) for t in tiles]
+        times = [self._time(copies, t, prologue, x, residual, norm_weight, eps) for t in tiles]
         self.chosen[key] = tiles[times.index(min(times))]
         self.tuning_times[key] = dict(zip(tiles, times))
         return self.chosen[key]
+
+    @staticmethod
+    def _time(copies, tile, prologue, x, residual, norm_weight, eps) -> float:
+        """ms a launch over cold weights; a tile this GPU cannot run (registers, shared memory) never wins."""
+        try:
+            return graph_time([lambda w=w: quant_matmul(tile, prologue, x, w, residual, norm_weight, eps)
+                               for w in copies])
+        except triton.runtime.errors.OutOfResources:
+            return float("inf")

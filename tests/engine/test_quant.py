@@ -133,6 +133,22 @@ def test_gptq_8bit_layout():
     assert torch.equal(quant.dequantize(w, torch.float16), expected)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_span_layout(bits):
+    """Field i of word j of a span holds input column span * c + 16 i + j: 16 words' field i is a
+    run of 16 columns (what the kernels load activations for)."""
+    fields = 32 // bits
+    q = torch.randint(0, 2**bits, (3, 2 * 16 * fields))
+    words = quant.pack(q, bits)
+    assert words.shape == (3, 2 * 16) and words.dtype == torch.int32
+    for c, i, j in [(0, 0, 0), (0, fields - 1, 15), (1, 2, 7), (1, fields - 1, 0)]:
+        field = (words[:, 16 * c + j] >> (i * bits)) & (2**bits - 1)
+        assert torch.equal(field, q[:, 16 * fields * c + 16 * i + j].to(torch.int32))
+    assert torch.equal(quant.integers(quant.QuantizedWeight(words, torch.ones(3, 1), None, bits, q.shape[1])), q)
+    with pytest.raises(ValueError, match="multiple of"):
+        quant.pack(q[:, :-16], bits)
+
+
 @pytest.mark.parametrize("bits,group,sym", [(8, -1, True), (4, 128, False)])
 def test_on_the_fly_round_trip(bits, group, sym):
     """Each weight comes back within half a step; quantizing what came back gives the same integers."""
@@ -164,7 +180,7 @@ def test_int8_engine_equals_its_dequantized_twin(tmp_path):
         twin[f"model.layers.{i}.self_attn.o_proj.weight"] = quant.dequantize(layer.self_attn.o_proj.weight,
                                                                              torch.float32)
         twin[f"model.layers.{i}.mlp.down_proj.weight"] = quant.dequantize(layer.mlp.down_proj.weight, torch.float32)
-        assert layer.mlp.down_proj.qweight.dtype == torch.int8
+        assert layer.mlp.down_proj.bits == 8 and layer.mlp.down_proj.zeros is None
     model.load_state_dict(twin)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(model, p, GREEDY.max_tokens) for p in PROMPTS]
@@ -187,14 +203,16 @@ def test_mtp_heads_follow_the_base_or_the_speculative_config():
 
 # --- kernels ---------------------------------------------------------------------------------------------------
 
-FORMATS = [(8, -1, True), (4, 128, False), (8, 128, False)]  # INT8 on the fly, AWQ/INT4, GPTQ 8-bit
+# INT8 on the fly (one group a row), AWQ/INT4 (a word's fields in one group), GPTQ 8-bit, symmetric
+# INT4, groups smaller than a span of words (scales and zero points a weight)
+FORMATS = [(8, -1, True), (4, 128, False), (8, 128, False), (4, 128, True), (4, 32, True)]
 
 
 @pytest.mark.parametrize("bits,group,sym", FORMATS)
 @pytest.mark.parametrize("m", [1, 3])
 def test_quant_kernel_prologues(bits, group, sym, m):
-    """Against dequantize + torch: N not a tile multiple, K in several tiles (the norm's first pass)
-    and in one partly masked tile."""
+    """Against dequantize + torch: N not a tile multiple, K in several tiles of words (the next
+    one in flight) and in one partly masked tile."""
     pytest.importorskip("triton")
     from jetserve.engine.model import kernels
     from jetserve.engine.model.quant_kernels import quant_matmul
@@ -202,7 +220,7 @@ def test_quant_kernel_prologues(bits, group, sym, m):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(m + bits)
     eps = 1e-6
-    for k, tile in [(384, (8, 128, 4)), (256, (4, 512, 4))]:
+    for k, tile in [(384, (8, 16, 4)), (256, (4, 64, 4))]:
         n = 37
         w = quant.quantize(torch.randn(n, k) / 8, bits, group, sym)
         w = quant.QuantizedWeight(*(t.to(device) if isinstance(t, torch.Tensor) else t for t in w))
