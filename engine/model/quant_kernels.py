@@ -40,8 +40,9 @@ def _quant_skinny_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_p
     A program streams BLOCK_N rows of words, BLOCK_W words a row at a time (128-bit loads),
     the next tile requested before this one is multiplied. Field i of the tile's words is one
     weight tile whose activations are a contiguous run (quant.py's span layout); each weight
-    costs a shift, a mask-and-OR into the bits of 2**23 (bit cast: q exactly, no int-to-float
-    conversion), a subtraction and an FMA. The zero point and scale come once a word, where a
+    costs one mask-and-OR into the bits of 2**23 where the field lies (bit cast: q times a power
+    of two, exactly, with no shift and no int-to-float conversion), a subtraction and an FMA;
+    the power of two is taken off the activation, once for all the tile's rows. The zero point and scale come once a word, where a
     word's fields share a group: sum_i a_i (q_i - z) s = (sum_i a_i q_i - z sum_i a_i) s, the
     activations' sum shared by all the tile's rows; with one group a row, once a row at the end.
     Smaller groups take both per weight."""
@@ -82,6 +83,7 @@ def _quant_skinny_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_p
         if WHOLE and GROUPS > 1:
             part = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_W], tl.float32)
             a_part = tl.zeros([BLOCK_M, BLOCK_W], tl.float32)
+        high = cur >> 16  # the upper half word's fields, moved down once a word
         for i in tl.static_range(FIELDS):
             cols = w0 * FIELDS + field0 + i * 16
             k_mask = cols < K
@@ -90,20 +92,28 @@ def _quant_skinny_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_p
             if NORM:
                 a = _normalized(a, inv, norm_w_ptr, cols, k_mask, dtype)
             a = a.to(tl.float32)
-            q = _as_float((cur >> (i * BITS)) & LOW) - 8388608.0  # exactly q
+            # Field i masked where it lies in its half word: q * 2**place exactly, no shift a weight;
+            # its activation takes the 2**-place instead (exact, a power of two).
+            place = (i % (FIELDS // 2)) * BITS
+            if i < FIELDS // 2:
+                q = _as_float(cur & (LOW << place)) - 8388608.0
+            else:
+                q = _as_float(high & (LOW << place)) - 8388608.0
+            a_w = a * (1.0 / (1 << place))
             if not WHOLE:
                 at = row_groups + (cols // GROUP)[None, :]
                 wk_mask = n_mask[:, None] & k_mask[None, :]
                 if HAS_ZEROS:
-                    q = q - (_as_float(tl.load(z_ptr + at, mask=wk_mask, other=0).to(tl.int32)) - 8388608.0)
+                    zero_i = _as_float(tl.load(z_ptr + at, mask=wk_mask, other=0).to(tl.int32)) - 8388608.0
+                    q = q - zero_i * (1 << place)
                 else:
-                    q = q - MID
-                acc += a[:, None, :] * (q * tl.load(s_ptr + at, mask=wk_mask, other=0.0))[None, :, :]
+                    q = q - MID * (1 << place)
+                acc += a_w[:, None, :] * (q * tl.load(s_ptr + at, mask=wk_mask, other=0.0))[None, :, :]
             elif GROUPS > 1:
-                part += a[:, None, :] * q[None, :, :]
+                part += a_w[:, None, :] * q[None, :, :]
                 a_part += a
             else:
-                acc += a[:, None, :] * q[None, :, :]
+                acc += a_w[:, None, :] * q[None, :, :]
                 a_sum += a
         if WHOLE and GROUPS > 1:
             if HAS_ZEROS:
@@ -122,10 +132,12 @@ def _quant_skinny_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_p
 
 
 # (BLOCK_N, BLOCK_W, warps) tried for each shape, as in kernels._TILES: BLOCK_W words a row at a
-# time (a power of two, at least a span). Few rows and wide tiles give many programs, a whole
-# small row in one load; more rows a program share each activation's prologue work.
-TILES = [(1, 256, 4), (2, 128, 4), (4, 64, 4), (4, 128, 4), (8, 64, 4), (8, 128, 4), (16, 64, 4), (16, 32, 4),
-         (32, 32, 4), (8, 128, 8), (16, 64, 8), (32, 64, 8), (16, 128, 8)]
+# time (a power of two, at least a span). A warp's threads lie along the words, 4 each, then
+# along the rows: where all of a program's threads fit along BLOCK_W, each holds every one of its
+# BLOCK_N rows and computes an activation's prologue once for all of them (the prologue, not the
+# dequantization, bounded the first tiles: bench/results/quant-h200); few rows, many programs.
+TILES = [(8, 128, 4), (4, 128, 4), (16, 128, 4), (2, 128, 4), (8, 128, 8), (4, 128, 2), (8, 128, 2), (2, 128, 1),
+         (4, 128, 1), (8, 256, 4), (4, 256, 2), (16, 64, 4), (4, 64, 4), (1, 256, 4)]
 _MAX_WORDS_PER_THREAD = 16  # accumulators a thread holds per word: more spills registers
 
 
