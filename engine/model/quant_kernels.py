@@ -32,19 +32,20 @@ def _as_float(q):
 
 @triton.jit
 def _quant_skinny_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, res_out_ptr, M, N,
-                         K: tl.constexpr, eps, NORM: tl.constexpr, ADD: tl.constexpr, SILU: tl.constexpr,
+                         K: tl.constexpr, eps, low_bits, NORM: tl.constexpr, ADD: tl.constexpr, SILU: tl.constexpr,
                          BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, NORM_BLOCK: tl.constexpr):
     """out[M, N] = a(x)[M, K] @ dequant(w)[N, K]^T, a() the prologue as in `_skinny_matmul_kernel`.
 
-    A program streams BLOCK_N rows of words, BLOCK_W words a row at a time (128-bit loads),
-    the next tile requested before this one is multiplied. Field i of the tile's words is one
-    weight tile whose activations are a contiguous run (quant.py's span layout); each weight
-    costs one mask-and-OR into the bits of 2**23 where the field lies (bit cast: q times a power
-    of two, exactly, with no shift and no int-to-float conversion), a subtraction and an FMA;
-    the power of two is taken off the activation, once for all the tile's rows. The zero point and scale come once a word, where a
-    word's fields share a group: sum_i a_i (q_i - z) s = (sum_i a_i q_i - z sum_i a_i) s, the
-    activations' sum shared by all the tile's rows; with one group a row, once a row at the end.
+    A program streams BLOCK_N rows of words, BLOCK_W words a row at a time (consecutive threads,
+    consecutive words), the next tile requested before this one is multiplied. Field i of the
+    tile's words is one weight tile whose activations are a contiguous run (quant.py's span
+    layout); each weight costs one mask-and-OR into the bits of 2**23 where the field lies (bit
+    cast: q times a power of two, exactly, with no shift and no int-to-float conversion), a
+    subtraction and an FMA; the power of two is taken off the activation, once for all the
+    tile's rows. Zero point and scale come once a word where a word's fields share a group:
+    sum_i a_i (q_i - z) s = (sum_i a_i q_i - z sum_i a_i) s, the activations' sum shared by all
+    the tile's rows; with one group a row, once a row at the end.
     Smaller groups take both per weight."""
     pid = tl.program_id(0)
     FIELDS: tl.constexpr = 32 // BITS
@@ -53,7 +54,7 @@ def _quant_skinny_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_p
     GROUPS: tl.constexpr = K // GROUP
     WHOLE: tl.constexpr = GROUP % SPAN == 0  # all fields of a word in one group
     MID: tl.constexpr = 1 << (BITS - 1)  # the zero point of symmetric formats
-    LOW: tl.constexpr = (1 << BITS) - 1
+    EVEN: tl.constexpr = KW % BLOCK_W == 0  # no partial tile: the column masks fold away
     rows = tl.arange(0, BLOCK_M)
     row_mask = rows < M
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -71,7 +72,7 @@ def _quant_skinny_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_p
     a_sum = tl.zeros([BLOCK_M, BLOCK_W], tl.float32)
     for w0 in range(0, KW, BLOCK_W):
         word = w0 + t
-        w_mask = n_mask[:, None] & (word < KW)[None, :]
+        w_mask = n_mask[:, None] & ((word < KW) | EVEN)[None, :]
         if WHOLE and GROUPS > 1:  # this tile's zero points and scales, used after the fields
             at = row_groups + ((word // 16) * SPAN // GROUP)[None, :]
             scale = tl.load(s_ptr + at, mask=w_mask, other=0.0)
@@ -86,19 +87,20 @@ def _quant_skinny_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_p
         high = cur >> 16  # the upper half word's fields, moved down once a word
         for i in tl.static_range(FIELDS):
             cols = w0 * FIELDS + field0 + i * 16
-            k_mask = cols < K
+            k_mask = (cols < K) | EVEN
             a = _input_chunk(x_ptr, res_ptr, res_out_ptr, rows, cols, row_mask[:, None] & k_mask[None, :], K,
                              pid == 0, ADD, SILU, dtype)
             if NORM:
                 a = _normalized(a, inv, norm_w_ptr, cols, k_mask, dtype)
             a = a.to(tl.float32)
             # Field i masked where it lies in its half word: q * 2**place exactly, no shift a weight;
-            # its activation takes the 2**-place instead (exact, a power of two).
+            # its activation takes the 2**-place instead (exact, a power of two). The masks come from
+            # `low_bits`, an argument: held in registers, not rematerialized as constants each use.
             place = (i % (FIELDS // 2)) * BITS
             if i < FIELDS // 2:
-                q = _as_float(cur & (LOW << place)) - 8388608.0
+                q = _as_float(cur & (low_bits << place)) - 8388608.0
             else:
-                q = _as_float(high & (LOW << place)) - 8388608.0
+                q = _as_float(high & (low_bits << place)) - 8388608.0
             a_w = a * (1.0 / (1 << place))
             if not WHOLE:
                 at = row_groups + (cols // GROUP)[None, :]
@@ -136,8 +138,8 @@ def _quant_skinny_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_p
 # along the rows: where all of a program's threads fit along BLOCK_W, each holds every one of its
 # BLOCK_N rows and computes an activation's prologue once for all of them (the prologue, not the
 # dequantization, bounded the first tiles: bench/results/quant-h200); few rows, many programs.
-TILES = [(8, 128, 4), (4, 128, 4), (16, 128, 4), (2, 128, 4), (8, 128, 8), (4, 128, 2), (8, 128, 2), (2, 128, 1),
-         (4, 128, 1), (8, 256, 4), (4, 256, 2), (16, 64, 4), (4, 64, 4), (1, 256, 4)]
+TILES = [(8, 128, 4), (16, 128, 4), (4, 128, 4), (2, 128, 4), (8, 128, 8), (8, 64, 2), (16, 64, 2), (4, 64, 2),
+         (2, 64, 2), (8, 256, 8), (16, 256, 8), (8, 32, 1), (16, 32, 1), (4, 32, 1), (1, 256, 8)]
 _MAX_WORDS_PER_THREAD = 16  # accumulators a thread holds per word: more spills registers
 
 
@@ -160,7 +162,7 @@ def quant_matmul(tile, prologue, x, weight: QuantizedWeight, residual=None, norm
     zeros = weight.zeros if weight.zeros is not None else weight.scales
     _quant_skinny_kernel[(triton.cdiv(n, block_n),)](
         x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, weight.qweight,
-        weight.scales, zeros, out, res_out, m, n, k, eps, NORM=prologue in (NORM, ADD_NORM), ADD=prologue == ADD_NORM,
+        weight.scales, zeros, out, res_out, m, n, k, eps, (1 << weight.bits) - 1, NORM=prologue in (NORM, ADD_NORM), ADD=prologue == ADD_NORM,
         SILU=prologue == SILU_MUL, BITS=weight.bits, GROUP=weight.group_size, HAS_ZEROS=weight.zeros is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_W=block_w, NORM_BLOCK=min(triton.next_power_of_2(k), 4096 // block_m),
         num_warps=warps)
