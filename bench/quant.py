@@ -147,7 +147,8 @@ def _relative_error(fused, prologue, x, weight, residual, norm) -> float:
 
 
 def kernel_table(shapes, methods, bandwidth: float) -> dict:
-    """Per shape, projection and method: the start-up tile tuning's fastest tile and GB/s."""
+    """Per shape, projection and method: the start-up tile tuning's fastest tile and GB/s
+    (`bandwidth` the tensor-sum read rate, GB/s)."""
     import torch
 
     from jetserve.engine.model.quant_kernels import QuantFusedKernels
@@ -168,7 +169,7 @@ def kernel_table(shapes, methods, bandwidth: float) -> dict:
                 error = _relative_error(fused, prologue, x, weight, residual, norm)
                 rows[f"{name} {method}"] = {
                     "shape_nk": [n, k], "weight_bytes": size, "us": round(ms * 1e3, 2),
-                    "GBps": round(size / ms / 1e6, 1), "share_of_read_bandwidth": round(size / ms / 1e3 / bandwidth, 3),
+                    "GBps": round(size / ms / 1e6, 1), "share_of_read_bandwidth": round(size / ms / 1e6 / bandwidth, 3),
                     "tile": "cuBLAS" if tile is None else list(tile), "relative_error": error,
                     "cuBLAS_us": round(times[None] * 1e3, 2) if None in times else None,
                     "tiles_us": {str(t): round(v * 1e3, 2) for t, v in times.items()}}
@@ -224,7 +225,7 @@ def run(args) -> dict:
     result = {"env": environment(device), "read_bandwidth_GBps": round(bandwidth / 1e9, 1), "batch": 1,
               "activations": "bfloat16", "kernels": {}, "shapes": {}}
     result["kernels"] = kernel_table(args.shapes, args.methods, bandwidth / 1e9)
-    write_results(args.out, result, {})
+    write_results(args.out, result, {"kernels": plot_kernels(result)})
     if args.skip_engine:
         return result
     rng = torch.Generator().manual_seed(0)
@@ -259,7 +260,7 @@ def run(args) -> dict:
                                             for name, b in BOARDS.items()}}
                 tqdm.write(f"[quant] {shape} {method}: {out[method]['tpot_ms']} ms/token, replay "
                            f"{out[method]['graph_replay_ms']}")
-                write_results(args.out, result, {"quant": _plot(result)})
+                write_results(args.out, result, {"quant": _plot(result), "kernels": plot_kernels(result)})
     return result
 
 
@@ -278,5 +279,29 @@ def _plot(result):
         ax.plot(names, [methods[m]["h200_roofline_ms"] for m in names], "k_", markersize=30, label="bandwidth floor")
         ax.set_title(f"{shape}, H200, batch 1")
         ax.set_ylabel("ms / token")
+        ax.legend()
+    return fig
+
+
+def plot_kernels(result):
+    """GB/s each projection's kernel reads its weights at, per method, against the read bandwidth."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = list(result["kernels"])
+    fig, axes = plt.subplots(1, max(1, len(shapes)), figsize=(6 * max(1, len(shapes)), 4), squeeze=False)
+    for ax, shape in zip(axes[0], shapes):
+        rows = result["kernels"][shape]
+        projections = list(dict.fromkeys(name.split()[0] for name in rows))
+        for i, method in enumerate(METHODS):
+            xs = [j + 0.27 * (i - 1) for j, p in enumerate(projections) if f"{p} {method}" in rows]
+            ys = [rows[f"{p} {method}"]["GBps"] for p in projections if f"{p} {method}" in rows]
+            ax.bar(xs, ys, width=0.27, label=method)
+        ax.axhline(result["read_bandwidth_GBps"], color="k", linestyle="--", label="read bandwidth")
+        ax.set_xticks(range(len(projections)), projections)
+        ax.set_title(f"{shape} kernels alone, H200, batch 1")
+        ax.set_ylabel("GB/s of weights read")
         ax.legend()
     return fig

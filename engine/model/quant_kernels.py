@@ -134,12 +134,13 @@ def _quant_skinny_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_p
 
 
 # (BLOCK_N, BLOCK_W, warps) tried for each shape, as in kernels._TILES: BLOCK_W words a row at a
-# time (a power of two, at least a span). A warp's threads lie along the words, 4 each, then
-# along the rows: where all of a program's threads fit along BLOCK_W, each holds every one of its
-# BLOCK_N rows and computes an activation's prologue once for all of them (the prologue, not the
-# dequantization, bounded the first tiles: bench/results/quant-h200); few rows, many programs.
-TILES = [(8, 128, 4), (16, 128, 4), (4, 128, 4), (2, 128, 4), (8, 128, 8), (8, 64, 2), (16, 64, 2), (4, 64, 2),
-         (2, 64, 2), (8, 256, 8), (16, 256, 8), (8, 32, 1), (16, 32, 1), (4, 32, 1), (1, 256, 8)]
+# time (a power of two, at least a span). Triton lays consecutive words on consecutive threads,
+# one each, so where BLOCK_W spans all threads a thread holds all BLOCK_N rows of its word and
+# computes an activation's prologue once for them. These are the tiles that were fastest, or
+# within a few percent, for some Qwen3 0.6B/4B projection at batch 1 on the H200 (of 15 timed:
+# bench/results/quant-h200); (2, 128, 4) and (1, 256, 8) also fit 8 rows.
+TILES = [(8, 128, 4), (16, 128, 4), (4, 128, 4), (8, 64, 2), (4, 64, 2), (8, 32, 1), (8, 256, 8), (1, 256, 8),
+         (2, 128, 4)]
 _MAX_WORDS_PER_THREAD = 16  # accumulators a thread holds per word: more spills registers
 
 
