@@ -74,8 +74,7 @@ def _variants(shapes, methods) -> list[tuple]:
     for shape in shapes:
         for name, (prologue, _, k) in _projections(shape).items():
             for method in _methods(name, methods):
-                tiles = [t for t in kernels._TILES if t[0] * t[1] <= kernels._MAX_PRODUCTS_PER_THREAD * 32 * t[2]] \
-                    if method == "bf16" else TILES
+                tiles = kernels.candidate_tiles(1)[1:] if method == "bf16" else TILES
                 seen += [(method, prologue, k, tile) for tile in tiles if (method, prologue, k, tile) not in seen]
     return seen
 

@@ -3,10 +3,10 @@
 Every format loads into the same runtime layout, so one kernel family serves all of them:
 `qweight` int32 [N, K * bits / 32], the unsigned integers of each output row packed along the
 input dim in spans of 16 words (`SPAN_WORDS`): field i (bits i*b..) of word j of span c holds
-input column c * 16 * fields + i * 16 + j (fields = 32 / bits). A kernel then reads a row's words
-with 128-bit loads, and field i of 16 consecutive words is 16 consecutive input columns, so one
-shift and mask a field gives a tile of weights whose activations are a contiguous run: no
-per-weight word gathers, no reshapes. `scales` fp32 [N, K/group]; `zeros` uint8 [N, K/group] for
+input column c * 16 * fields + i * 16 + j (fields = 32 / bits). A kernel's threads read a row's
+words side by side, and field i of 16 consecutive words is 16 consecutive input columns, so
+masking one field of a tile of words gives a tile of weights whose activations are a contiguous
+run: no per-weight word gathers, no reshapes. `scales` fp32 [N, K/group]; `zeros` uint8 [N, K/group] for
 formats with zero points, None for symmetric ones (zero 2**(bits-1): a signed integer is stored
 offset by it). w = (q - z) * s in fp32, where it is exact (a small integer times an fp16 scale),
 so rounding it to fp16 gives each format's reference dequantization bit for bit; the product is

@@ -188,12 +188,15 @@ class QuantFusedKernels(FusedKernels):
         return quant_matmul(tile, prologue, x, weight, residual, norm_weight, eps)
 
     def _choose_quant_tile(self, key, prologue, x, weight, residual, norm_weight, eps):
+        """As `FusedKernels._choose_tile`: timed while start-up tuning is on and this engine times
+        tiles, else the first tile that fits (recorded in `untuned` after `freeze()`); None where
+        none fits: dequantize and take the float path."""
         tiles = fitting_tiles(x.shape[0], weight)
-        if not tiles or not self.tile_timing:
+        if self.frozen:
+            self.untuned.add(key)
+        if not (tiles and self.tile_timing and not self.frozen and not torch.cuda.is_current_stream_capturing()):
             self.chosen[key] = tiles[0] if tiles else None
             return self.chosen[key]
-        if torch.cuda.is_current_stream_capturing():  # first seen in a capture: untimed this time
-            return tiles[0]
         copies = [weight._replace(qweight=q) for q in _cold_copies(weight.qweight)]
         times = [self._time(copies, t, prologue, x, residual, norm_weight, eps) for t in tiles]
         self.chosen[key] = tiles[times.index(min(times))]
