@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -239,6 +240,22 @@ def token_sizes(budget: int) -> list[int]:
     return sorted({s for s in sizes if s <= limit})
 
 
+@dataclass(frozen=True)
+class CPUCompileConfig:
+    """What the runner compiles on a CPU: one decode step a batch bucket (see cpu_graphs.py)."""
+
+    capture_sizes: tuple[int, ...]
+    cache_dir: str  # inductor's on-disk caches: $TORCHINDUCTOR_CACHE_DIR, else ~/.cache/jetserve/torchinductor
+
+
+def cpu_capture_sizes(sizes: list[int] | None, max_size: int | None, max_num_seqs: int) -> list[int]:
+    """CPU batch buckets: the given sizes, or powers of two up to the max (each bucket is a
+    compile, tens of seconds on a small board the first time), all capped by max_num_seqs."""
+    limit = min(max_size or max_num_seqs, max_num_seqs)
+    sizes = sizes or [*(2 ** i for i in range(limit.bit_length())), limit]
+    return sorted({s for s in sizes if 1 <= s <= limit})
+
+
 def capture_sizes(sizes: list[int] | None, max_size: int | None, max_num_seqs: int) -> list[int]:
     """Batch buckets: the given sizes, or 1, 2, 4, 8 and every 8 after up to the max (vLLM's
     default), all capped by max_num_seqs."""
@@ -284,6 +301,7 @@ class EngineConfig:
     has_tokenizer: bool
     engine_core_process: bool  # AsyncLLM runs the step loop in its own process (else in a thread)
     quantization: QuantizationConfig | None = None  # weight-only; None: every weight in `dtype`
+    cpu_compile: CPUCompileConfig | None = None  # compiled CPU decode steps; None: every CPU step eager
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -348,7 +366,7 @@ class EngineArgs:
                        default=d.enable_prefix_caching)
         g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
         g.add_argument("--enforce-eager", action="store_true", default=d.enforce_eager,
-                       help="never capture CUDA graphs")
+                       help="never capture CUDA graphs nor compile CPU decode steps")
         g.add_argument("--async-scheduling", action="store_true", default=d.async_scheduling,
                        help="overlap the host's work on one step with the device's on the next "
                             "(with --speculative-config a step's inputs depend on how many drafts the "
@@ -361,7 +379,7 @@ class EngineArgs:
         g.add_argument("--seed", type=int, default=d.seed)
         g.add_argument("--cudagraph-capture-sizes", "--cuda-graph-batch-sizes", type=_int_list, nargs="+",
                        action=_IntList, default=d.cudagraph_capture_sizes, dest="cudagraph_capture_sizes",
-                       help="batch sizes to capture, e.g. 1 2 4 8")
+                       help="batch sizes to capture (on a CPU: to compile), e.g. 1 2 4 8")
         g.add_argument("--max-cudagraph-capture-size", "--cuda-graph-max-batch-size", type=int,
                        default=d.max_cudagraph_capture_size, dest="max_cudagraph_capture_size")
         g.add_argument("--quantization", default=d.quantization, choices=QUANTIZATION_METHODS,
@@ -434,6 +452,12 @@ class EngineArgs:
                 tuple(capture_sizes(self.cudagraph_capture_sizes, self.max_cudagraph_capture_size, self.max_num_seqs)),
                 tuple(step_shapes(k)), self.cuda_graph_num_warmup_steps,
                 tuple(token_sizes(budget)) if mixed else ())
+        cpu_compile = None
+        if device == "cpu" and self.backend == "torch" and not self.enforce_eager and spec is None and quantization is None:
+            cpu_compile = CPUCompileConfig(
+                tuple(cpu_capture_sizes(self.cudagraph_capture_sizes, self.max_cudagraph_capture_size,
+                                        self.max_num_seqs)),
+                os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(Path.home() / ".cache" / "jetserve" / "torchinductor"))
         return EngineConfig(
             model=model, served_model_name=self.served_model_name or model,
             model_config=model_config, backend=self.backend, device=device,
@@ -444,7 +468,7 @@ class EngineArgs:
             seed=self.seed, async_scheduling=self.async_scheduling, speculative=spec, cuda_graphs=graphs,
             fused_kernels=fused, has_tokenizer=(Path(model) / "tokenizer.json").exists(),
             engine_core_process=self.engine_core_process,
-            quantization=quantization)
+            quantization=quantization, cpu_compile=cpu_compile)
 
     def _device(self) -> str:
         return "cuda" if self.backend == "tensorrt-llm" else resolve_device(self.device)

@@ -15,6 +15,7 @@ import torch
 from tqdm import tqdm
 
 from jetserve.engine.config import EngineConfig
+from jetserve.engine.cpu_graphs import CPUGraphs
 from jetserve.engine.cuda_graphs import CUDAGraphs, MixedStepGraphs
 from jetserve.engine.model.attention import MAX_UNIFORM_Q, AttentionMetadata, to_device
 from jetserve.engine.model.loader import load_model, torch_dtype
@@ -131,6 +132,10 @@ class ModelRunner:
                 self.mixed.capture(pool, progress)
             self.graphs.capture(pool, progress)
             self.kernels.freeze()
+        elif config.cpu_compile:  # the same interface: decode steps compiled instead of captured
+            self.graphs = CPUGraphs(self.model, self.kv_cache, config.cpu_compile, config.max_model_len,
+                                    self.block_size, scratch_block=self.num_blocks)
+            self.graphs.capture(progress)
 
     def _row_counts(self) -> list[int]:
         """The skinny-matmul row counts (powers of two) this engine's steps bring: with every
