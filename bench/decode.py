@@ -3,7 +3,10 @@
 Ours with CUDA graphs, ours eager (fused Triton kernels, and plain torch with them off), and
 transformers (eager `generate`, and static cache + torch.compile) on the same weights in the
 same run, against the memory-bandwidth roofline (every weight and the batch's KV read once a
-step). Random weights in real Qwen3 shapes (timing only), or a checkpoint (--model). Our TPOT is
+step). On a CPU: ours compiled (engine/cpu_graphs.py), ours eager and transformers eager,
+interleaved batch size by batch size in each of `--repeats` rounds with fresh prompts (a
+shared machine's load moves within minutes; each round sees the same load for all three),
+reported as the median and the min over rounds, with the load average of each round. Random weights in real Qwen3 shapes (timing only), or a checkpoint (--model). Our TPOT is
 the wall time of one engine step (scheduling, sampling and the host sync included); "graph
 replay" is the GPU time of the captured step alone (forward, vocab projection and greedy argmax),
 and "step overhead" what the engine step adds to it (host work and anything launched around it).
@@ -14,7 +17,7 @@ DEFAULT_SHAPES = ["qwen3-0.6b", "qwen3-4b"]
 
 def add_arguments(p):
     p.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, help="random-weight Qwen3 shapes to time")
-    p.add_argument("--model", help="time this checkpoint instead (e.g. jetserve/models/demo)")
+    p.add_argument("--model", help="time this checkpoint instead (e.g. demo: the bundled demo model)")
     p.add_argument("--device", default="auto", help="auto, cuda or cpu")
     p.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
     p.add_argument("--prompt-len", type=int, default=128)
@@ -27,6 +30,17 @@ def add_arguments(p):
     p.add_argument("--no-hf", action="store_true", help="skip transformers")
     p.add_argument("--only", nargs="+", metavar="CONFIG", help="time only these of ours (e.g. ours_graphs "
                    "ours_graphs_async)")
+    p.add_argument("--repeats", type=int, default=3, help="CPU: rounds over every batch size and config")
+    p.add_argument("--threads", type=int, help="CPU: torch threads (default: torch's, one a core)")
+
+
+def _checkpoint_dir(model: str) -> str:
+    """A checkpoint directory, or the bundled demo model's for "demo" (as `LLM(model="demo")`)."""
+    from pathlib import Path
+
+    from jetserve import DEMO_MODEL, demo_model_dir
+
+    return str(demo_model_dir()) if model == DEMO_MODEL and not Path(model).is_dir() else model
 
 
 def _ints(text):
@@ -53,6 +67,7 @@ def run(args) -> dict:
     for name, model_dir in targets:
         with tempfile.TemporaryDirectory() as tmp:
             if model_dir:
+                model_dir = _checkpoint_dir(model_dir)
                 hf = None if args.no_hf else load_hf(model_dir, dtype, device)
                 name = Path(model_dir).name
             else:
@@ -73,12 +88,12 @@ def _time_model(args, name, model_dir, hf, device, dtype, batches, bandwidth_gbp
 
     from jetserve.bench.common import peak_memory, reset_peak
 
+    if device.type != "cuda":
+        return _time_cpu(args, model_dir, hf, batches)
     out = {"configs": {}, "peak_memory_MiB": {}}
     configs = [("ours_graphs", dict(enforce_eager=False)),
                ("ours_graphs_async", dict(enforce_eager=False, async_scheduling=True)),
                ("ours_eager", dict(enforce_eager=True)), ("ours_eager_plain_torch", dict(enforce_eager=True, plain=True))]
-    if device.type != "cuda":
-        configs = [("ours_eager", dict(enforce_eager=True))]
     configs = [(name, kwargs) for name, kwargs in configs if not args.only or name in args.only]
     for config, kwargs in configs:
         reset_peak(device)
@@ -116,50 +131,64 @@ def _mib(n):
     return None if n is None else round(n / 2**20)
 
 
+def _config(model_dir, device, batches, args, **kwargs):
+    from jetserve.engine.config import EngineArgs
+
+    max_batch, length = max(batches), args.prompt_len + args.steps + 16
+    return EngineArgs(
+        model=model_dir, device=str(device), max_num_seqs=max_batch, max_model_len=length,
+        num_kv_blocks=max_batch * -(-length // 16) + 1, max_num_batched_tokens=max(2048, max_batch),
+        **kwargs).resolve()
+
+
+def _engine_tpot(engine, batch, prompt_len, steps, rng) -> float:
+    """Median engine step (ms) of `batch` sequences decoding, after their (fresh, random) prompts."""
+    import time
+
+    import torch
+
+    from jetserve.bench.common import median
+    from jetserve.engine.sampling_params import SamplingParams
+
+    vocab = engine.config.model_config.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
+    for i in range(batch):
+        ids = torch.randint(0, vocab, (prompt_len,), generator=rng).tolist()
+        engine.add_request(f"{batch}-{i}", {"prompt_token_ids": ids}, params)
+    started = set()
+    while len(started) < batch:  # prefill (chunked) until every sequence decodes
+        started.update(o.request_id for o in engine.step())
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return round(median(times) * 1e3, 4)
+
+
 def _time_engine(args, model_dir, device, batches, enforce_eager, plain=False, async_scheduling=False,
                  quantization=None) -> dict:
     """TPOT (median engine step, ms) for each batch size; with graphs also the graph replay alone."""
     import dataclasses
-    import time
 
     import torch
     from tqdm import tqdm
 
-    from jetserve.bench.common import median
-    from jetserve.engine.config import EngineArgs
     from jetserve.engine.llm_engine import LLMEngine
-    from jetserve.engine.sampling_params import SamplingParams
 
-    max_batch, length = max(batches), args.prompt_len + args.steps + 16
-    config = EngineArgs(
-        model=model_dir, device=str(device), max_num_seqs=max_batch, max_model_len=length,
-        num_kv_blocks=max_batch * -(-length // 16) + 1, enforce_eager=enforce_eager,
-        async_scheduling=async_scheduling, max_num_batched_tokens=max(2048, max_batch),
-        quantization=quantization).resolve()
+    config = _config(model_dir, device, batches, args, enforce_eager=enforce_eager,
+                     async_scheduling=async_scheduling, quantization=quantization)
     if plain:  # the plain torch path on the GPU: what the step costs without the fused kernels
         config = dataclasses.replace(config, fused_kernels=False, cuda_graphs=None)
     engine = LLMEngine(config)
     rng = torch.Generator().manual_seed(0)
-    vocab = config.model_config.vocab_size
     tpot, replay = {}, {}
     label = "plain torch" if plain else "eager" if enforce_eager else "graphs, async" if async_scheduling \
         else "graphs"
     for batch in tqdm(batches, desc=f"[decode] ours, {label}", unit="batch size"):
-        params = SamplingParams(temperature=0, max_tokens=args.steps + 2, ignore_eos=True)
-        for i in range(batch):
-            ids = torch.randint(0, vocab, (args.prompt_len,), generator=rng).tolist()
-            engine.add_request(f"{batch}-{i}", {"prompt_token_ids": ids}, params)
-        started = set()
-        while len(started) < batch:  # prefill (chunked) until every sequence decodes
-            started.update(o.request_id for o in engine.step())
-        times = []
-        for _ in range(args.steps):
-            start = time.perf_counter()
-            engine.step()
-            times.append(time.perf_counter() - start)
-        while engine.has_unfinished_requests():
-            engine.step()
-        tpot[batch] = round(median(times) * 1e3, 4)
+        tpot[batch] = _engine_tpot(engine, batch, args.prompt_len, args.steps, rng)
         graphs = engine.runner.graphs
         if graphs:
             replay[batch] = _replay_ms(graphs, batch)
@@ -168,6 +197,58 @@ def _time_engine(args, model_dir, device, batches, enforce_eager, plain=False, a
         return tpot
     overhead = {b: round(tpot[b] - ms, 4) for b, ms in replay.items() if ms is not None}
     return {**tpot, "graph_replay_ms": replay, "step_overhead_ms": overhead}
+
+
+def _time_cpu(args, model_dir, hf, batches) -> dict:
+    """Ours compiled, ours eager and transformers eager, interleaved: in each round, each batch
+    size, every config with fresh prompts. Medians and mins over the rounds."""
+    import os
+    import time
+
+    import torch
+    from tqdm import tqdm
+
+    from jetserve.bench.common import median
+    from jetserve.engine.llm_engine import LLMEngine
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = {"threads": torch.get_num_threads(), "repeats": args.repeats, "startup_s": {}, "compile_s": {}}
+    engines = {}
+    for name, eager in (("ours_compiled", False), ("ours_eager", True)):
+        if args.only and name not in args.only:
+            continue
+        start = time.perf_counter()
+        # compiled: a bucket for each batch size timed, so no step is padded
+        engines[name] = LLMEngine(_config(model_dir, "cpu", batches, args, enforce_eager=eager,
+                                          cudagraph_capture_sizes=batches))
+        out["startup_s"][name] = round(time.perf_counter() - start, 1)
+        graphs = engines[name].runner.graphs
+        if graphs:
+            out["compile_s"][name] = graphs.compile_seconds
+    rng = torch.Generator().manual_seed(0)
+    for batch in batches:  # warm every shape (prefill and decode) of ours; _time_hf warms its own
+        for engine in engines.values():
+            _engine_tpot(engine, batch, args.prompt_len, 4, rng)
+    runs = {name: {b: [] for b in batches} for name in [*engines, *(["hf_eager"] if hf is not None else [])]}
+    load = []
+    for _ in tqdm(range(args.repeats), desc="[decode] rounds (ours compiled, ours eager, transformers)"):
+        load.append(round(os.getloadavg()[0], 2))
+        for batch in batches:
+            for name, engine in engines.items():
+                runs[name][batch].append(_engine_tpot(engine, batch, args.prompt_len, args.steps, rng))
+            if hf is not None:
+                runs["hf_eager"][batch].append(_time_hf(hf, batch, args.prompt_len, args.hf_steps, False, rng))
+    load.append(round(os.getloadavg()[0], 2))
+    out["load_average_1min"] = load
+    out["configs"] = {name: {b: median(v) for b, v in per.items()} for name, per in runs.items()}
+    out["min"] = {name: {b: min(v) for b, v in per.items()} for name, per in runs.items()}
+    out["runs"] = runs
+    if hf is not None:
+        hf_median = out["configs"]["hf_eager"]
+        out["speedup_vs_hf_eager"] = {name: {b: round(hf_median[b] / out["configs"][name][b], 2) for b in batches}
+                                      for name in engines}
+    return out
 
 
 def _replay_ms(graphs, batch) -> float | None:
@@ -204,14 +285,15 @@ class _TokenClock:
         pass
 
 
-def _time_hf(model, batch, prompt_len, steps, static) -> float:
-    """Median gap between tokens of one transformers `generate` (after a warm-up call)."""
+def _time_hf(model, batch, prompt_len, steps, static, rng=None) -> float:
+    """Median gap between tokens of one transformers `generate` (after a warm-up call); prompts
+    drawn from `rng` (default: seeded by the batch size)."""
     import torch
 
     from jetserve.bench.common import median
 
-    ids = torch.randint(0, model.config.vocab_size, (batch, prompt_len), device=model.device,
-                        generator=torch.Generator(device=model.device).manual_seed(batch))
+    rng = rng or torch.Generator().manual_seed(batch)
+    ids = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=rng).to(model.device)
     kwargs = dict(max_new_tokens=steps + 1, min_new_tokens=steps + 1, do_sample=False, pad_token_id=0,
                   attention_mask=torch.ones_like(ids))
     if static:
@@ -227,7 +309,8 @@ def _time_hf(model, batch, prompt_len, steps, static) -> float:
 LABELS = {
     "ours_graphs": ("ours, CUDA graphs", "o-"), "ours_graphs_async": ("ours, CUDA graphs + async scheduling", "o-."),
     "ours_graphs_replay": ("ours, graph replay (GPU only)", "o:"),
-    "ours_eager": ("ours, eager (fused kernels)", "s-"), "ours_eager_plain_torch": ("ours, eager (plain torch)", "s--"),
+    "ours_compiled": ("ours, compiled (CPU)", "o-"),
+    "ours_eager": ("ours, eager (fused kernels on CUDA)", "s-"), "ours_eager_plain_torch": ("ours, eager (plain torch)", "s--"),
     "hf_eager": ("transformers eager", "^-"), "hf_static_compile": ("transformers static cache + compile", "D"),
     "roofline": ("bandwidth roofline", "k--"),
 }

@@ -453,7 +453,10 @@ class EngineArgs:
                 tuple(step_shapes(k)), self.cuda_graph_num_warmup_steps,
                 tuple(token_sizes(budget)) if mixed else ())
         cpu_compile = None
-        if device == "cpu" and self.backend == "torch" and not self.enforce_eager and spec is None and quantization is None:
+        # TORCH_COMPILE_DISABLE=1 is torch's own switch for torch.compile (the test suite sets it).
+        compile_disabled = os.environ.get("TORCH_COMPILE_DISABLE") == "1"
+        if (device == "cpu" and self.backend == "torch" and not self.enforce_eager and not compile_disabled
+                and spec is None and quantization is None):
             cpu_compile = CPUCompileConfig(
                 tuple(cpu_capture_sizes(self.cudagraph_capture_sizes, self.max_cudagraph_capture_size,
                                         self.max_num_seqs)),
