@@ -7,9 +7,9 @@ forward, the vocab projection and the greedy argmax go through `torch.compile` (
 backend, `dynamic=False`), which fuses the norms, RoPE and SiLU·up into a handful of C++ loops
 around the matrix products. What stays opaque to the compiler is the attention over the paged
 KV cache (`cpu_decode_attention`): the context it reads grows every step, and a shape that
-changes would recompile. Its static inputs are the same as the CUDA graphs' (token ids,
-positions, slots, context lengths, block tables of a bucket), in one int32 buffer the host
-writes in place (`stage`), so a step allocates nothing on the host side.
+changes would recompile. Its static inputs are the CUDA graphs' (token ids, positions, slots,
+context lengths), plus each context position's cache slot in place of block tables, all
+written in place by the host (`stage`); the attention reads only the batch's longest context.
 
 Compiled code lives in inductor's on-disk caches (FX graph and AOTAutograd caches under
 `cache_dir`), so a restart loads the buckets' kernels instead of compiling them again; the
@@ -25,6 +25,7 @@ import os
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
@@ -57,23 +58,23 @@ def _(k, v, k_cache, v_cache, slots) -> None:
 
 
 @torch.library.custom_op("jetserve::cpu_decode_attention", mutates_args=())
-def cpu_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                         context_lens: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
+def cpu_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context_slots: torch.Tensor,
+                         context_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """One query a sequence over its context in the paged cache: q [B, H, D], caches [slots, KVH,
-    D], block_tables [B, W], context_lens [B] (after this step's token). Reads the batch's longest
-    context only, not the table's whole width."""
+    D], context_slots [B, W] the cache slot of each context position (a block table of one-token
+    blocks, written by the host), context_lens [B] (after this step's token). Reads the batch's
+    longest context only, not the table's whole width."""
     longest = int(context_lens.max())
-    pos = torch.arange(longest)
-    slots = block_tables[:, pos // block_size].long() * block_size + pos % block_size  # [B, C]
+    slots = context_slots[:, :longest]
     keys, values = k_cache[slots].transpose(1, 2), v_cache[slots].transpose(1, 2)  # [B, KVH, C, D]
-    visible = (pos < context_lens[:, None])[:, None, None, :]  # [B, 1, 1, C]
+    visible = (torch.arange(longest) < context_lens[:, None])[:, None, None, :]  # [B, 1, 1, C]
     out = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=visible, scale=scale,
                                          enable_gqa=q.shape[1] != keys.shape[1])
     return out[:, :, 0].contiguous()
 
 
 @cpu_decode_attention.register_fake
-def _(q, k_cache, v_cache, block_tables, context_lens, block_size, scale):
+def _(q, k_cache, v_cache, context_slots, context_lens, scale):
     return q.new_empty(q.shape)  # contiguous, as the real one returns
 
 
@@ -135,8 +136,8 @@ class CPUKernels:
     @staticmethod
     def paged_attention(q, k_cache, v_cache, block_tables, context_lens, q_len: int, block_size: int,
                         scale: float) -> torch.Tensor:
-        return torch.ops.jetserve.cpu_decode_attention(q, k_cache, v_cache, block_tables, context_lens, block_size,
-                                                       scale)
+        """The compiled step's tables are per token (block_size 1): see `CPUGraphs.meta`."""
+        return torch.ops.jetserve.cpu_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -156,16 +157,18 @@ class CPUGraphs:
         self.block_size, self.scratch_block = block_size, scratch_block
         self.scratch_slot = scratch_block * block_size
         self.max_batch = max(self.sizes)
-        self.width = -(-(max_model_len + 1) // block_size)
+        self.width = -(-(max_model_len + 1) // block_size)  # blocks of a sequence's table
         b = self.max_batch
-        self.inputs = torch.zeros(3 * b + b * (1 + self.width), dtype=torch.int32)
-        self.ids, self.positions, self.slots, self.context_lens, self.block_tables = (
-            self.inputs[:b], self.inputs[b:2 * b], self.inputs[2 * b:3 * b], self.inputs[3 * b:4 * b],
-            self.inputs[4 * b:].view(b, self.width))
-        self._host = [t.numpy() for t in (self.ids, self.positions, self.slots, self.context_lens, self.block_tables)]
+        self.inputs = torch.zeros(4 * b, dtype=torch.int32)
+        self.ids, self.positions, self.slots, self.context_lens = self.inputs.view(4, b)
+        # The attention reads each context position's slot from here (a table of one-token blocks:
+        # no division in the step); padded rows see the scratch slot only.
+        self.context_slots = torch.full((b, self.width * block_size), self.scratch_slot, dtype=torch.int64)
+        self._host = [t.numpy() for t in (self.ids, self.positions, self.slots, self.context_lens,
+                                          self.context_slots)]
+        self._offsets = np.arange(block_size)
         self.slots.fill_(self.scratch_slot)
         self.context_lens.fill_(1)
-        self.block_tables.fill_(scratch_block)
         self.graphs: dict[tuple[None, int, int], Callable] = {}
         self.outputs: dict[tuple[None, int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.compile_seconds: dict[int, float] = {}
@@ -178,8 +181,9 @@ class CPUGraphs:
         return key if key in self.graphs and width <= self.width else None
 
     def meta(self, q_len: int, batch: int) -> AttentionMetadata:
-        return AttentionMetadata(slot_mapping=self.slots[:batch], block_tables=self.block_tables[:batch],
-                                 context_lens=self.context_lens[:batch], q_len=q_len, block_size=self.block_size)
+        """Attention metadata over the static inputs of `batch` decodes (tables per token: block size 1)."""
+        return AttentionMetadata(slot_mapping=self.slots[:batch], block_tables=self.context_slots[:batch],
+                                 context_lens=self.context_lens[:batch], q_len=q_len, block_size=1)
 
     def _step(self, ids, positions, meta):
         hidden = self.model(ids, positions, self.kv_cache, meta)
@@ -215,16 +219,17 @@ class CPUGraphs:
         """Write a decode step (host lists, as the runner builds them) into the static inputs."""
         _, q_len, bucket = key
         n = len(ids)
-        host_ids, host_positions, slots, context_lens, block_tables = self._host
+        host_ids, host_positions, slots, context_lens, context_slots = self._host
         host_ids[:n] = ids
         host_positions[:n] = positions
         slots[:n] = slot_mapping(tables, ctx_lens, [q_len] * n, self.block_size)
         slots[n:bucket] = self.scratch_slot
         context_lens[:n] = ctx_lens
         context_lens[n:bucket] = 1
-        for row, table in zip(block_tables, tables):
-            row[:len(table)] = table
-        block_tables[n:bucket, 0] = self.scratch_block
+        # Entries past a sequence's context stay stale: the attention masks positions >= its length.
+        for row, table in zip(context_slots, tables):
+            row[:len(table) * self.block_size] = (np.asarray(table)[:, None] * self.block_size + self._offsets).ravel()
+        context_slots[n:bucket, 0] = self.scratch_slot
 
     def replay(self, key: tuple[None, int, int], n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Run a compiled step over the static inputs: the first n rows of its hidden states, fp32
