@@ -6,8 +6,9 @@ same run, against the memory-bandwidth roofline (every weight and the batch's KV
 step). On a CPU: ours compiled (engine/cpu_graphs.py), ours eager and transformers eager,
 interleaved batch size by batch size in each of `--repeats` rounds with fresh prompts (a
 shared machine's load moves within minutes; each round sees the same load for all three),
-reported as the median and the min over rounds, with the load average of each round. Random weights in real Qwen3 shapes (timing only), or a checkpoint (--model). Our TPOT is
-the wall time of one engine step (scheduling, sampling and the host sync included); "graph
+reported as the median and the min over rounds, with the load average of each round. Random
+weights in real Qwen3 shapes (timing only), or a checkpoint (--model). Our TPOT is the wall
+time of one engine step (scheduling, sampling and the host sync included); "graph
 replay" is the GPU time of the captured step alone (forward, vocab projection and greedy argmax),
 and "step overhead" what the engine step adds to it (host work and anything launched around it).
 """
