@@ -16,10 +16,19 @@ no drafting and for each k (k = 0: a decode with the MTP pass), their ratio to t
 decode step, and the break-even acceptance: the per-position acceptance a at which a step
 that drafts k emits as many tokens a second as plain decode (1 + a + ... + a^k = the ratio).
 
+Also: `k=auto`, the default adaptive draft length (up to the largest k), against no drafting
+at every temperature — the 5% rule: drafting may never cost more than 5% of plain decoding's
+tokens a second; and `profile`: where the time of a graphed k-draft step goes, each piece
+(verify forward, vocab projection + argmax, acceptance, MTP pass, draft heads, drafting
+steps) captured and replayed as its own CUDA graph, next to the whole step's graph and the
+plain decode graph (GPU with CUDA graphs only).
+
 Method: every engine serves every shape once before anything is timed (graphs captured,
-kernels compiled and tuned); each timed request uses a prompt no earlier one used, and prefix
-caching is off, so no run inherits another's work; each figure is measured over several
-repeats and reported as min and median.
+kernels compiled and tuned): the warm-up prefills a prompt of random ids of every length a
+timed prompt has (Triton specializes kernels on sizes, so a new length can compile inside a
+timed run) and decodes with every k; each timed request uses a prompt no earlier one used,
+and prefix caching is off, so no run inherits another's work; each figure is measured over
+several repeats and reported as min and median.
 """
 
 from __future__ import annotations
@@ -49,6 +58,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats, each on fresh prompts")
     parser.add_argument("--batch-sizes", default="1,8", help="batch sizes of the step-time measurement")
     parser.add_argument("--steps", type=int, default=48, help="decode steps timed per repeat")
+    parser.add_argument("--draft-vocab-size", type=int, help="drafts from the first N token ids only (default: all)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
@@ -70,19 +80,38 @@ def _summary(values: list[float], digits: int = 6) -> dict:
             "runs": [round(v, digits) for v in values]}
 
 
-def _engine(model: str, k: int | None, args, max_num_seqs: int):
+def _engine(model: str, k: int | None, args, max_num_seqs: int, adaptive: bool = False):
     from jetserve.engine import LLM
 
-    spec = {"method": "mtp", "num_speculative_tokens": k, "adaptive": False} if k else None
+    spec = ({"method": "mtp", "num_speculative_tokens": k, "adaptive": adaptive,
+             "draft_vocab_size": args.draft_vocab_size} if k else None)
     sizes = sorted({1, max_num_seqs})
     return LLM(model, speculative_config=spec, device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager,
                max_num_seqs=max_num_seqs, max_model_len=1024, enable_prefix_caching=False,
                cudagraph_capture_sizes=sizes)
 
 
-def _set_k(llm, k: int) -> None:
-    if llm.engine.draft_length is not None:
+def _set_k(llm, k: int | None) -> None:
+    """k drafts a step (None: leave an adaptive engine's draft length alone)."""
+    if llm.engine.draft_length is not None and k is not None:
         llm.engine.set_num_speculative_tokens(k)
+
+
+def _warm_lengths(llm, k: int | None, lengths: set[int], temperatures: list[float]) -> None:
+    """Prefill a prompt of random ids of each length, then decode a few tokens with k drafts:
+    every kernel specialization a timed prompt will need is compiled before timing."""
+    import torch
+
+    from jetserve.engine import SamplingParams
+
+    _set_k(llm, k)
+    gen = torch.Generator().manual_seed(1)
+    vocab = llm.engine.config.model_config.vocab_size
+    prompts = [{"prompt_token_ids": torch.randint(1, vocab, (n,), generator=gen).tolist()} for n in sorted(lengths)]
+    for temperature in temperatures or [0.0]:
+        for prompt in prompts:  # one at a time, like the timed runs
+            llm.generate([prompt], SamplingParams(temperature=temperature, max_tokens=12, ignore_eos=True, seed=0),
+                         use_tqdm=False)
 
 
 def _step_times(llm, k: int, batch: int, prompts: list, args) -> float:
@@ -132,6 +161,64 @@ def _generate(llm, k: int, temperature: float, prompts: list, args) -> dict:
                                           before.accepted_per_position + [0] * len(after.accepted_per_position))]
     return {"tok_s": tokens / seconds, "drafts": drafts, "accepted": accepted, "per_position": per_position[:k],
             "outputs": outputs}
+
+
+def _profile_step(llm, k: int, batch: int, prompts: list, args) -> dict:
+    """Microseconds of each piece of a graphed step verifying and proposing k drafts for `batch`
+    sequences, each captured and replayed as its own CUDA graph over the static inputs a real
+    step left (spec_decode.speculative_step, piece by piece), next to the whole step's graph
+    and the plain decode graph. The pieces rewrite KV entries the real step wrote already; a
+    piece replayed alone finds its weights in L2 more often than inside the step, so the whole
+    step's time is the truth and the pieces say where it goes."""
+    import torch
+
+    from jetserve.engine.model.kernels import graph_time
+
+    runner = llm.engine.runner
+    graphs, model, kv = runner.graphs, runner.model, runner.kv_cache
+    _step_times(llm, k, batch, prompts, type(args)(**{**vars(args), "steps": 6}))  # stage a real step
+    q = k + 1
+    bucket = graphs.key(k, q, batch, 1)[2]
+    n, meta = bucket * q, graphs.meta(q, bucket)
+    ids, positions = graphs.ids[:n], graphs.positions[:n]
+    accept = graphs.acceptance(q, bucket)
+    with torch.inference_mode():
+        hidden = model(ids, positions, kv, meta)
+        target = model.compute_logits(hidden).argmax(-1).view(-1, q)
+        accepted, last, chain = accept(ids, target, positions, k - 1)
+        mtp_hidden = model.mtp_forward(0, target.flatten(), positions, hidden, kv, meta)
+        h = mtp_hidden[last]
+        draft = model.draft_tokens(h)
+        pieces = {
+            "verify forward": lambda: model(ids, positions, kv, meta),
+            "vocab projection + argmax (verify rows)": lambda: model.compute_logits(hidden).argmax(-1),
+            "acceptance + drafting inputs": lambda: accept(ids, target, positions, k - 1),
+            "MTP pass": lambda: model.mtp_forward(0, target.flatten(), positions, hidden, kv, meta),
+            "draft head (gather + vocab projection + argmax), each": lambda: model.draft_tokens(mtp_hidden[last]),
+        }
+        if chain:
+            pieces["drafting step (MTP layer), each"] = lambda: model.mtp_forward(1, draft, chain[0][0], h, kv,
+                                                                                 chain[0][1])
+        times = {name: graph_time([fn]) * 1e3 for name, fn in pieces.items()}
+        times["whole step graph"] = _replay_us(graphs.graphs[k, q, bucket])
+        times["plain decode graph"] = _replay_us(graphs.graphs[None, 1, bucket])
+    times["sum of pieces"] = (sum(v for name, v in times.items() if "graph" not in name)
+                              + (k - 1) * times["draft head (gather + vocab projection + argmax), each"]
+                              + max(k - 2, 0) * times.get("drafting step (MTP layer), each", 0.0))
+    return {name: round(v, 1) for name, v in times.items()}
+
+
+def _replay_us(graph, repeat: int = 50) -> float:
+    import torch
+
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeat):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / repeat
 
 
 def _divergence(plain: list[list[int]], drafted: list[list[int]]) -> dict:
@@ -202,35 +289,45 @@ def run(args) -> dict:
                     for _ in range(batch)]
         return prompts[n * args.repeats:n * args.repeats + batch]
 
-    configs = [0] + ks  # 0: the plain engine, no drafting
     step_time: dict[str, dict] = {}
     generation: dict[str, dict] = {}
-    for engine_k in (None, max(ks)):
-        llm = _engine(model, engine_k, args, max(batch_sizes))
-        mine = [0] if engine_k is None else ks
+    profile: dict[str, dict] = {}
+    # (engine's k: None = no drafting; adaptive; the k each run drafts, None = as the engine decides)
+    engines = [(None, False, [0]), (max(ks), False, ks)] + ([(max(ks), True, [None])] if temperatures else [])
+    for engine_k, adaptive, mine in engines:
+        llm = _engine(model, engine_k, args, max(batch_sizes), adaptive)
         for k in mine:  # warm every shape this engine will run
-            for batch in batch_sizes:
-                _step_times(llm, k, batch, step_prompts(batch), type(args)(**{**vars(args), "steps": 4}))
-            for temperature in temperatures:
-                _set_k(llm, k)
-                llm.generate([WARM_UP], SamplingParams(temperature=temperature, max_tokens=args.max_tokens,
-                                                       ignore_eos=True), use_tqdm=False)
+            if not adaptive:
+                for batch in batch_sizes:
+                    _step_times(llm, k, batch, step_prompts(batch), type(args)(**{**vars(args), "steps": 4}))
+            if temperatures:  # the held-out prompts' token counts
+                _warm_lengths(llm, k, {len(llm.engine.tokenizer.encode(p)) for p in prompts}, temperatures)
         for k in mine:
-            label = "plain" if engine_k is None else f"k={k}"
-            step_time[label] = {f"batch {b}": _summary([_step_times(llm, k, b, step_prompts(b), args)
-                                                         for _ in range(args.repeats)]) for b in batch_sizes}
+            label = "plain" if engine_k is None else "k=auto" if adaptive else f"k={k}"
+            if not adaptive:
+                step_time[label] = {f"batch {b}": _summary([_step_times(llm, k, b, step_prompts(b), args)
+                                                             for _ in range(args.repeats)]) for b in batch_sizes}
+                print(f"{label}: step {step_time[label]}", flush=True)
             for temperature in temperatures:
                 runs = [_generate(llm, k, temperature, prompts[r * n:(r + 1) * n], args) for r in range(args.repeats)]
                 drafts = sum(r["drafts"] for r in runs)
-                per_position = [sum(r["per_position"][j] for r in runs) for j in range(k)] if engine_k else []
-                generation[f"{label} T={temperature:g}"] = {
-                    "k": k if engine_k else 0, "temperature": temperature,
+                positions = max(len(r["per_position"]) for r in runs)
+                per_position = [sum(r["per_position"][j] for r in runs if j < len(r["per_position"]))
+                                for j in range(positions)]
+                generation[f"{label} T={temperature:g}"] = entry = {
+                    "k": "auto" if adaptive else k if engine_k else 0, "temperature": temperature,
                     "tok_s": _summary([r["tok_s"] for r in runs], 1),
                     "acceptance_per_position": [round(a / drafts, 4) for a in per_position] if drafts else [],
                     "mean_accepted_length": round(1 + sum(r["accepted"] for r in runs) / drafts, 3) if drafts else 1.0,
                     "outputs": [o for r in runs for o in r["outputs"]],
                 }
-            print(f"{label}: step {step_time[label]}", flush=True)
+                if adaptive:
+                    entry["final_k"] = llm.engine.draft_length.k
+                print(f"{label} T={temperature:g}: {entry['tok_s']}", flush=True)
+        if engine_k and not adaptive and llm.engine.runner.graphs is not None:
+            for b in batch_sizes:
+                profile[f"k={engine_k} batch {b}"] = _profile_step(llm, engine_k, b, step_prompts(b), args)
+                print(f"profile k={engine_k} batch {b}: {profile[f'k={engine_k} batch {b}']}", flush=True)
         del llm
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -243,18 +340,19 @@ def run(args) -> dict:
             entry["break_even_acceptance"] = break_even_acceptance(entry["ratio_to_plain"], k)
     for temperature in temperatures:
         base = generation[f"plain T={temperature:g}"]
-        for k in ks:
-            entry = generation[f"k={k} T={temperature:g}"]
+        for label in [f"k={k}" for k in ks] + ["k=auto"]:
+            entry = generation[f"{label} T={temperature:g}"]
             entry["speedup"] = round(entry["tok_s"]["median"] / base["tok_s"]["median"], 3)
+            entry["speedup_min"] = round(entry["tok_s"]["min"] / base["tok_s"]["min"], 3)
             if temperature == 0:
                 entry["greedy_divergence"] = _divergence(base["outputs"], entry["outputs"])
     for entry in generation.values():
         del entry["outputs"]
     result = {"benchmark": "mtp", "model": args.shape or args.model, "random_weights": bool(args.shape),
-              "dtype": args.dtype, "max_tokens": args.max_tokens, "repeats": args.repeats,
+              "dtype": args.dtype, "draft_vocab_size": args.draft_vocab_size, "max_tokens": args.max_tokens, "repeats": args.repeats,
               "prompts_per_repeat": n, "prompts": None if args.shape else held_out["about"],
               "enforce_eager": args.enforce_eager, "env": environment(device),
-              "step_time_s": step_time, "generation": generation}
+              "step_time_s": step_time, "generation": generation, "profile_us": profile}
     write_results(args.out, result, {"mtp": _figure(result, ks, batch_sizes, temperatures)} if args.out else {})
     if scratch is not None:
         scratch.cleanup()

@@ -130,6 +130,8 @@ class SpeculativeConfig:
     acceptance_window: int = 128  # verifications (sequence-steps) the acceptance estimate looks back over
     probe_interval: int = 8  # every N-th step drafts one more or one fewer than k, in turn, to measure them
     min_samples: int = 16  # verifications of a position, and timed steps of a k, before k moves on them
+    reprobe_interval: int = 1024  # off: steps between the bursts that test whether drafting pays again
+    draft_vocab_size: int | None = None  # drafts only from the first N token ids (None: all; see Qwen3 draft_tokens)
     quantization: str = "auto"  # MTP heads: "auto" (as the base), "none" (model dtype) or "int8"
 
     @classmethod
@@ -144,10 +146,13 @@ class SpeculativeConfig:
         k = spec.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"speculative_config.num_speculative_tokens must be an integer >= 1, got {k!r}")
-        for name in ("acceptance_window", "probe_interval", "min_samples"):
+        for name in ("acceptance_window", "probe_interval", "min_samples", "reprobe_interval"):
             value = getattr(spec, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"speculative_config.{name} must be an integer >= 1, got {value!r}")
+        n = spec.draft_vocab_size
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise ValueError(f"speculative_config.draft_vocab_size must be an integer >= 1 or null, got {n!r}")
         if num_mtp_layers == 0:
             raise ValueError("speculative_config: method 'mtp' needs MTP heads, and this checkpoint has none; "
                              "merge shipped heads with `jetserve mtp merge BASE HEADS OUT` or train them with "
@@ -267,11 +272,14 @@ def capture_sizes(sizes: list[int] | None, max_size: int | None, max_num_seqs: i
 def step_shapes(num_speculative_tokens: int) -> list[tuple[int | None, int]]:
     """(drafts proposed, or None for a plain decode; tokens verified a sequence) of each step to
     capture. With k drafts at most, a speculative step verifies q = j+1 tokens (j drafts) and
-    proposes j, j-1 or j+1 (the draft length moves one at a time: DraftLength), all within 0..k;
-    proposing 0 still runs the MTP pass that keeps the MTP KV cache filled."""
+    proposes j-1, j or j+1 (the draft length moves one at a time: DraftLength) or 0 (a probe of
+    no drafting: that step, then one plain decode, then drafting resumes at any k). Verifying and
+    proposing nothing is a plain decode; proposing 0 after verifying drafts still runs the MTP
+    pass that keeps the MTP KV cache filled."""
     k = num_speculative_tokens
-    spec = [(out, j + 1) for j in range(k + 1) for out in (j - 1, j, j + 1) if 0 <= out <= k] if k else []
-    return [(None, 1)] + spec
+    spec = [(out, j + 1) for j in range(k + 1) for out in range(k + 1)
+            if out + j and (j == 0 or out in (0, j - 1, j, j + 1))]
+    return [(None, 1)] + (spec if k else [])
 
 
 @dataclass(frozen=True)

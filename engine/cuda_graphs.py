@@ -40,7 +40,7 @@ from tqdm import tqdm
 
 from jetserve.engine.config import CUDAGraphConfig
 from jetserve.engine.model.attention import PREFILL_BLOCK_M, AttentionMetadata, prefill_tiles, slot_mapping
-from jetserve.engine.spec_decode import ChainInputs, device_chain_inputs, speculative_step
+from jetserve.engine.spec_decode import Acceptance, device_acceptance, speculative_step
 
 log = logging.getLogger(__name__)
 
@@ -153,11 +153,10 @@ class CUDAGraphs:
         return AttentionMetadata(slot_mapping=self.slots[:batch * q_len], block_tables=self.block_tables[:batch],
                                  context_lens=self.context_lens[:batch], q_len=q_len, block_size=self.block_size)
 
-    def chain_inputs(self, q_len: int, batch: int) -> ChainInputs:
-        """The drafting steps' inputs of a speculative step over the static inputs of `batch`
-        sequences (padded rows: context length 1 < q_len)."""
-        return device_chain_inputs(self.block_tables[:batch], self.block_size, self.context_lens[:batch] < q_len,
-                                   self.scratch_slot)
+    def acceptance(self, q_len: int, batch: int) -> Acceptance:
+        """A speculative step's acceptance and drafting inputs over the static inputs of `batch`
+        sequences (padded ones draft into the scratch slot)."""
+        return device_acceptance(self.meta(q_len, batch), q_len, self.scratch_slot)
 
     def _step(self, num_drafts: int | None, q_len: int, bucket: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The captured work: hidden states, and for the main model the greedy tokens of the fp32
@@ -166,7 +165,7 @@ class CUDAGraphs:
         meta = self.meta(q_len, bucket)
         if num_drafts is not None:
             return speculative_step(self.model, self.kv_cache, self.ids[:n], self.positions[:n], meta, q_len, num_drafts,
-                                    lambda logits: logits.argmax(dim=-1), self.chain_inputs(q_len, bucket)), None
+                                    lambda logits: logits.argmax(dim=-1), self.acceptance(q_len, bucket)), None
         hidden = self.model(self.ids[:n], self.positions[:n], self.kv_cache, meta)
         logits = self.logits[:n]
         logits.copy_(self.model.compute_logits(hidden))  # the cast to fp32 rides on the copy

@@ -23,7 +23,7 @@ from jetserve.engine.outputs import LogprobsLists
 from jetserve.engine.sampler import History, process_logits, sample, token_logprobs
 from jetserve.engine.scheduler import ScheduledBatch
 from jetserve.engine.sequence import Sequence
-from jetserve.engine.spec_decode import (MTPProposer, device_chain_inputs, host_chain_inputs, speculative_step,
+from jetserve.engine.spec_decode import (MTPProposer, device_acceptance, host_acceptance, speculative_step,
                                          verify)
 
 log = logging.getLogger(__name__)
@@ -102,6 +102,8 @@ class ModelRunner:
 
             self.kernels = QuantFusedKernels(tile_timing=config.cuda_graphs is not None)
             self.model.use_kernels(self.kernels)
+        if config.speculative and config.speculative.draft_vocab_size:
+            self.model.draft_vocab_size = min(config.speculative.draft_vocab_size, self.model.config.vocab_size)
         self.num_blocks = config.num_kv_blocks or self._fit_num_blocks()
         if self.num_blocks < config.max_blocks_per_seq:
             raise ValueError(f"num_kv_blocks={self.num_blocks} of {config.block_size} tokens cannot hold one "
@@ -200,7 +202,8 @@ class ModelRunner:
         one still part-way through its prompt; the drafts (up to `num_drafts`) each one
         proposes for the next step; for those that asked, the gained tokens' logprobs; and the
         logprobs of the prompt tokens this step's rows predict (prompt_logprobs)."""
-        if (self.proposer is not None and self.speculative_shape(batch, num_drafts) is not None
+        if (self.proposer is not None and not self.plain_step(batch, num_drafts)
+                and self.speculative_shape(batch, num_drafts) is not None
                 and not any(seq.params.logprobs is not None for seq in batch.seqs)):
             return (*self._speculative(batch, num_drafts), [None] * len(batch))  # decodes: no prompt rows
         step = self._run(batch)
@@ -210,9 +213,9 @@ class ModelRunner:
         tokens, logprobs = iter(tokens), iter(logprobs)
         emitted = [next(tokens) if d else None for d in step.sampled]
         emitted_logprobs = [next(logprobs) if d else None for d in step.sampled]
-        if self.proposer is None:
+        if self.proposer is None or self.plain_step(batch, num_drafts):
             return emitted, [[] for _ in batch.seqs], emitted_logprobs, prompt_logprobs
-        drafts = self.proposer.propose(self._draft_forward, self.model.compute_logits, batch.seqs,
+        drafts = self.proposer.propose(self._draft_forward, self.model.draft_tokens, batch.seqs,
                                        batch.num_tokens, step.hidden, step.positions, step.meta, emitted, num_drafts)
         return emitted, drafts, emitted_logprobs, prompt_logprobs
 
@@ -241,6 +244,12 @@ class ModelRunner:
             lists.extend(token_logprobs(logits, to_device(torch.tensor(targets[i:i + size]), self.device), most))
         return [lists[span[0]:span[1]].top(seq.params.prompt_logprobs) if span else None
                 for seq, span in zip(batch.seqs, spans)]
+
+    @staticmethod
+    def plain_step(batch: ScheduledBatch, num_drafts: int) -> bool:
+        """A decode step that verifies and proposes nothing: it skips the MTP pass, so drafting
+        that is off costs nothing (the MTP KV cache misses these positions; see DraftLength)."""
+        return num_drafts == 0 and all(n == 1 and not seq.spec_token_ids for seq, n in zip(batch.seqs, batch.num_tokens))
 
     def speculative_shape(self, batch: ScheduledBatch, num_drafts: int) -> int | None:
         """The drafts every sequence verifies when all decode with the same number and have room
@@ -276,15 +285,15 @@ class ModelRunner:
                 packed = speculative_step(self.model, self.kv_cache, graphs.ids[:n], graphs.positions[:n],
                                           graphs.meta(q, len(seqs)), q, num_drafts,
                                           self._sample_rows(seqs, q, graphs.positions[:n]),
-                                          graphs.chain_inputs(q, len(seqs)))
+                                          graphs.acceptance(q, len(seqs)))
         else:
             meta = AttentionMetadata.build([q] * len(seqs), ctx_lens, tables, self.block_size, self.device,
                                            self.config.fused_kernels)
-            chain = (device_chain_inputs(meta.block_tables, self.block_size) if meta.block_tables is not None
-                     else host_chain_inputs(tables, self.block_size, self.device))
+            accept = (device_acceptance(meta, q) if meta.block_tables is not None
+                      else host_acceptance(tables, self.block_size, self.device))
             positions_t = to_device(torch.tensor(positions), self.device)
             packed = speculative_step(self.model, self.kv_cache, to_device(torch.tensor(ids), self.device),
-                                      positions_t, meta, q, num_drafts, self._sample_rows(seqs, q, positions_t), chain)
+                                      positions_t, meta, q, num_drafts, self._sample_rows(seqs, q, positions_t), accept)
         rows = _to_host(packed).tolist()
         emitted = [row[:row[q] + 1] for row in rows]
         drafts = [row[q + 1:q + 1 + self.proposer.num_drafts(seq, new, num_drafts)]
@@ -298,7 +307,7 @@ class ModelRunner:
             return lambda logits: logits.argmax(dim=-1)
         params = [seq.params for seq in seqs for _ in range(q)]
         seeds = to_device(torch.tensor([seq.seed for seq in seqs for _ in range(q)]), self.device)
-        return lambda logits: sample(logits, params, seeds, positions.long() + 1, _histories(seqs))
+        return lambda logits: sample(logits.float(), params, seeds, positions.long() + 1, _histories(seqs))
 
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch) -> Launch:
@@ -394,7 +403,7 @@ class ModelRunner:
         """Tokens each sequence gains (one sampled token, or accepted drafts + one with MTP), and
         their logprobs for the sequences that asked."""
         wants_logprobs = any(s.params.logprobs is not None for s in seqs)
-        if self.proposer is None and not wants_logprobs:
+        if not any(s.spec_token_ids for s in seqs) and not wants_logprobs:
             return [[t] for t in self._sample_tensor(step, seqs).tolist()], [None] * len(seqs)
         logits, drafts, params, seeds, positions = self._logits(step, seqs, [len(s.spec_token_ids) + 1 for s in seqs])
         tokens = verify(process_logits(logits, params, _histories(seqs)), drafts, [s.params for s in seqs],

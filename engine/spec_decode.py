@@ -67,63 +67,68 @@ def verify(logits: torch.Tensor, drafts: list[list[int]], params: list[SamplingP
     return out
 
 
-ChainInputs = Callable[[torch.Tensor], tuple[torch.Tensor, AttentionMetadata]]
+Acceptance = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int],
+                      tuple[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, AttentionMetadata]]]]
 
 
 def speculative_step(model, kv_cache: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
                      meta: AttentionMetadata, q: int, num_drafts: int, sample_rows: Callable[[torch.Tensor], torch.Tensor],
-                     chain_inputs: ChainInputs) -> torch.Tensor:
+                     accept: Acceptance) -> torch.Tensor:
     """Steps 1-4 for B sequences of q rows each (last token, q-1 drafts), proposing
     `num_drafts` each, on device tensors with fixed shapes and no host read, so it can be
     captured in a CUDA graph.
 
-    `sample_rows(logits)` gives each row's token (step 2); `chain_inputs(positions)` gives the
-    positions and attention metadata of a 1-token drafting step (the caller knows where the
-    KV slots are). Returns [B, q + 1 + num_drafts] int64: the q sampled tokens, the accepted
-    count n, then the next drafts; the sequence gains the first n+1 tokens.
+    `sample_rows(logits)` gives each row's token (step 2); `accept(ids, target, positions, n)`
+    gives the accepted counts, the last verified rows and the inputs (positions, attention
+    metadata) of n one-token drafting steps after them (the caller knows where the KV slots
+    are). Returns [B, q + 1 + num_drafts] int64: the q sampled tokens, the accepted count n,
+    then the next drafts; the sequence gains the first n+1 tokens.
     """
     hidden = model(ids, positions, kv_cache, meta)
-    target = sample_rows(model.compute_logits(hidden).float()).view(-1, q)
-    batch = target.shape[0]
-    accepted = accepted_counts(ids.view(batch, q)[:, 1:], target)
+    target = sample_rows(model.compute_logits(hidden)).view(-1, q)
+    accepted, last, chain = accept(ids, target, positions, max(num_drafts - 1, 0))
     # Row j's successor is target[j] for every row up to the first rejection: the shifted ids.
     mtp_hidden = model.mtp_forward(0, target.flatten(), positions, hidden, kv_cache, meta)
-    last = torch.arange(batch, device=ids.device) * q + accepted  # the last verified row
-    h, last_position = mtp_hidden[last], positions[last]
     drafts = []
-    for step in range(num_drafts):
-        if step:
-            step_positions, step_meta = chain_inputs(last_position + step)
-            h = model.mtp_forward(step, drafts[-1], step_positions, h, kv_cache, step_meta)
-        drafts.append(model.compute_logits(h).argmax(dim=-1))
+    if num_drafts:
+        h = mtp_hidden[last]
+        drafts.append(model.draft_tokens(h))
+    for step, (step_positions, step_meta) in enumerate(chain, start=1):
+        h = model.mtp_forward(step, drafts[-1], step_positions, h, kv_cache, step_meta)
+        drafts.append(model.draft_tokens(h))
     return torch.cat([target, accepted[:, None], *(d[:, None] for d in drafts)], dim=1)
 
 
-def device_chain_inputs(block_tables: torch.Tensor, block_size: int, padding: torch.Tensor | None = None,
-                        scratch_slot: int = 0) -> ChainInputs:
-    """Drafting steps' inputs computed on the device from the step's block tables (the fused
-    kernels' uniform metadata): no host read, so they can live in a CUDA graph. `padding` marks
-    a graph's padded rows, which stay at position 0 and write the scratch slot."""
-    def inputs(positions: torch.Tensor) -> tuple[torch.Tensor, AttentionMetadata]:
-        if padding is not None:
-            positions = positions.masked_fill(padding, 0)
-        blocks = block_tables.gather(1, (positions // block_size).long()[:, None])[:, 0]
-        slots = (blocks * block_size + positions % block_size).to(block_tables.dtype)
-        if padding is not None:
-            slots = slots.masked_fill(padding, scratch_slot)
-        meta = AttentionMetadata(slot_mapping=slots, block_tables=block_tables,
-                                 context_lens=(positions + 1).to(block_tables.dtype), q_len=1, block_size=block_size)
-        return positions, meta
-    return inputs
+def device_acceptance(meta: AttentionMetadata, q: int, scratch_slot: int = 0) -> Acceptance:
+    """Acceptance and drafting inputs computed on the device from a uniform step's metadata, in
+    one kernel (model/spec_kernels.py): no host read, so they can live in a CUDA graph. A graph's
+    padded sequences (context length 1) draft into `scratch_slot`."""
+    from jetserve.engine.model.spec_kernels import accept_and_chain  # needs Triton
+
+    def accept(ids, target, positions, steps):
+        accepted, last, chain_positions, slots, context_lens = accept_and_chain(
+            ids, target, positions, meta.block_tables, meta.context_lens, meta.block_size, q, steps, scratch_slot)
+        return accepted, last, [
+            (chain_positions[s], AttentionMetadata(slot_mapping=slots[s], block_tables=meta.block_tables,
+                                                   context_lens=context_lens[s], q_len=1, block_size=meta.block_size))
+            for s in range(steps)]
+    return accept
 
 
-def host_chain_inputs(block_tables: list[list[int]], block_size: int, device: torch.device) -> ChainInputs:
-    """Drafting steps' inputs built on the host (the general attention path, e.g. on a CPU,
-    where reading the positions costs nothing)."""
-    def inputs(positions: torch.Tensor) -> tuple[torch.Tensor, AttentionMetadata]:
-        ends = [p + 1 for p in positions.tolist()]
-        return positions, AttentionMetadata.build([1] * len(ends), ends, block_tables, block_size, device)
-    return inputs
+def host_acceptance(block_tables: list[list[int]], block_size: int, device: torch.device) -> Acceptance:
+    """Acceptance in torch, drafting inputs built on the host (the general attention path, e.g.
+    on a CPU, where reading the positions costs nothing)."""
+    def accept(ids, target, positions, steps):
+        batch, q = target.shape
+        accepted = accepted_counts(ids.view(batch, q)[:, 1:], target)
+        last = torch.arange(batch, device=ids.device) * q + accepted
+        last_positions = positions[last].long()
+        ends = last_positions.tolist()
+        return accepted, last, [
+            (last_positions + s, AttentionMetadata.build([1] * batch, [p + s + 1 for p in ends], block_tables,
+                                                         block_size, device))
+            for s in range(1, steps + 1)]
+    return accept
 
 
 class MTPProposer:
@@ -142,7 +147,7 @@ class MTPProposer:
             left = min(left, seq.params.max_tokens - seq.num_output_tokens - len(emitted) - 1)
         return max(0, min(k, left))
 
-    def propose(self, draft_forward, compute_logits, seqs: list[Sequence], num_tokens: list[int],
+    def propose(self, draft_forward, draft_tokens, seqs: list[Sequence], num_tokens: list[int],
                 hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 emitted: list[list[int] | None], k: int) -> list[list[int]]:
         """Run the MTP pass over this step's rows, then chain drafts; returns drafts per sequence."""
@@ -171,7 +176,7 @@ class MTPProposer:
                                                     [seqs[i].block_table for i in active], self.block_size,
                                                     self.device, self.fused)
                 h = draft_forward(step, ids, torch.tensor(pos, device=self.device), h, step_meta)
-            tokens = compute_logits(h).argmax(dim=-1).tolist()
+            tokens = draft_tokens(h).tolist()
             for i, t in zip(active, tokens):
                 drafts[i].append(t)
             keep = [m for m, i in enumerate(active) if counts[i] > step + 1]
@@ -188,15 +193,25 @@ class DraftLength:
     P(accepted >= j) tokens a sequence and takes T_k seconds; k is the argmax of E_k / T_k.
     P comes from a rolling window of verifications; step times are moving averages of measured
     decode steps per (drafts verified, drafts proposed, batch size): a step's cost depends on
-    all three. Only the neighbours of the current k are compared: every `probe_interval`-th
-    step proposes one more or one fewer than k, in turn, so the next step verifies that many,
-    which measures the acceptance of position k+1 and the times T(k, k±1) and T(k±1, k). With
-    step time additive in its verify and draft parts, T_{k±1} = T(k, k±1) + T(k±1, k) - T(k, k).
-    k climbs or falls one at a time to where tokens per second peak, and moves again when
-    acceptance or the batch changes; so drafting does not stay on where it does not pay, on any
-    device. Its price: the probes, and at k = 0 the MTP pass that keeps the MTP KV cache
-    filled (one decoder layer a step), so that probes see the whole context.
+    all three.
+
+    While drafting (k >= 1), every `probe_interval`-th step is a probe. Most probes propose one
+    more or one fewer than k, in turn, so the next step verifies that many: that measures the
+    acceptance of position k+1 and the times T(k, k±1) and T(k±1, k); with step time additive
+    in its verify and draft parts, T_{k±1} = T(k, k±1) + T(k±1, k) - T(k, k). Every 8th probe
+    proposes nothing for two steps, and the second is a plain decode: T_0 is measured directly,
+    not inferred, so drafting switches off (from any k) as soon as plain decoding is measured to
+    be faster. Otherwise k climbs or falls one at a time to where tokens per second peak.
+
+    Off (k = 0) costs nothing: plain decode steps skip the MTP pass too (runner.plain_step).
+    Every `reprobe_interval` steps a short burst drafts one token a step on fresh acceptance
+    statistics, and drafting comes back on if that beats plain decoding. Positions decoded while
+    off have no MTP KV entries, so a burst sees a partial MTP context and, if anything,
+    under-rates drafting: the price of an off state that is free. Worst case (nothing accepted,
+    a k=1 step 1.5x a plain one) a burst costs under 1% of the steps between bursts.
     """
+
+    OFF_PROBE_EVERY = 8  # every 8th probe measures plain decoding
 
     def __init__(self, config: SpeculativeConfig):
         self.config = config
@@ -209,18 +224,35 @@ class DraftLength:
         self.step_time: dict[tuple[int, int, int], tuple[float, int]] = {}
         self.batch_size = 1
         self.steps = 0
+        self.plan: deque[int] = deque()  # proposals already decided for the next steps (a probe, a burst)
+        self.reprobe_at = 0  # off: the step of the next burst
 
     def next(self) -> int:
-        """k for the next step (a probe's k every probe_interval-th step)."""
+        """k for the next step (a probe's or a burst's k at times)."""
         self.steps += 1
-        if not self.config.adaptive or self.steps % self.config.probe_interval:
+        if self.plan:
+            return self.plan.popleft()
+        if not self.config.adaptive or self.k_max == 0:
             return self.k
-        up = self.steps // self.config.probe_interval % 2
-        return min(self.k + 1, self.k_max) if up else max(self.k - 1, 0)
+        if self.k == 0:
+            if self.steps < self.reprobe_at:
+                return 0
+            self.reprobe_at = self.steps + self.config.reprobe_interval
+            self._clear_window()  # the burst judges on its own acceptance
+            self.plan.extend([1] * self.config.min_samples)
+            return 1
+        if self.steps % self.config.probe_interval:
+            return self.k
+        probe = self.steps // self.config.probe_interval
+        if probe % self.OFF_PROBE_EVERY == 0:
+            self.plan.append(0)  # this step verifies k and proposes 0; the next one is a plain decode
+            return 0
+        return min(self.k + 1, self.k_max) if probe % 2 else max(self.k - 1, 0)
 
     def set_max(self, k: int) -> None:
         """Live control: the most tokens to draft; 0 turns drafting off (no probes either)."""
         self.k_max = self.k = k
+        self.plan.clear()
         size = max(len(self.drafted_ge), k + 2)
         self.drafted_ge += [0] * (size - len(self.drafted_ge))
         self.accepted_ge += [0] * (size - len(self.accepted_ge))
@@ -242,6 +274,11 @@ class DraftLength:
         for j in range(1, min(drafted, len(self.drafted_ge) - 1) + 1):
             self.drafted_ge[j] += sign
             self.accepted_ge[j] += sign * (accepted >= j)
+
+    def _clear_window(self) -> None:
+        self.window.clear()
+        self.drafted_ge = [0] * len(self.drafted_ge)
+        self.accepted_ge = [0] * len(self.accepted_ge)
 
     def tokens_per_step(self, k: int) -> float | None:
         """E_k from the window; None while a position up to k has too few verifications."""
@@ -269,17 +306,20 @@ class DraftLength:
 
     def update(self) -> None:
         """Re-choose k (once a step, after its verifications and time were recorded): move to a
-        neighbour when it is measured to give more tokens a second."""
-        if not self.config.adaptive:
+        neighbour, or to off, when it is measured to give more tokens a second."""
+        if not self.config.adaptive or self.k_max == 0:
             return
-        here = self.tokens_per_second(self.k)
+        here, before = self.tokens_per_second(self.k), self.k
         if here is None:
             return
-        for k in (self.k - 1, self.k + 1):
+        for k in sorted({0, self.k - 1, self.k + 1}):
             # 2% better, not just better: estimates from a window are noisy, and each move costs
             # the transition's steps.
-            if 0 <= k <= self.k_max and (rate := self.tokens_per_second(k)) is not None and rate > 1.02 * here:
+            if 0 <= k <= self.k_max and k != self.k and (rate := self.tokens_per_second(k)) is not None \
+                    and rate > 1.02 * here:
                 self.k, here = k, rate
+        if before and not self.k:
+            self.reprobe_at = self.steps + self.config.reprobe_interval
 
 
 @dataclass

@@ -206,6 +206,7 @@ class Qwen3ForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.mtp = nn.ModuleList(MTPLayer(cfg) for _ in range(cfg.num_mtp_layers))
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, max_positions)
+        self.draft_vocab_size = cfg.vocab_size  # drafts are the argmax over ids below this (see draft_tokens)
 
     def use_kernels(self, kernels) -> None:
         """Run on these fused kernels (a `FusedKernels`), or on plain torch (None)."""
@@ -235,3 +236,14 @@ class Qwen3ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden):
         return self.lm_head(hidden)
+
+    def draft_tokens(self, hidden):
+        """Greedy drafts from MTP hidden states: the argmax over the first `draft_vocab_size` ids
+        (speculative_config's draft_vocab_size). A draft needs only its argmax, and with a big
+        vocabulary the vocab projection is most of a drafting step's weight reads; in a byte-level
+        BPE vocabulary ids follow merge order, roughly frequency, so the first ids hold most
+        tokens (FR-Spec's frequency-ranked drafting). Verification still uses every id: lossless."""
+        weight = self.lm_head.weight[:self.draft_vocab_size]  # leading rows: a contiguous view
+        logits = (self.lm_head.kernels.linear(hidden, weight) if self.lm_head._skinny(hidden)
+                  else F.linear(hidden, weight))
+        return logits.argmax(dim=-1)

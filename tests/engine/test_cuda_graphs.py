@@ -25,9 +25,10 @@ def test_capture_sizes():
 
 
 def test_step_shapes():
-    """Plain decode, and speculative steps verifying j drafts and proposing j-1, j or j+1."""
+    """Plain decode, and speculative steps verifying j drafts and proposing j-1, j, j+1 or 0
+    (after a plain step: any k)."""
     assert step_shapes(0) == [(None, 1)]
-    assert step_shapes(2) == [(None, 1), (0, 1), (1, 1), (0, 2), (1, 2), (2, 2), (1, 3), (2, 3)]
+    assert step_shapes(2) == [(None, 1), (1, 1), (2, 1), (0, 2), (1, 2), (2, 2), (0, 3), (1, 3), (2, 3)]
 
 
 @pytest.fixture(scope="module")
@@ -213,7 +214,7 @@ def test_speculative_verify_and_drafts_graphed(tmp_path):
     llm = LLM(path, device="cuda", max_num_seqs=8, dtype="float32", speculative_config=spec)
     calls = record_replays(llm)
     keys = llm.engine.runner.graphs.graphs
-    assert (2, 3, 4) in keys and (1, 3, 4) in keys and (0, 1, 4) in keys  # (proposed, verified + 1, bucket)
+    assert (2, 3, 4) in keys and (1, 3, 4) in keys and (0, 3, 4) in keys and (0, 1, 4) not in keys  # (proposed, verified + 1, bucket)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == plain  # lossless, graphed
     assert (2, 3, 4) in {key for key, _ in calls} and llm.engine.stats().num_accepted_tokens > 0

@@ -67,6 +67,21 @@ def test_greedy_is_token_identical_and_stats_add_up(model, reference, k):
     assert s.num_speculative_tokens == k and s.kv_blocks_used == 0
 
 
+def test_draft_vocab_size_drafts_from_the_first_ids_and_stays_lossless(model, reference):
+    """draft_vocab_size N: every draft is an id below N (the argmax over those rows of the vocab
+    projection); verification still sees every id, so the output is the plain greedy one."""
+    llm = engine(model, 3, spec={"draft_vocab_size": 24})
+    drafted = []
+    schedule = llm.engine.scheduler.update
+
+    def record(batch, sampled, drafts):  # observe the drafts each step proposes
+        drafted.extend(t for d in drafts for t in d)
+        return schedule(batch, sampled, drafts)
+    llm.engine.scheduler.update = record
+    assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == reference
+    assert drafted and max(drafted) < 24 and llm.engine.stats().num_accepted_tokens > 0
+
+
 def test_greedy_with_two_mtp_layers_and_random_heads(tmp_path, model, reference):
     """Chaining past the MTP layers (step % n) and heads that never agree: still identical."""
     two = build_drafting_model(tmp_path / "two", mtp_layers=2)
@@ -218,27 +233,67 @@ def test_issue_repro_stop_string_on_the_demo_model():
     assert llm.engine.stats().num_accepted_tokens > 0
 
 
+@pytest.mark.parametrize("q, steps", [(1, 2), (3, 2), (4, 3), (2, 0)])
+def test_acceptance_kernel_matches_torch(q, steps):
+    """The one-kernel acceptance and drafting inputs of a graphed step (Triton's interpreter on
+    CPU) against the torch/host version: accepted counts, last rows, and each drafting step's
+    positions, slots and context lengths; a graph's padded sequence drafts into the scratch slot."""
+    from jetserve.engine.model.attention import AttentionMetadata
+    from jetserve.engine.spec_decode import device_acceptance, host_acceptance
+
+    gen = torch.Generator().manual_seed(q * 10 + steps)
+    batch, block_size, width = 5, 4, 8
+    tables = [torch.randperm(40, generator=gen)[:width].tolist() for _ in range(batch)]
+    starts = torch.randint(0, 16, (batch,), generator=gen).tolist()
+    target = torch.randint(0, 3, (batch, q), generator=gen)
+    ids = torch.cat([torch.randint(0, 3, (batch, 1), generator=gen), target[:, :-1].clone()], dim=1)
+    ids[:, 1:][torch.rand(batch, q - 1, generator=gen) < 0.3] = 7  # some drafts rejected
+    positions = torch.tensor([p for s in starts for p in range(s, s + q)])
+    ctx = [s + q for s in starts]
+    host = host_acceptance(tables, block_size, torch.device("cpu"))(ids.flatten(), target, positions, steps)
+    on = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    meta = AttentionMetadata(slot_mapping=None, block_tables=torch.tensor(tables, dtype=torch.int32, device=on),
+                             context_lens=torch.tensor(ctx, dtype=torch.int32, device=on), q_len=q,
+                             block_size=block_size)
+    args = (ids.flatten().int().to(on), target.to(on), positions.int().to(on), steps)
+    device = [t.cpu() for t in device_acceptance(meta, q)(*args)[:2]], device_acceptance(meta, q)(*args)[2]
+    assert torch.equal(device[0][0], host[0]) and torch.equal(device[0][1], host[1]) and len(device[1]) == steps
+    for (pos_d, meta_d), (pos_h, meta_h) in zip(device[1], host[2]):
+        assert torch.equal(pos_d.cpu(), pos_h)
+        assert torch.equal(meta_d.slot_mapping.long().cpu(), meta_h.slot_mapping.long())
+        assert torch.equal(meta_d.context_lens.long().cpu(), pos_h + 1)
+    if q > 1:  # a padded sequence: context length 1
+        meta.context_lens[0] = 1
+        _, _, chain = device_acceptance(meta, q, scratch_slot=999)(*args)
+        assert all(p[0] == 0 and m.slot_mapping[0] == 999 for p, m in chain)
+
+
 # -- cost-aware draft length ---------------------------------------------------------------------
 
 ADAPTIVE = {"adaptive": True, "acceptance_window": 128, "min_samples": 8, "probe_interval": 4}
 
 
-def simulate(lengths: DraftLength, steps: int, acceptance: float, seconds, rng: random.Random) -> list[int]:
+def simulate(lengths: DraftLength, steps: int, acceptance: float, seconds, rng: random.Random,
+             totals: list | None = None) -> list[int]:
     """Run the policy against a model of the device: each draft accepted with probability
     `acceptance` (while the run lasts), a step verifying v and proposing p drafts taking
-    seconds(v, p). Returns k after each step."""
-    verified, history = 0, []
+    seconds(v, p). Returns k after each step; `totals` gets the tokens emitted and the seconds."""
+    verified, history, tokens, elapsed = 0, [], 0, 0.0
     for _ in range(steps):
         proposed = lengths.next()
+        accepted = 0
         if verified:
-            accepted = 0
             while accepted < verified and rng.random() < acceptance:
                 accepted += 1
             lengths.record(verified, accepted)
+        tokens += accepted + 1
+        elapsed += seconds(verified, proposed)
         lengths.record_step(verified, proposed, 1, seconds(verified, proposed))
         lengths.update()
         history.append(lengths.k)
         verified = proposed
+    if totals is not None:
+        totals += [tokens, elapsed]
     return history
 
 
@@ -273,6 +328,46 @@ def test_draft_length_recovers_through_probes():
     assert simulate(lengths, 1500, 0.0, seconds, rng)[-1] == 0
     climb = simulate(lengths, 3000, 1.0, seconds, rng)
     assert climb[-1] == 3 and climb.index(3) > climb.index(2) > climb.index(1)
+
+
+@pytest.mark.parametrize("acceptance", [0.0, 0.2, 0.4])
+def test_drafting_that_does_not_pay_costs_under_5_percent(acceptance):
+    """The 5% rule against a device where drafting costs like the demo model's did: any step
+    that verifies or proposes drafts runs the MTP pass (+17% of a plain step), each further
+    drafting step +10%. Where drafting does not pay, the policy (probes, off-state re-probe
+    bursts) keeps tokens a second within 5% of plain decoding; where it pays, it drafts."""
+    def seconds(verified, proposed):
+        return 1.0 + 0.17 * bool(verified or proposed) + 0.02 * verified + 0.1 * max(proposed - 1, 0)
+    lengths = DraftLength(SpeculativeConfig(num_speculative_tokens=3, **{**ADAPTIVE, "probe_interval": 8,
+                                                                          "reprobe_interval": 1024}))
+    totals = []
+    simulate(lengths, 8000, acceptance, seconds, random.Random(2), totals)
+    tokens, elapsed = totals
+    assert tokens / elapsed >= 0.95 * 1.0, (tokens / elapsed, lengths.k)
+
+
+def test_drafting_that_pays_stays_on():
+    def seconds(verified, proposed):
+        return 1.0 + 0.17 * bool(verified or proposed) + 0.02 * verified + 0.1 * max(proposed - 1, 0)
+    lengths = DraftLength(SpeculativeConfig(num_speculative_tokens=3, **ADAPTIVE))
+    totals = []
+    history = simulate(lengths, 4000, 0.8, seconds, random.Random(3), totals)
+    best = max(tokens_per_second(k, 0.8, seconds) for k in range(4))
+    assert totals[0] / totals[1] >= 0.9 * best and history[-1] >= 2
+
+
+def test_drafting_off_skips_the_mtp_pass(model, reference):
+    """Off (adaptive k at 0, no burst due), a decode step is a plain decode: the MTP layer runs
+    only over the prompt (so later bursts see it), the output is the plain one, and the step
+    times are recorded as (0 verified, 0 proposed)."""
+    llm = engine(model, 2, spec={"adaptive": True, "reprobe_interval": 10**6})
+    lengths = llm.engine.draft_length
+    lengths.k, lengths.reprobe_at = 0, 10**6
+    calls = []
+    llm.engine.runner.model.mtp[0].register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
+    assert token_ids(llm.generate(PROMPTS[5:], GREEDY, use_tqdm=False)) == reference[5:]
+    assert sum(calls) == len(PROMPTS[5]["prompt_token_ids"]) and llm.engine.stats().num_drafts == 0
+    assert lengths.step_time[0, 0, 1][1] >= GREEDY.max_tokens - 4
 
 
 def test_engine_times_its_decode_steps_for_the_draft_length(model):
