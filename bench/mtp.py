@@ -302,6 +302,10 @@ def run(args) -> dict:
                     _step_times(llm, k, batch, step_prompts(batch), type(args)(**{**vars(args), "steps": 4}))
             if temperatures:  # the held-out prompts' token counts
                 _warm_lengths(llm, k, {len(llm.engine.tokenizer.encode(p)) for p in prompts}, temperatures)
+        if engine_k and not adaptive and llm.engine.runner.graphs is not None:
+            for b in batch_sizes:
+                profile[f"k={engine_k} batch {b}"] = _profile_step(llm, engine_k, b, step_prompts(b), args)
+                print(f"profile k={engine_k} batch {b}: {profile[f'k={engine_k} batch {b}']}", flush=True)
         for k in mine:
             label = "plain" if engine_k is None else "k=auto" if adaptive else f"k={k}"
             if not adaptive:
@@ -323,11 +327,8 @@ def run(args) -> dict:
                 }
                 if adaptive:
                     entry["final_k"] = llm.engine.draft_length.k
-                print(f"{label} T={temperature:g}: {entry['tok_s']}", flush=True)
-        if engine_k and not adaptive and llm.engine.runner.graphs is not None:
-            for b in batch_sizes:
-                profile[f"k={engine_k} batch {b}"] = _profile_step(llm, engine_k, b, step_prompts(b), args)
-                print(f"profile k={engine_k} batch {b}: {profile[f'k={engine_k} batch {b}']}", flush=True)
+                print(f"{label} T={temperature:g}: {entry['tok_s']} acceptance {entry['acceptance_per_position']} "
+                      f"mean length {entry['mean_accepted_length']} k {entry.get('final_k', entry['k'])}", flush=True)
         del llm
         if device.type == "cuda":
             torch.cuda.empty_cache()
