@@ -300,7 +300,7 @@ def run(args) -> dict:
             if not adaptive:
                 for batch in batch_sizes:
                     _step_times(llm, k, batch, step_prompts(batch), type(args)(**{**vars(args), "steps": 4}))
-            if temperatures:  # the held-out prompts' token counts
+            if temperatures and device.type == "cuda":  # the held-out prompts' token counts (Triton's sizes)
                 _warm_lengths(llm, k, {len(llm.engine.tokenizer.encode(p)) for p in prompts}, temperatures)
         if engine_k and not adaptive and llm.engine.runner.graphs is not None:
             for b in batch_sizes:
