@@ -199,9 +199,10 @@ class DraftLength:
     more or one fewer than k, in turn, so the next step verifies that many: that measures the
     acceptance of position k+1 and the times T(k, k±1) and T(k±1, k); with step time additive
     in its verify and draft parts, T_{k±1} = T(k, k±1) + T(k±1, k) - T(k, k). Every 8th probe
-    proposes nothing for two steps, and the second is a plain decode: T_0 is measured directly,
-    not inferred, so drafting switches off (from any k) as soon as plain decoding is measured to
-    be faster. Otherwise k climbs or falls one at a time to where tokens per second peak.
+    proposes nothing for two steps, and the second is a plain decode: T_0 is measured directly
+    (the first few steps decode plainly too), not inferred, so drafting switches off from any k
+    as soon as plain decoding is measured to be faster. Otherwise k climbs or falls one at a time
+    to where tokens per second peak.
 
     Off (k = 0) costs nothing: plain decode steps skip the MTP pass too (runner.plain_step).
     Every `reprobe_interval` steps a short burst drafts one token a step on fresh acceptance
@@ -212,6 +213,7 @@ class DraftLength:
     """
 
     OFF_PROBE_EVERY = 8  # every 8th probe measures plain decoding
+    PLAIN_SAMPLES = 4  # timed plain steps enough for T_0 (one graph replay: steady, unlike acceptance)
 
     def __init__(self, config: SpeculativeConfig):
         self.config = config
@@ -224,7 +226,10 @@ class DraftLength:
         self.step_time: dict[tuple[int, int, int], tuple[float, int]] = {}
         self.batch_size = 1
         self.steps = 0
-        self.plan: deque[int] = deque()  # proposals already decided for the next steps (a probe, a burst)
+        # Proposals already decided for the next steps (a probe, a burst). The first steps decode
+        # plainly, so T_0 is known by the time drafting is first judged: where drafting costs more
+        # than it gives, it is switched off after min_samples steps, not after a probe cycle.
+        self.plan: deque[int] = deque([0] * (self.PLAIN_SAMPLES + 2) if config.adaptive else [])
         self.reprobe_at = 0  # off: the step of the next burst
 
     def next(self) -> int:
@@ -291,7 +296,8 @@ class DraftLength:
 
     def _time(self, verified: int, proposed: int) -> float | None:
         average, n = self.step_time.get((verified, proposed, self.batch_size), (0.0, 0))
-        return average if n >= self.config.min_samples else None
+        needed = min(self.PLAIN_SAMPLES, self.config.min_samples) if verified == proposed == 0 else self.config.min_samples
+        return average if n >= needed else None
 
     def step_seconds(self, k: int) -> float | None:
         """T_k at the current batch size: measured, or from the probes around the current k."""
