@@ -17,7 +17,6 @@ retained, as in Sparkplug) is asked for a rebirth, at most once per `REBIRTH_EVE
 import json
 import logging
 import math
-import sys
 import threading
 import time
 import uuid
@@ -34,7 +33,6 @@ log = logging.getLogger(__name__)
 SESSION_EXPIRY_S = 24 * 3600
 SWEEP_EVERY_S = 0.5
 REBIRTH_EVERY_S = 30.0
-SWITCH_INTERVAL_S = 0.0005
 PARSERS = {
     topics.STATE: messages.parse_state,
     topics.HEALTH: lambda payload: messages.parse(messages.Health, payload),
@@ -66,9 +64,6 @@ class Controller:
 
     def run(self, stop_event):
         """Ingest until `stop_event`; returns 0, or 1 when ingestion stopped on its own."""
-        # The MQTT thread (JSON checks) and the writer (the database) share one GIL: hand it over
-        # more often than every 5 ms, or each of the writer's statements waits that long.
-        sys.setswitchinterval(SWITCH_INTERVAL_S)
         self.client.connect_async(self.mqtt.host, self.mqtt.port, keepalive=self.mqtt.keepalive,
                                   clean_start=False, properties=session_properties(SESSION_EXPIRY_S, CAPACITY))
         for thread in (self._ingest, self._writer, self._sweeper):
