@@ -124,6 +124,7 @@ class Controller:
         if self._stopping.is_set():
             return  # not acknowledged: the broker keeps it for the next run
         with self.liveness.busy("ingest"):
+            self.metrics.received.inc()
             try:
                 checked = self._check(message.topic, message.payload)
             except Exception:  # a bug: this message is dropped (acknowledged, counted as ignored), the thread is not

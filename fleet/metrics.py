@@ -19,6 +19,8 @@ class Metrics:
         self.messages = Counter(
             "jetserve_fleet_messages", "Inbound messages by topic kind and outcome (rejected: failed its checks; "
             "failed: the registry refused it alone; ignored: not a jetserve topic)", ["kind", "outcome"], registry=r)
+        self.received = Counter("jetserve_fleet_received", "Messages taken from the broker, stored or not yet",
+                                registry=r)
         self.queue_depth = Gauge("jetserve_fleet_queue_depth_messages",
                                  "Messages checked and waiting for the registry writer", registry=r)
         self.queue_capacity = Gauge("jetserve_fleet_queue_capacity_messages",
