@@ -4,9 +4,10 @@ This is the front end: it tokenizes and checks prompts in the caller's frame, ha
 the engine core (its own process by default, see `EngineConfig.engine_core_process`, or
 a thread), and turns the core's token deltas into text (`OutputProcessor`) on the event loop
 that started it (on the core's thread for an in-process core), never in the step loop. A
-request for n completions goes to the core as n requests (vLLM V1's parallel sampling: the
-prompt's KV is shared through the prefix cache), its stream tagged by index. Each stream reads
-from a `RequestOutputCollector` on its own event loop, so several servers (gRPC, HTTP) on
+request for n completions goes to the core as n requests (vLLM V1's parallel sampling), its
+stream tagged by index; with prefix caching on and a prompt of a full block or more, the first
+goes alone and the others once its prompt's KV is cached, which they then share. Each stream
+reads from a `RequestOutputCollector` on its own event loop, so several servers (gRPC, HTTP) on
 different loops may share one engine.
 """
 
@@ -21,7 +22,7 @@ from collections import defaultdict
 from collections.abc import AsyncIterator
 
 from jetserve.engine.config import EngineConfig
-from jetserve.engine.core import AddRequest, CoreOutput
+from jetserve.engine.core import CoreOutput
 from jetserve.engine.core_client import InprocClient, MPClient
 from jetserve.engine.errors import EngineError, QueueFullError
 from jetserve.engine.output_processor import OutputProcessor, RequestOutputCollector
@@ -81,10 +82,11 @@ class AsyncLLM:
             # Counted here, under the lock, so a burst between two steps cannot slip past the bound.
             if len(self._processor.requests) + params.n > self.core.stats().max_num_seqs + cfg.max_waiting:
                 raise QueueFullError(f"waiting queue is full ({cfg.max_waiting} requests); retry later")
-            children = self._processor.add(request_id, text, ids, params, arrival)
+            hold_back = params.n > 1 and cfg.enable_prefix_caching and len(ids) > cfg.block_size
+            children = self._processor.add(request_id, text, ids, params, arrival, hold_back)
             self._streams[request_id] = collector
-        for child_id, child_params in children:
-            self.core.add_request(AddRequest(child_id, ids, child_params, arrival))
+        for child in children:
+            self.core.add_request(child)
         finished = False
         try:
             while not finished:
@@ -125,6 +127,7 @@ class AsyncLLM:
         now = time.monotonic()
         deliveries: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
         stopped = []  # ended here (a stop string, or a sibling refused): the core stops them and frees their blocks
+        released = []  # completions held back until their prompt's KV was cached
         with self._lock:
             for o in outputs:
                 request_id = self._processor.parent_of(o.request_id)
@@ -137,10 +140,13 @@ class AsyncLLM:
                     item, stopped_here = self._processor.process(o, now)
                     if stopped_here:
                         stopped.append(o.request_id)
+                    released += self._processor.release(request_id)
                     done = item.finished
                 collector = self._streams.pop(request_id, None) if done else self._streams.get(request_id)
                 if collector is not None:
                     deliveries[collector.loop].append((collector, item))
+        for child in released:
+            self.core.add_request(child)
         if stopped:
             self.core.abort(stopped)
         for loop, items in deliveries.items():

@@ -7,7 +7,10 @@ at the token that completes it, exactly where it would end without drafting, and
 aborts the request in the core. Logprobs arrive as compact columns and get their tokens' text
 here. A request for n completions is a parent of n requests in the core (vLLM V1's parallel
 sampling, `ParentRequest`): each its own stop strings and logprobs, its deltas tagged with its
-index, the parent finished with its last. `RequestOutputCollector` is one stream's mailbox:
+index, the parent finished with its last. Completions after the first may be held back until
+the first has its first token: by then the prompt's full blocks are in the prefix cache, so the
+others read its KV instead of computing the prompt again (sent together, all would compute it
+in the same step). `RequestOutputCollector` is one stream's mailbox:
 deltas that arrive while its reader is busy merge into one message instead of queueing one per token.
 """
 
@@ -16,7 +19,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from jetserve.engine.core import CoreOutput
+from jetserve.engine.core import AddRequest, CoreOutput
 from jetserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jetserve.engine.sampling_params import SamplingParams
 from jetserve.engine.tokenizer import Detokenizer, StopStrings, Tokenizer
@@ -31,6 +34,7 @@ class _ParentRequest:
     prompt_token_ids: list[int]
     arrival_time: float
     running: set[str] = field(default_factory=set)  # its completions' ids in the core, until each finishes
+    held: list[AddRequest] = field(default_factory=list)  # completions not yet sent (see `release`)
     first_token_time: float | None = None
     first_scheduled_time: float | None = None
     prompt_logprobs_sent: bool = False
@@ -60,20 +64,33 @@ class OutputProcessor:
         self.requests: dict[str, _Completion] = {}  # by id in the core
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-            arrival_time: float) -> list[tuple[str, SamplingParams]]:
-        """Follow a request; returns its completions as the core takes them: (id, params) each."""
-        children = [(child_request_id(request_id, i, params.n), params.child(i) if params.n > 1 else params)
-                    for i in range(params.n)]
-        if request_id in self.parents or any(core_id in self.requests for core_id, _ in children):
+            arrival_time: float, hold_back: bool = False) -> list[AddRequest]:
+        """Follow a request; returns its completions as the core takes them. With `hold_back`,
+        only the first: `release` gives the others once it has its first token."""
+        children = [AddRequest(child_request_id(request_id, i, params.n), prompt_token_ids,
+                               params.child(i) if params.n > 1 else params, arrival_time) for i in range(params.n)]
+        if request_id in self.parents or any(child.request_id in self.requests for child in children):
             raise ValueError(f"request_id {request_id!r} is already streaming")
         parent = self.parents[request_id] = _ParentRequest(request_id, prompt, prompt_token_ids, arrival_time)
-        for index, (core_id, _) in enumerate(children):
+        for index, core_id in enumerate(child.request_id for child in children):
             detok = (Detokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
                      if self.tokenizer else None)
             stops = StopStrings(params.stop if detok else (), params.include_stop_str_in_output)
             self.requests[core_id] = _Completion(parent, index, detok, stops)
             parent.running.add(core_id)
+        if hold_back:
+            parent.held = children[1:]
+            return children[:1]
         return children
+
+    def release(self, request_id: str) -> list[AddRequest]:
+        """The completions held back, once the first has its first token (its prompt's KV is
+        computed and cached by then); nothing before that, or twice."""
+        parent = self.parents.get(request_id)
+        if parent is None or parent.first_token_time is None:
+            return []
+        held, parent.held = parent.held, []
+        return held
 
     def parent_of(self, core_id: str) -> str | None:
         request = self.requests.get(core_id)

@@ -74,8 +74,10 @@ class SamplingParams:
     def child(self, index: int) -> SamplingParams:
         """Completion `index` of an n-completion request as a request of its own (vLLM's
         parallel sampling): n = 1 and, when seeded, seed + index, so each differs and a seeded
-        request repeats."""
-        return dataclasses.replace(self, n=1, seed=None if self.seed is None else self.seed + index)
+        request repeats. The prompt's logprobs are the first completion's to compute: the others
+        may then read the prompt's KV from the prefix cache."""
+        return dataclasses.replace(self, n=1, seed=None if self.seed is None else self.seed + index,
+                                   prompt_logprobs=self.prompt_logprobs if index == 0 else None)
 
     def _check(self):
         def fail(name, why):

@@ -2,6 +2,9 @@
 OpenAI HTTP API (the real `openai` SDK), checked against the offline `LLM` on the same model and
 against transformers' log_softmax; an aborted n=3 request frees every KV block in the core."""
 
+import random
+import time
+
 import grpc
 import openai
 import pytest
@@ -42,6 +45,11 @@ def log_softmax(model, ids):
 def offline_outputs(offline, prompt, **fields):
     out = offline.generate(prompt, SamplingParams(**fields), use_tqdm=False)[0]
     return sorted(out.outputs, key=lambda o: o.index)
+
+
+def fresh_prompt(live, length):
+    """Token ids no other test has sent (so the prefix cache holds none of its blocks)."""
+    return random.Random(time.time_ns()).sample(range(live.engine.model_info.vocab_size), length)
 
 
 SEEDED = dict(temperature=1.0, seed=11, max_tokens=6, ignore_eos=True)
@@ -166,11 +174,14 @@ def test_prompt_logprobs_over_grpc_and_http_are_the_models(live, sdk, reference)
                                                                       abs=1e-3)
 
 
-def test_an_aborted_n3_request_frees_every_block_in_the_core(live):
+@pytest.mark.parametrize("prompt_blocks", [0, 2])
+def test_an_aborted_n3_request_frees_every_block_in_the_core(live, prompt_blocks):
+    """Short prompt: the three go together; two blocks: the first alone, the others after it."""
     assert live.engine.core.process.poll() is None  # the engine core is its own process
+    ids = fresh_prompt(live, prompt_blocks * live.engine.config.block_size + 3)
     with live.channel() as channel:
         stub = pb_grpc.InferenceServiceStub(channel)
-        call = stub.Generate(pb.GenerateRequest(text="robot", sampling=pb.SamplingOptions(
+        call = stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), sampling=pb.SamplingOptions(
             n=3, temperature=1.0, max_tokens=400, ignore_eos=True)))
         seen = set()
         for message in call:  # until every completion has streamed (all three hold blocks)
@@ -196,3 +207,28 @@ def test_n_and_logprobs_above_their_bounds_are_refused(live, sdk):
         with pytest.raises(openai.BadRequestError) as err:
             sdk.completions.create(model=live.server.model_name, prompt="hi", max_tokens=2, **fields)
         assert err.value.status_code == 400 and next(iter(fields)) in err.value.body["message"]
+
+
+def test_n3_completions_share_the_prompts_kv_and_sample_as_offline(live, offline):
+    """The first completion goes alone; the others follow once its prompt's full blocks are in
+    the prefix cache, and read them: hits for two completions' worth of the prompt, and the same
+    seeded tokens as the offline engine, which runs all three from scratch. Another stream keeps
+    the core stepping, so the three would reach it together (and share nothing) if sent at once."""
+    block = live.engine.config.block_size
+    ids = fresh_prompt(live, 3 * block + 5)
+    with live.channel() as channel:
+        stub = pb_grpc.InferenceServiceStub(channel)
+        busy = stub.Generate(pb.GenerateRequest(text="busy", sampling=greedy(400, ignore_eos=True)))
+        next(busy)
+        before = live.engine.stats().prefix_cache_hits
+        messages = list(stub.Generate(pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=ids), sampling=pb.SamplingOptions(n=3, temperature=1.0, seed=7, max_tokens=4,
+                                                                        ignore_eos=True))))
+        hits = live.engine.stats().prefix_cache_hits - before
+        busy.cancel()
+    assert hits == 2 * 3 * block
+    expected = offline_outputs(offline, {"prompt_token_ids": ids}, n=3, temperature=1.0, seed=7, max_tokens=4,
+                               ignore_eos=True)
+    for index, want in enumerate(expected):
+        assert [t for m in messages if m.index == index for t in m.token_ids] == want.token_ids
+    wait_for_free_blocks(live.engine, timeout=30)
