@@ -138,6 +138,13 @@ def llm_kwargs(config: EngineConfig, api: TrtllmApi, *, num_mtp_layers: int,
     }
 
 
+# SamplingParams fields this mapping does not carry, with the value that asks for nothing: a
+# request that sets one is refused rather than served as if it had not.
+_UNMAPPED = {"n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_tokens": 0,
+             "logprobs": None, "prompt_logprobs": None, "include_stop_str_in_output": False, "logit_bias": None,
+             "allowed_token_ids": None, "bad_words": None}
+
+
 def sampling_kwargs(params: SamplingParams, *, prompt_len: int, max_model_len: int,
                     end_ids: list[int] | None = None) -> dict:
     """`tensorrt_llm.SamplingParams` keyword arguments that mean what ours mean.
@@ -149,6 +156,9 @@ def sampling_kwargs(params: SamplingParams, *, prompt_len: int, max_model_len: i
     - end_ids: the checkpoint's end tokens when it has no tokenizer, from which TensorRT-LLM
       would otherwise take them (and which it requires).
     """
+    unmapped = [name for name, default in _UNMAPPED.items() if getattr(params, name) != default]
+    if unmapped:
+        raise ValueError(f"{', '.join(unmapped)}: not served by the TensorRT-LLM backend (use --backend torch)")
     room = max_model_len - prompt_len
     kwargs = {"max_tokens": min(params.max_tokens or room, room), "ignore_eos": params.ignore_eos,
               "skip_special_tokens": params.skip_special_tokens}

@@ -227,3 +227,14 @@ def test_real_tensorrt_llm_objects_take_the_mapping(model):
     params = tensorrt_llm.SamplingParams(**sampling_kwargs(SamplingParams(temperature=0, max_tokens=None),
                                                            prompt_len=10, max_model_len=256))
     assert params.max_tokens == 246 and params._greedy_decoding
+
+
+@pytest.mark.parametrize("field, value", [("n", 2), ("presence_penalty", 0.5), ("frequency_penalty", 0.5),
+                                          ("repetition_penalty", 1.2), ("min_tokens", 3), ("logprobs", 2),
+                                          ("prompt_logprobs", 1), ("include_stop_str_in_output", True),
+                                          ("logit_bias", {3: 1.0}), ("allowed_token_ids", [1, 2]),
+                                          ("bad_words", ["x"])])
+def test_fields_the_mapping_does_not_carry_are_refused_by_name(field, value):
+    with pytest.raises(ValueError, match=field):
+        sampling_kwargs(SamplingParams(**{field: value}), prompt_len=1, max_model_len=64)
+    sampling_kwargs(SamplingParams(), prompt_len=1, max_model_len=64)  # the defaults pass
