@@ -302,5 +302,6 @@ class LLMEngine:
             max_model_len=cfg.max_model_len, vocab_size=cfg.model_config.vocab_size,
             num_mtp_layers=cfg.model_config.num_mtp_layers,
             num_speculative_tokens=self.draft_length.k if self.draft_length else 0,
-            cuda_graphs=bool(self.runner.graphs and self.runner.graphs.graphs), backend="torch",
+            cuda_graphs=cfg.device.startswith("cuda") and bool(self.runner.graphs and self.runner.graphs.graphs),
+            backend="torch",
             max_num_seqs_limit=cfg.max_num_seqs, num_speculative_tokens_limit=cfg.num_speculative_tokens)

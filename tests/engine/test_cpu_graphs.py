@@ -35,6 +35,7 @@ def test_greedy_tokens_equal_transformers(tiny, compiled):
     llm, replays = compiled
     assert isinstance(llm.engine.runner.graphs, CPUGraphs)
     assert list(llm.engine.runner.graphs.graphs) == [(None, 1, 4)]
+    assert not llm.engine.model_info.cuda_graphs  # compiled CPU steps are not CUDA graphs to a client
     replays.clear()
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in LENGTHS]
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
