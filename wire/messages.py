@@ -45,17 +45,22 @@ def decode(payload, limit=MAX_PAYLOAD):
         raise MessageError("payload is not JSON (%s)" % exc)
     if not isinstance(doc, dict):
         raise MessageError("payload must be a JSON object, not %s" % type(doc).__name__)
-    _check_depth(doc)
+    _check_shape(doc)
     return doc
 
 
-def _check_depth(doc):
+def _check_shape(doc):
+    """Bounded depth, and no NUL character in any key or string: PostgreSQL's text and jsonb
+    refuse it, so it would fail at the store instead of here, with a reason."""
     stack = [(doc, 1)]
     while stack:
         value, depth = stack.pop()
         if depth > MAX_DEPTH:
             raise MessageError("payload nests deeper than %d levels" % MAX_DEPTH)
-        children = value.values() if isinstance(value, dict) else value
+        children = list(value.values()) if isinstance(value, dict) else value
+        strings = [c for c in children if isinstance(c, str)] + (list(value) if isinstance(value, dict) else [])
+        if any("\x00" in s for s in strings):
+            raise MessageError("payload holds a NUL character")
         stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
 
 

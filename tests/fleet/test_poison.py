@@ -73,6 +73,8 @@ POISON = [  # (case, kind, payload)
     ("alert ts 1e300", "alert", raw(alert(ts=1e300))),
     ("alert ts Infinity", "alert", raw(alert(ts=math.inf))),
     ("alert temp a string", "alert", raw(alert(temp_c="hot"))),
+    ("alert type with a NUL", "alert", raw(alert(type="x\u0000y"))),
+    ("health NUL in a probe key", "health", raw(health(probe={"a\u0000": 1}))),
     ("state bdSeq a list", "state", raw(birth(bdSeq=[1]))),
     ("state bdSeq 10^30", "state", raw(birth(bdSeq=10 ** 30))),
     ("state death bdSeq 10^30", "state", raw({"online": False, "bdSeq": 10 ** 30})),
