@@ -13,6 +13,7 @@ trying the same work again later may succeed. Any other error is the work's own 
 import contextlib
 import sqlite3
 import threading
+import time
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS devices (
@@ -73,9 +74,19 @@ class SQLiteStore:
             raise StoreError("cannot open registry %s: %s" % (path, exc))
 
     @staticmethod
-    def _connect(path):
-        db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=10)
-        db.execute("PRAGMA journal_mode=WAL")
+    def _connect(path, timeout=10.0):
+        db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=timeout)
+        # Switching a file to WAL needs a lock SQLite does not wait for (no busy handler there):
+        # replicas opening one new database together take turns.
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                db.execute("PRAGMA journal_mode=WAL")
+                break
+            except sqlite3.OperationalError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
         db.execute("PRAGMA synchronous=NORMAL")  # WAL's usual setting: a commit is one append, no fsync
         return db
 

@@ -115,7 +115,7 @@ def test_a_request_moves_its_histograms(stubs, live):
     inside = moved("jetserve_request_queue_time_seconds_sum") + moved("jetserve_request_inference_time_seconds_sum")
     assert 0 < inside <= moved("jetserve_e2e_request_latency_seconds_sum")
     # one per delivered delta after the first (a slow reader gets steps merged into one delta)
-    assert 1 <= moved("jetserve_inter_token_latency_seconds_count") <= 5
+    assert moved("jetserve_inter_token_latency_seconds_count") == len(messages) - 1 <= 5
 
 
 def test_each_engine_step_records_its_tokens(stubs, live):
