@@ -470,7 +470,7 @@ class EngineArgs:
                                         self.max_num_seqs)),
                 os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(Path.home() / ".cache" / "jetserve" / "torchinductor"))
         return EngineConfig(
-            model=model, served_model_name=self.served_model_name or model,
+            model=model, served_model_name=self.served_model_name or str(self.model),  # as given: "demo", not its path
             model_config=model_config, backend=self.backend, device=device,
             dtype=self._dtype(model_config, device), max_model_len=max_model_len, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=budget, enable_chunked_prefill=self.enable_chunked_prefill,

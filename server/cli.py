@@ -110,7 +110,7 @@ def run_serve(args):
         demo = demo_model_dir()
         if not os.path.exists(os.path.join(demo, "config.json")):
             sys.exit("jetserve serve: " + NO_DEMO % demo)
-        args.model = demo
+        args.model = DEMO_MODEL  # resolved to its directory by the engine; clients ask for "demo"
         if args.speculative_config is None:  # the demo exists to show drafting: on unless asked otherwise
             args.speculative_config = DEMO_SPECULATIVE_CONFIG
     elif not os.path.isfile(os.path.join(args.model, "config.json")):

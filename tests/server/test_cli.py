@@ -89,6 +89,7 @@ def test_vllms_dtype_names_resolve_to_torch_dtypes(tiny_model):
     for name, torch_name in (("half", "float16"), ("float", "float32"), ("bfloat16", "bfloat16")):
         assert EngineArgs(model=str(tiny_model), dtype=name, device="cpu").resolve().dtype == torch_name
     assert EngineArgs(model=str(tiny_model), device="cpu").resolve().served_model_name == str(tiny_model)
+    assert EngineArgs(model="demo", device="cpu").resolve().served_model_name == "demo"  # not its directory
 
 
 def test_a_positional_model_and_model_flag_must_agree():
