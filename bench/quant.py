@@ -263,15 +263,21 @@ def run(args) -> dict:
     return result
 
 
-def _plot(result):
+def _figure(shapes, width):
+    """One plot a shape, side by side."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    fig, axes = plt.subplots(1, max(1, len(shapes)), figsize=(width * max(1, len(shapes)), 4), squeeze=False)
+    return fig, axes[0]
+
+
+def _plot(result):
     shapes = list(result["shapes"])
-    fig, axes = plt.subplots(1, max(1, len(shapes)), figsize=(5 * max(1, len(shapes)), 4), squeeze=False)
-    for ax, shape in zip(axes[0], shapes):
+    fig, axes = _figure(shapes, 5)
+    for ax, shape in zip(axes, shapes):
         methods = result["shapes"][shape]
         names = list(methods)
         ax.bar(names, [methods[m]["tpot_ms"]["min"] for m in names], label="TPOT (engine step)")
@@ -284,14 +290,9 @@ def _plot(result):
 
 def plot_kernels(result):
     """GB/s each projection's kernel reads its weights at, per method, against the read bandwidth."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     shapes = list(result["kernels"])
-    fig, axes = plt.subplots(1, max(1, len(shapes)), figsize=(6 * max(1, len(shapes)), 4), squeeze=False)
-    for ax, shape in zip(axes[0], shapes):
+    fig, axes = _figure(shapes, 6)
+    for ax, shape in zip(axes, shapes):
         rows = result["kernels"][shape]
         projections = list(dict.fromkeys(name.split()[0] for name in rows))
         for i, method in enumerate(METHODS):

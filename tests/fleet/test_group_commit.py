@@ -83,6 +83,14 @@ def burst(client):
         info.wait_for_publish(60)
 
 
+def wait_counted(location, total, what):
+    """The registry's devices once `total` messages are counted across them."""
+    def devices():
+        found = counted(location)
+        return found if sum(d["received"] for d in found.values()) == total else None
+    return wait_for(devices, 120, what=what)
+
+
 def test_a_burst_lands_in_few_transactions_none_lost_and_metrics_pass_promtool(broker, registry_location, tmp_path):
     controller = start(broker, registry_location, tmp_path, "controller")
     client = publisher(broker.port)
@@ -90,8 +98,7 @@ def test_a_burst_lands_in_few_transactions_none_lost_and_metrics_pass_promtool(b
         with registry_locked(registry_location):
             burst(client)
             wait_received(controller)
-        devices = wait_for(lambda: (lambda d: d if sum(x["received"] for x in d.values()) == BURST else None)(
-            counted(registry_location)), 120, what="every message of the burst counted")
+        devices = wait_counted(registry_location, BURST, "every message of the burst counted")
         assert all((d["received"], d["last_n"], d["gaps"], d["duplicates"]) == (10, 10, 0, 0)
                    for d in devices.values())
         text = scrape(controller)
@@ -126,8 +133,7 @@ def test_messages_not_committed_when_the_controller_dies_come_back(broker, regis
             controller.stop(signal.SIGKILL)
         assert sum(d["received"] for d in counted(registry_location).values()) == 0
         controller = start(broker, registry_location, tmp_path, "second")
-        devices = wait_for(lambda: (lambda d: d if sum(x["received"] for x in d.values()) == BURST else None)(
-            counted(registry_location)), 120, what="the burst delivered again and counted")
+        devices = wait_counted(registry_location, BURST, "the burst delivered again and counted")
         assert all((d["received"], d["gaps"], d["duplicates"]) == (10, 0, 0) for d in devices.values())
     finally:
         client.disconnect()
@@ -151,8 +157,7 @@ def test_a_message_the_database_refuses_alone_costs_only_itself(broker, postgres
             publish(client, topic("nul", "alert"), json.dumps(alert(n=1, type="refused-by-the-database")))
             publish(client, topic("nul", "health"), raw(health(n=2)))
             wait_received(controller, BURST + 2)
-        devices = wait_for(lambda: (lambda d: d if sum(x["received"] for x in d.values()) == BURST + 1 else None)(
-            counted(postgres_url)), 120, what="everything but the refused alert counted")
+        devices = wait_counted(postgres_url, BURST + 1, "everything but the refused alert counted")
         assert devices["nul"]["last_n"] == 2 and devices["nul"]["received"] == 1
         text = scrape(controller)
         assert value(text, "jetserve_fleet_messages_total", kind="alert", outcome="failed") == 1
