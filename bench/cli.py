@@ -17,6 +17,7 @@ BENCHMARKS = (
     ("mtp", "MTP drafting: tok/s vs no drafting on held-out prompts, acceptance, step-time ratios"),
     ("forward", "greedy tokens and logits of the engine vs transformers on one device"),
     ("profile", "where the time of a batch-1 decode step goes (torch.profiler)"),
+    ("prefill_profile", "where the time of a chunked-prefill step goes, by its chunk's depth (torch.profiler)"),
     ("kernels", "the decode kernels alone: skinny matmul vs cuBLAS bandwidth, split-context attention"),
     ("serve", "the service under load over gRPC: TTFT, ITL, TPOT and tok/s next to the engine's own step"),
     ("fleet", "simulated devices over MQTT against real controllers: lost messages, registry lag, offline detection"),

@@ -19,9 +19,10 @@ shape is captured once — (model part, tokens per sequence, batch bucket) — a
   (Triton compiles, cuBLAS handles, allocator state);
 - any other step — prefill chunks, alone or beside decodes (vLLM's full-graph mode) — replays
   a graph bucketed by its token count (`MixedStepGraphs`): its varlen attention metadata
-  (query starts, query tiles, context lengths, block tables) are static inputs sized for
-  max_num_seqs sequences, padded tokens write the scratch slot, padded query tiles point at an
-  empty sequence; the graph ends in the vocab projection of the sampled rows and their argmax;
+  (query starts, the flash kernel's work list, context lengths, block tables) are static inputs
+  sized for max_num_seqs sequences, padded tokens write the scratch slot, padded work items of
+  the flash kernel point at an empty sequence; the graph ends in the vocab projection of the
+  sampled rows and their argmax;
 - batches above the largest bucket, steps above the largest token bucket, steps with prefill
   chunks when speculating, and buckets whose capture failed run eagerly. Sampling other than
   greedy stays outside the graphs (a sampled speculative step runs the same function eagerly
@@ -39,7 +40,8 @@ import torch
 from tqdm import tqdm
 
 from jetserve.engine.config import CUDAGraphConfig
-from jetserve.engine.model.attention import PREFILL_BLOCK_M, AttentionMetadata, prefill_tiles, slot_mapping
+from jetserve.engine.model.attention import (PREFILL_BLOCK_M, AttentionMetadata, PrefillWork, prefill_plan,
+                                             slot_mapping)
 from jetserve.engine.spec_decode import Acceptance, device_acceptance, speculative_step
 
 log = logging.getLogger(__name__)
@@ -223,46 +225,57 @@ class CUDAGraphs:
         return hidden[:n], self.logits[:n], greedy[:n]
 
 
+def _fill_columns(flat, width: int, columns: list[list[int]], pads: tuple[int, ...]) -> None:
+    """Write columns of ints as the rows of a [len(columns), width] view of `flat`, each padded."""
+    for r, (column, pad) in enumerate(zip(columns, pads)):
+        flat[r * width:r * width + len(column)] = column
+        flat[r * width + len(column):(r + 1) * width] = pad
+
+
 class MixedStepGraphs:
     """Whole steps of any shape — prefill chunks, alone or beside decodes — as CUDA graphs
     bucketed by token count. A step of n tokens over b sequences replays the graph of the
     smallest bucket T >= n: its varlen attention metadata live in static buffers sized for
     `max_seqs` sequences plus one empty one, index `max_seqs`, that padding points at — padded
     tokens are no sequence's (their KV goes to the scratch slot, their rows are never read),
-    padded query tiles belong to the empty sequence and return at once. The graph ends in the
+    padded work items and merges of the flash kernel belong to the empty sequence and return at
+    once; the kernel's plan cuts a step's keys into `split_items` pieces (attention.prefill_plan),
+    so its work list and partial results have static bounds. The graph ends in the
     vocab projection of the step's sampled rows (one a sequence at most; padded: row 0) and their
     argmax, into a logits buffer outside the pool. Only those leave the graph, so the graphs'
     activations share one pool whatever their number: it grows to the largest step's."""
 
     def __init__(self, model, kv_cache: torch.Tensor, sizes: tuple[int, ...], max_seqs: int, width: int,
-                 block_size: int, scratch_block: int, num_warmup: int):
+                 block_size: int, scratch_block: int, num_warmup: int, split_items: int = 1):
         self.model, self.kv_cache, self.sizes, self.num_warmup = model, kv_cache, sorted(sizes), num_warmup
+        self.split_items = split_items
         self.max_seqs, self.width, self.block_size = max_seqs, width, block_size
         self.scratch_block, self.scratch_slot = scratch_block, scratch_block * block_size
         self.max_tokens = max(self.sizes)
         n, b = self.max_tokens, max_seqs
-        size = 3 * n + (b + 1) + (b + 2) + b + 2 * self.max_tiles(n) + (b + 1) * width
+        size = 3 * n + (b + 1) + (b + 2) + b + 5 * self.max_items(n) + 4 * split_items + (b + 1) * width
         self.staged = StagedInputs(size, kv_cache.device, self._split, self._pad)
-        self.ids, self.positions, self.slots, self.context_lens, self.starts, self.sample_rows, self.tiles, \
-            self.block_tables = self.staged.views
+        self.ids, self.positions, self.slots, self.context_lens, self.starts, self.sample_rows, self.items, \
+            self.merges, self.block_tables = self.staged.views
         self.logits = torch.zeros(max_seqs, model.config.vocab_size, dtype=torch.float32, device=kv_cache.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.greedy: dict[int, torch.Tensor] = {}
 
-    def max_tiles(self, tokens: int) -> int:
-        """Query tiles a step of `tokens` tokens over up to max_seqs sequences may have."""
-        return tokens // PREFILL_BLOCK_M + self.max_seqs
+    def max_items(self, tokens: int) -> int:
+        """Flash-kernel work items a step of `tokens` tokens over up to max_seqs sequences may
+        have: its query tiles, plus one per piece its keys are cut into (prefill_plan's bound)."""
+        return tokens // PREFILL_BLOCK_M + self.max_seqs + self.split_items
 
     def _split(self, flat):
         """Views of one buffer: [ids n | positions n | slots n | context_lens b+1 | query starts b+2 |
-        sampled rows b | query tiles 2×K | block_tables (b+1)×W] (n: the largest bucket, b: max_seqs,
-        K: its most query tiles; the empty sequence is row b)."""
+        sampled rows b | work items 5×K | merges 4×M | block_tables (b+1)×W] (n: the largest bucket,
+        b: max_seqs, K: its most work items, M: split_items; the empty sequence is row b)."""
         n, b, w = self.max_tokens, self.max_seqs, self.width
-        bounds = [0, *accumulate((n, n, n, b + 1, b + 2, b, 2 * self.max_tiles(n)))]
+        bounds = [0, *accumulate((n, n, n, b + 1, b + 2, b, 5 * self.max_items(n), 4 * self.split_items))]
         views = [flat[lo:hi] for lo, hi in zip(bounds, bounds[1:])]
         return (*views, flat[bounds[-1]:].reshape(b + 1, w))
 
-    def _pad(self, ids, positions, slots, context_lens, starts, sample_rows, tiles, block_tables) -> None:
+    def _pad(self, ids, positions, slots, context_lens, starts, sample_rows, items, merges, block_tables) -> None:
         slots.fill(self.scratch_slot)
         block_tables.fill(self.scratch_block)  # the empty sequence's context length stays 0
 
@@ -275,10 +288,11 @@ class MixedStepGraphs:
 
     def meta(self, tokens: int) -> AttentionMetadata:
         """Varlen attention metadata over the static inputs, for the bucket of `tokens` tokens."""
-        k = self.max_tiles(tokens)
+        k, m = self.max_items(tokens), self.split_items
+        work = PrefillWork(items=self.items[:5 * k].view(5, k), merges=self.merges.view(4, m), num_parts=2 * m)
         return AttentionMetadata(slot_mapping=self.slots[:tokens], context_lens=self.context_lens,
-                                 query_start_loc=self.starts, query_tiles=self.tiles[:2 * k].view(2, k),
-                                 block_tables=self.block_tables, block_size=self.block_size)
+                                 query_start_loc=self.starts, prefill=work, block_tables=self.block_tables,
+                                 block_size=self.block_size)
 
     def step(self, tokens: int) -> torch.Tensor:
         """The captured work of a bucket: the forward, the sampled rows' fp32 logits (into
@@ -306,7 +320,8 @@ class MixedStepGraphs:
         sequence: new tokens, context length after the step, block table; the rows to sample, one
         a sequence at most), into the static inputs, padded to `bucket` tokens: one copy."""
         n, b = len(ids), len(q_lens)
-        host_ids, host_positions, slots, context_lens, starts, sample_rows, tiles, block_tables = self.staged.host()
+        host_ids, host_positions, slots, context_lens, starts, sample_rows, items, merges, block_tables = \
+            self.staged.host()
         host_ids[:n] = ids
         host_positions[:n] = positions
         slots[:n] = slot_mapping(tables, ctx_lens, q_lens, self.block_size)
@@ -317,12 +332,10 @@ class MixedStepGraphs:
         starts[b + 1:] = n  # every sequence after the real ones, the empty one included, has no tokens
         sample_rows[:len(sample_at)] = sample_at
         sample_rows[len(sample_at):] = 0
-        k = self.max_tiles(bucket)
-        seqs, firsts = prefill_tiles(q_lens, ctx_lens)
-        tiles[:len(seqs)] = seqs
-        tiles[len(seqs):k] = self.max_seqs  # padded tiles: the empty sequence's
-        tiles[k:k + len(firsts)] = firsts
-        tiles[k + len(firsts):2 * k] = 0
+        item_columns, merge_columns = prefill_plan(q_lens, ctx_lens, self.split_items)
+        # Padding: the empty sequence's, with no keys and no partial slot (items), no pieces (merges).
+        _fill_columns(items, self.max_items(bucket), item_columns, (self.max_seqs, 0, 0, 0, -1))
+        _fill_columns(merges, self.split_items, merge_columns, (self.max_seqs, 0, 0, 0))
         for row, table in zip(block_tables, tables):
             row[:len(table)] = table
         self.staged.send(self.staged.device.shape[0])

@@ -17,7 +17,7 @@ from tqdm import tqdm
 from jetserve.engine.config import EngineConfig
 from jetserve.engine.cpu_graphs import CPUGraphs
 from jetserve.engine.cuda_graphs import CUDAGraphs, MixedStepGraphs
-from jetserve.engine.model.attention import MAX_UNIFORM_Q, AttentionMetadata, to_device
+from jetserve.engine.model.attention import MAX_UNIFORM_Q, AttentionMetadata, prefill_split_items, to_device
 from jetserve.engine.model.loader import load_model, torch_dtype
 from jetserve.engine.outputs import LogprobsLists
 from jetserve.engine.sampler import History, process_logits, sample, token_logprobs
@@ -53,7 +53,8 @@ def skinny_row_counts() -> list[int]:
 
 @torch.inference_mode()
 def tune_kernels(model, kv_cache: torch.Tensor, block_size: int, scratch_block: int, prefill: int,
-                 row_counts: list[int] | None = None, progress: Callable[[str], None] | None = None) -> None:
+                 row_counts: list[int] | None = None, progress: Callable[[str], None] | None = None,
+                 split_items: int = 1) -> None:
     """Every kernel timing at start-up, so that no request pays for one: a dry step of each row
     count a skinny product may see (`skinny_row_counts`: decode batches, verifies, drafts, small
     mixed steps), with the vocab projection and the MTP layers, then a `prefill`-token prefill
@@ -66,7 +67,8 @@ def tune_kernels(model, kv_cache: torch.Tensor, block_size: int, scratch_block: 
             progress(f"tuning kernel tiles {i + 1}/{len(todo)}")
         rows = i < len(todo) - 1  # n sequences of one token each
         meta = (AttentionMetadata.build([1] * n, [1] * n, [[scratch_block]] * n, block_size, device, True) if rows
-                else AttentionMetadata.build([n], [n], [list(range(-(-n // block_size)))], block_size, device, True))
+                else AttentionMetadata.build([n], [n], [list(range(-(-n // block_size)))], block_size, device, True,
+                                             split_items))
         ids = torch.zeros(n, dtype=torch.long, device=device)
         hidden = model(ids, ids, kv_cache, meta)  # position 0 for all: only the shapes matter
         if rows:
@@ -96,6 +98,8 @@ class ModelRunner:
         self.model = load_model(config.model, self.dtype, self.device, config.max_model_len, progress,
                                 config.quantization)
         self.kernels = None
+        # The flash prefill kernel's work is cut into this many pieces or more (attention.prefill_plan).
+        self.split_items = prefill_split_items(self.device, config.model_config.num_attention_heads)
         if config.fused_kernels:
             # Chosen here, once, and handed down: two engines in one process (tests, benchmarks)
             # each keep their own tile choices; tiles are timed only where graphs are captured.
@@ -124,14 +128,15 @@ class ModelRunner:
         if config.cuda_graphs:
             prefill = min(config.max_num_batched_tokens, 1024, self.num_blocks * self.block_size)
             tune_kernels(self.model, self.kv_cache, self.block_size, self.num_blocks, prefill, self._row_counts(),
-                         progress)
+                         progress, self.split_items)
             self.graphs = CUDAGraphs(self.model, self.kv_cache, config.cuda_graphs, config.max_model_len,
                                      self.block_size, scratch_block=self.num_blocks)
             pool = torch.cuda.graph_pool_handle()  # one for all: captured largest first, the mixed steps'
             if config.cuda_graphs.token_sizes:
                 self.mixed = MixedStepGraphs(self.model, self.kv_cache, config.cuda_graphs.token_sizes,
                                              config.max_num_seqs, self.graphs.width, self.block_size,
-                                             scratch_block=self.num_blocks, num_warmup=config.cuda_graphs.num_warmup)
+                                             scratch_block=self.num_blocks, num_warmup=config.cuda_graphs.num_warmup,
+                                             split_items=self.split_items)
                 self.mixed.capture(pool, progress)
             self.graphs.capture(pool, progress)
             self.kernels.freeze()
@@ -183,7 +188,10 @@ class ModelRunner:
         cache = torch.zeros(self.model.num_kv_layers, 2, n + self.block_size, c.num_key_value_heads,
                             c.head_dim, dtype=self.dtype, device=self.device)
         table = list(range(-(-n // self.block_size)))
-        meta = AttentionMetadata.build([n], [n], [table], self.block_size, self.device, self.config.fused_kernels)
+        meta = AttentionMetadata.build([n], [n], [table], self.block_size, self.device, self.config.fused_kernels,
+                                       self.split_items)
+        if meta.prefill is not None:  # the partial results a graphed step allocates, whatever its plan
+            meta.prefill.num_parts = 2 * self.split_items
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         with torch.inference_mode():
             positions = torch.arange(n, device=self.device) % self.model.rotary.cos.shape[0]  # n may pass max_model_len
@@ -371,7 +379,7 @@ class ModelRunner:
                 step.logits, step.greedy = logits, greedy
             return step
         meta = AttentionMetadata.build(q_lens, ctx_lens, tables, self.block_size, self.device,
-                                       self.config.fused_kernels)
+                                       self.config.fused_kernels, self.split_items)
         ids_t = to_device(torch.tensor(ids), self.device)
         if pending:
             self._fill_pending(ids_t, pending)

@@ -26,6 +26,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 _GENERAL_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 MAX_UNIFORM_Q = 16  # longer uniform steps are prefill chunks: the flash prefill kernel tiles those better
 PREFILL_BLOCK_M = 128  # query rows of one flash prefill tile
+# Keys of the shortest context piece, and the multiple every piece starts at (a multiple of each
+# BLOCK_N the flash kernel tries): a piece writes a partial result as big as 1/8 of its keys'
+# K and V, so shorter ones would spend more on partials than they gain in parallelism.
+PREFILL_MIN_PIECE = 512
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -85,18 +89,19 @@ class AttentionMetadata:
     block_size: int = 0
     # Varlen form (any other step): the flash prefill kernel (model/flash_prefill.py).
     query_start_loc: torch.Tensor | None = None  # [B + 1] int32: where each sequence's tokens start
-    query_tiles: torch.Tensor | None = None  # [2, tiles] int32: (sequence, first row) of each query tile
+    prefill: PrefillWork | None = None  # its work list
 
     @staticmethod
     def build(q_lens: list[int], ctx_lens: list[int], block_tables: list[list[int]], block_size: int,
-              device: torch.device, fused: bool = False) -> AttentionMetadata:
+              device: torch.device, fused: bool = False, split_items: int = 1) -> AttentionMetadata:
         """Describe a step; `ctx_lens` count the context after this step's tokens are added.
         `fused`: the model runs the Triton kernels, so a uniform step takes the paged decode
-        kernel and any other the flash prefill kernel; else SDPA in groups."""
+        kernel and any other the flash prefill kernel (its work cut into about `split_items`
+        items or more: `prefill_plan`); else SDPA in groups."""
         if fused and len(set(q_lens)) == 1 and q_lens[0] <= MAX_UNIFORM_Q:
             return AttentionMetadata._uniform(q_lens[0], ctx_lens, block_tables, block_size, device)
         if fused:
-            return AttentionMetadata._varlen(q_lens, ctx_lens, block_tables, block_size, device)
+            return AttentionMetadata._varlen(q_lens, ctx_lens, block_tables, block_size, device, split_items)
         short = [i for i, q in enumerate(q_lens) if q <= MAX_UNIFORM_Q]
         members = ([short] if short else []) + [[i] for i, q in enumerate(q_lens) if q > MAX_UNIFORM_Q]
         starts = [0]
@@ -130,29 +135,71 @@ class AttentionMetadata:
 
     @staticmethod
     def _varlen(q_lens: list[int], ctx_lens: list[int], block_tables: list[list[int]], block_size: int,
-                device: torch.device) -> AttentionMetadata:
+                device: torch.device, split_items: int) -> AttentionMetadata:
         width = max(len(t) for t in block_tables)
         slots = slot_mapping(block_tables, ctx_lens, q_lens, block_size)
         starts = [0, *accumulate(q_lens)]
-        tiles = prefill_tiles(q_lens, ctx_lens)
+        items, merges = prefill_plan(q_lens, ctx_lens, split_items)
         tables = [x for t in block_tables for x in t + [0] * (width - len(t))]
         # One host-to-device copy for all of them.
-        packed = to_device(torch.tensor(slots + ctx_lens + starts + tiles[0] + tiles[1] + tables, dtype=torch.int32),
-                           device)
-        n, b, k = len(slots), len(ctx_lens), len(tiles[0])
+        packed = to_device(torch.tensor(slots + ctx_lens + starts + sum(items, []) + sum(merges, []) + tables,
+                                        dtype=torch.int32), device)
+        n, b, k, m = len(slots), len(ctx_lens), len(items[0]), len(merges[0])
+        at = n + 2 * b + 1
+        work = PrefillWork(items=packed[at:at + 5 * k].view(5, k), merges=packed[at + 5 * k:at + 5 * k + 4 * m].view(4, m),
+                           num_parts=sum(merges[3]))
         return AttentionMetadata(slot_mapping=packed[:n], context_lens=packed[n:n + b],
-                                 query_start_loc=packed[n + b:n + 2 * b + 1],
-                                 query_tiles=packed[n + 2 * b + 1:n + 2 * b + 1 + 2 * k].view(2, k),
-                                 block_tables=packed[n + 2 * b + 1 + 2 * k:].view(b, width), block_size=block_size)
+                                 query_start_loc=packed[n + b:at], prefill=work,
+                                 block_tables=packed[at + 5 * k + 4 * m:].view(b, width), block_size=block_size)
 
 
-def prefill_tiles(q_lens: list[int], ctx_lens: list[int], block_m: int = PREFILL_BLOCK_M) -> list[list[int]]:
-    """[sequence indices, first rows] of a step's query tiles for the flash prefill kernel, the
-    longest context first: the GPU's last wave is then the short tiles."""
-    tiles = [(ctx - q + m0 + min(block_m, q - m0), b, m0)
+@dataclass
+class PrefillWork:
+    """The flash prefill kernel's work list for a step (from `prefill_plan`, on the device)."""
+
+    items: torch.Tensor  # [5, n] int32: sequence, first query row, first key, end key, partial slot (-1: none)
+    merges: torch.Tensor  # [4, m] int32: sequence, first query row, first partial slot, pieces
+    num_parts: int  # partial slots to allocate: the plan's, or the most any plan may fill (a graph's)
+
+
+def prefill_plan(q_lens: list[int], ctx_lens: list[int], split_items: int = 1,
+                 block_m: int = PREFILL_BLOCK_M) -> tuple[list[list[int]], list[list[int]]]:
+    """The flash prefill kernel's work for a step: (items, merges), each as columns of ints.
+
+    The queries are cut into tiles of `block_m` rows of one sequence; a tile attends to the keys
+    up to its last row. A 512-token chunk is 4 tiles: one program each per head would leave most
+    of the GPU idle while they walk a long context, so a tile whose keys pass the piece size is
+    cut along its context into pieces (flash-decoding, for prefill): each piece is an item of its
+    own that writes a partial result and its log-sum-exp into a slot, and a merge combines a
+    tile's pieces. The piece size is what cuts the step's keys into `split_items` pieces (at
+    least PREFILL_MIN_PIECE, a multiple of it), so an unchunked prompt (many tiles) is never cut and a
+    chunk deep in its context is cut most. Items go longest first: the GPU's last wave is then
+    short. An item: (sequence, first row, first key, end key, partial slot or -1 for a tile's
+    only piece); a merge: (sequence, first row, first slot, pieces). Bounds (static buffers of
+    a graph): items <= tiles + split_items, merges <= split_items, slots <= 2 * split_items."""
+    tiles = [(b, m0, ctx - q + min(m0 + block_m, q))  # the keys the tile's last row sees
              for b, (q, ctx) in enumerate(zip(q_lens, ctx_lens)) for m0 in range(0, q, block_m)]
-    tiles.sort(reverse=True)
-    return [[b for _, b, _ in tiles], [m0 for _, _, m0 in tiles]]
+    total = sum(keys for *_, keys in tiles)
+    piece = -(-max(PREFILL_MIN_PIECE, -(-total // split_items)) // PREFILL_MIN_PIECE) * PREFILL_MIN_PIECE
+    items, merges, slot = [], [], 0
+    for b, m0, keys in tiles:
+        n = -(-keys // piece)
+        if n == 1:
+            items.append((b, m0, 0, keys, -1))
+            continue
+        merges.append((b, m0, slot, n))
+        items += [(b, m0, lo, min(lo + piece, keys), slot + j) for j, lo in enumerate(range(0, keys, piece))]
+        slot += n
+    items.sort(key=lambda item: item[2] - item[3])  # stable: longest first, then in order
+    return [list(col) for col in zip(*items)] or [[]] * 5, [list(col) for col in zip(*merges)] or [[]] * 4
+
+
+def prefill_split_items(device: torch.device, num_heads: int) -> int:
+    """How many pieces `prefill_plan` cuts a step's keys into: enough items that with one program
+    per item and head every SM of the GPU has two. 1 off CUDA (the kernel's tests pass their own)."""
+    if device.type != "cuda":
+        return 1
+    return -(-2 * torch.cuda.get_device_properties(device).multi_processor_count // num_heads)
 
 
 def slot_mapping(block_tables: list[list[int]], ctx_lens: list[int], q_lens: list[int], block_size: int) -> list[int]:

@@ -120,9 +120,9 @@ class Attention(_KernelUser):
             q = kernels.qk_norm_rope_store(qkv, self.q_norm.weight, self.k_norm.weight, *rope,
                                            meta.slot_mapping, kv_cache[0], kv_cache[1], self.q_norm.eps,
                                            self.num_heads, self.num_kv_heads, self.head_dim)
-            if meta.query_tiles is not None:  # prefill chunks, alone or with decodes
+            if meta.prefill is not None:  # prefill chunks, alone or with decodes
                 out = kernels.prefill_attention(q, kv_cache[0], kv_cache[1], meta.block_tables, meta.query_start_loc,
-                                                meta.context_lens, meta.query_tiles, self.scale, meta.block_size)
+                                                meta.context_lens, meta.prefill, self.scale, meta.block_size)
             else:
                 out = kernels.paged_attention(q, kv_cache[0], kv_cache[1], meta.block_tables, meta.context_lens,
                                               meta.q_len, meta.block_size, self.scale)

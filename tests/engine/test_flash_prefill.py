@@ -1,15 +1,17 @@
 """The flash prefill kernel against plain attention over the same paged cache: a mixed step of
 chunks and decodes in one launch — odd lengths, chunks starting mid-block, a prefix-cache hit
-(blocks shared with another sequence), GQA, head_dim 64 and 128, several tiles a sequence. On a
-GPU it runs compiled; without one in Triton's interpreter (tests/conftest.py). End to end on the
-GPU: greedy tokens with chunked prefill and prefix caching equal transformers'."""
+(blocks shared with another sequence), GQA, head_dim 64 and 128, several tiles a sequence, and
+tiles whose context is cut into pieces (merged by the second kernel). On a GPU it runs
+compiled; without one in Triton's interpreter (tests/conftest.py). End to end on the GPU: greedy
+tokens with chunked prefill (pieces included) and prefix caching equal transformers'."""
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
-from jetserve.engine.model.attention import AttentionMetadata, prefill_tiles  # noqa: E402
+from jetserve.engine.model import attention  # noqa: E402
+from jetserve.engine.model.attention import AttentionMetadata, PrefillWork, prefill_plan  # noqa: E402
 from jetserve.engine.model.flash_prefill import prefill_attention  # noqa: E402
 
 from tests.engine.builders import build_qwen3, hf_greedy  # noqa: E402
@@ -41,44 +43,82 @@ def reference(q, k_cache, v_cache, tables, q_lens, ctx_lens, scale):
 STEP = [(37, 37), (21, 34), (1, 50), (9, 41), (70, 115)]
 
 
+def plan_on_device(q_lens, ctx_lens, split_items, block_m):
+    items, merges = prefill_plan(q_lens, ctx_lens, split_items, block_m)
+    as_tensor = lambda columns, rows: torch.tensor(columns, dtype=torch.int32, device=DEVICE).view(rows, -1)
+    return PrefillWork(as_tensor(items, 5), as_tensor(merges, 4), sum(merges[3]))
+
+
 # bf16 on the GPU only: the interpreter's tl.dot returns garbage for bf16 operands (Triton 3.x).
+# split_items 1: a program walks a tile's whole context; 8: contexts cut into pieces of 16 keys
+# (on the GPU: of 128), some of which hold no key for a tile's first rows.
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4)] + [(torch.bfloat16, 3e-2)] * (DEVICE == "cuda"))
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 64), (2, 1, 128), (3, 3, 24)])
-@pytest.mark.parametrize("block_m", [16 if DEVICE == "cpu" else 128])  # small tiles: several a sequence
-def test_mixed_step(dtype, tol, heads, kv_heads, head_dim, block_m):
-    torch.manual_seed(heads * head_dim + block_m)
-    q_lens, ctx_lens = [q for q, _ in STEP], [c for _, c in STEP]
-    blocks, tables = iter(range(1, 100)), []
-    for q_len, ctx in STEP:
+@pytest.mark.parametrize("split_items", [1, 8])
+def test_mixed_step(monkeypatch, dtype, tol, heads, kv_heads, head_dim, split_items):
+    block_m = 16 if DEVICE == "cpu" else 128  # small tiles: several a sequence
+    monkeypatch.setattr(attention, "PREFILL_MIN_PIECE", 16 if DEVICE == "cpu" else 128)
+    steps = STEP if DEVICE == "cpu" else [(q * 8, c * 8) for q, c in STEP]  # pieces of 128 need longer contexts
+    torch.manual_seed(heads * head_dim + split_items)
+    q_lens, ctx_lens = [q for q, _ in steps], [c for _, c in steps]
+    blocks, tables = iter(range(1, 1000)), []
+    for q_len, ctx in steps:
         tables.append([next(blocks) for _ in range(-(-ctx // BLOCK_SIZE))])
     tables[3][:2] = tables[0][:2]  # the prefix-cache hit: 32 tokens in the first sequence's blocks
-    slots = 40 * BLOCK_SIZE
+    slots = (max(max(t) for t in tables) + 1) * BLOCK_SIZE
     k_cache = torch.randn(slots, kv_heads, head_dim, dtype=dtype, device=DEVICE)
     v_cache = torch.randn(slots, kv_heads, head_dim, dtype=dtype, device=DEVICE)
     q = torch.randn(sum(q_lens), heads, head_dim, dtype=dtype, device=DEVICE)
     meta = AttentionMetadata.build(q_lens, ctx_lens, tables, BLOCK_SIZE, torch.device(DEVICE), fused=True)
-    tiles = torch.tensor(prefill_tiles(q_lens, ctx_lens, block_m), dtype=torch.int32, device=DEVICE)
+    work = plan_on_device(q_lens, ctx_lens, split_items, block_m)
+    assert (work.merges.shape[1] > 0) == (split_items > 1)
     scale = head_dim ** -0.5
-    got = prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens, tiles,
+    got = prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens, work,
                             scale, BLOCK_SIZE, block_m)
     want = reference(q, k_cache, v_cache, tables, q_lens, ctx_lens, scale)
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("split_items", [1, 3, 17, 64])
+def test_plan_covers_every_key_once(monkeypatch, split_items):
+    """Every (query row, key it sees) pair is in exactly one item, pieces start at multiples of
+    the piece size, items go longest first, and the plan stays within the bounds a graph's
+    static buffers are sized by; one item a tile when split_items is 1."""
+    monkeypatch.setattr(attention, "PREFILL_MIN_PIECE", 16)
+    q_lens, ctx_lens, block_m = [5, 40, 1, 70, 33], [5, 50, 20, 400, 233], 16
+    items, merges = prefill_plan(q_lens, ctx_lens, split_items, block_m)
+    seen = {}
+    for b, m0, lo, hi, slot in zip(*items):
+        assert lo % 16 == 0 and lo < hi
+        for r in range(m0, min(m0 + block_m, q_lens[b])):
+            for key in range(lo, min(hi, ctx_lens[b] - q_lens[b] + r + 1)):
+                seen[b, r, key] = seen.get((b, r, key), 0) + 1
+    assert set(seen.values()) == {1}
+    assert len(seen) == sum((c - q + r + 1) for q, c in zip(q_lens, ctx_lens) for r in range(q))
+    sizes = [hi - lo for lo, hi in zip(items[2], items[3])]
+    assert sizes == sorted(sizes, reverse=True)
+    tiles = sum(-(-q // block_m) for q in q_lens)
+    assert len(items[0]) <= tiles + split_items and len(merges[0]) <= split_items
+    assert sum(merges[3]) <= 2 * split_items
+    # Each merge names its tile's pieces: consecutive slots, one per item of that tile.
+    for b, m0, first, count in zip(*merges):
+        assert sorted(s for ib, im, *_, s in zip(*items) if (ib, im) == (b, m0)) == list(range(first, first + count))
+    if split_items == 1:
+        assert merges == [[]] * 4 and set(items[4]) == {-1} and len(items[0]) == tiles
+
+
 def test_varlen_metadata():
-    """The host side: tiles cover every query row once, the longest context first; slots,
-    starts and tables are what the SDPA path reads."""
+    """The host side: slots, starts and tables are what the SDPA path reads, and the work list
+    is the plan's."""
     q_lens, ctx_lens, tables = [5, 40, 1], [5, 50, 20], [[3], [4, 5, 6, 7], [8, 9]]
-    seqs, rows = prefill_tiles(q_lens, ctx_lens, 16)
-    covered = sorted((b, m0 + i) for b, m0 in zip(seqs, rows) for i in range(min(16, q_lens[b] - m0)))
-    assert covered == [(b, r) for b, q in enumerate(q_lens) for r in range(q)]
-    assert (seqs[0], rows[0]) == (1, 32)  # the tile whose last row sees 50 keys
-    meta = AttentionMetadata.build(q_lens, ctx_lens, tables, 16, torch.device("cpu"), fused=True)
+    meta = AttentionMetadata.build(q_lens, ctx_lens, tables, 16, torch.device("cpu"), fused=True, split_items=4)
     assert meta.query_start_loc.tolist() == [0, 5, 45, 46]
     assert meta.context_lens.tolist() == ctx_lens
     assert meta.block_tables.tolist() == [[3, 0, 0, 0], [4, 5, 6, 7], [8, 9, 0, 0]]
     assert meta.slot_mapping.tolist()[:6] == [48, 49, 50, 51, 52, 4 * 16 + 10]
-    assert meta.query_tiles.tolist() == prefill_tiles(q_lens, ctx_lens)
+    items, merges = prefill_plan(q_lens, ctx_lens, 4)
+    assert meta.prefill.items.tolist() == items and meta.prefill.merges.tolist() == merges
+    assert meta.prefill.num_parts == sum(merges[3])
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
@@ -102,3 +142,27 @@ def test_greedy_with_flash_prefill_matches_transformers(tmp_path, budget):
                                                          use_tqdm=False)]
     assert got == want  # again: the long prompts now hit the prefix cache
     assert llm.engine.scheduler.blocks.num_used == 0
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
+@pytest.mark.gpu
+def test_greedy_with_context_pieces_matches_transformers(tmp_path):
+    """fp32 on the GPU: a 1,500-token prompt in chunks of a 256-token budget beside a decoding
+    stream, so that from the third chunk on its tiles see more than PREFILL_MIN_PIECE keys and are
+    cut into pieces that the second kernel merges, in graphed mixed steps; greedy tokens equal
+    transformers'."""
+    from jetserve.engine import LLM, SamplingParams
+    from jetserve.engine.model.attention import PREFILL_MIN_PIECE, prefill_split_items
+
+    model = build_qwen3(tmp_path, head_dim=64, max_position_embeddings=2048)
+    long = torch.randint(3, 320, (1500,), generator=torch.Generator().manual_seed(0)).tolist()
+    prompts = [[5, 17, 2, 99], long]
+    assert prefill_plan([255, 1], [3 * 255, 9], prefill_split_items(torch.device("cuda"), 4))[1][0]  # cut
+    assert 3 * 255 - 255 + 128 > PREFILL_MIN_PIECE
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = [hf_greedy(model, p, 8) for p in prompts]
+    llm = LLM(str(tmp_path), device="cuda", dtype="float32", max_num_seqs=2, max_num_batched_tokens=256,
+              max_model_len=1600)
+    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                         use_tqdm=False)]
+    assert got == want

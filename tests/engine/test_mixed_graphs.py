@@ -9,6 +9,7 @@ pytest.importorskip("triton")
 
 from jetserve.engine.config import EngineArgs, token_sizes  # noqa: E402
 from jetserve.engine.cuda_graphs import MixedStepGraphs  # noqa: E402
+from jetserve.engine.model import attention  # noqa: E402
 from jetserve.engine.model.attention import AttentionMetadata  # noqa: E402
 from jetserve.engine.model.kernels import SKINNY_MAX_ROWS, FusedKernels  # noqa: E402
 from jetserve.engine.model.loader import load_model  # noqa: E402
@@ -43,14 +44,16 @@ def step_lists(q_lens, ctx_lens, tables):
 
 
 @torch.inference_mode()
-def test_mixed_step_on_static_inputs_equals_eager(tmp_path):
-    """Steps of prefill chunks beside decodes, padded to their token bucket (tokens, query tiles,
-    sequences), give eager's logits and greedy tokens; a smaller step after a bigger one reads
-    none of its stale inputs."""
+def test_mixed_step_on_static_inputs_equals_eager(tmp_path, monkeypatch):
+    """Steps of prefill chunks beside decodes, padded to their token bucket (tokens, the flash
+    kernel's work items and merges, sequences), give eager's logits and greedy tokens, with the
+    static plan cutting contexts into pieces of 16 keys and the eager one not; a smaller step
+    after a bigger one reads none of its stale inputs."""
+    monkeypatch.setattr(attention, "PREFILL_MIN_PIECE", 16)
     build_qwen3(tmp_path, **SMALL)
     model, cache = fused_model(tmp_path, FusedKernels(tile_timing=False))
     mixed = MixedStepGraphs(model, cache, (16, 32), max_seqs=5, width=8, block_size=BLOCK_SIZE,
-                            scratch_block=NUM_BLOCKS, num_warmup=0)
+                            scratch_block=NUM_BLOCKS, num_warmup=0, split_items=4)
     # (q_len, ctx_len) per sequence: a fresh prompt, a chunk starting mid-block, two decodes, a
     # chunk whose first 16 tokens hit the prefix cache (the first sequence's first block).
     steps = [([(9, 9), (9, 30), (1, 40), (1, 7)], [[0], [2, 3], [4, 5, 6], [7]]),
@@ -64,6 +67,7 @@ def test_mixed_step_on_static_inputs_equals_eager(tmp_path):
         want = model.compute_logits(hidden[sample_at]).float()
         bucket = 16 if len(ids) <= 16 else 32
         mixed.stage(bucket, ids, positions, q_lens, ctx_lens, tables, sample_at)
+        assert mixed.merges[3 * 4:].sum() > 0  # some tile's context is in pieces
         greedy = mixed.step(bucket)[:len(sample_at)]
         torch.testing.assert_close(mixed.logits[:len(sample_at)], want, rtol=1e-4, atol=1e-4)
         assert greedy.tolist() == want.argmax(-1).tolist()
