@@ -20,7 +20,7 @@ from jetserve import DEMO_MODEL, demo_model_dir
 from jetserve.engine.model.checkpoint import CheckpointError, num_mtp_layers, read_json
 
 DEFAULT_MAX_MODEL_LEN = 4096  # when the model allows more: KV for a longer default rarely fits a Jetson
-DEFAULT_CHUNK_BUDGET = 256  # tokens a step with chunked prefill computes at most: measured (README: chunked prefill)
+DEFAULT_CHUNK_BUDGET = 512  # tokens a step with chunked prefill computes at most: measured (README: chunked prefill)
 HAS_TRITON = importlib.util.find_spec("triton") is not None  # the fused CUDA kernels and the graphs need it
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
