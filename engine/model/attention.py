@@ -27,8 +27,9 @@ _GENERAL_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 MAX_UNIFORM_Q = 16  # longer uniform steps are prefill chunks: the flash prefill kernel tiles those better
 PREFILL_BLOCK_M = 128  # query rows of one flash prefill tile
 # Keys of the shortest context piece, and the multiple every piece starts at (a multiple of each
-# BLOCK_N the flash kernel tries): a piece writes a partial result as big as 1/8 of its keys'
-# K and V, so shorter ones would spend more on partials than they gain in parallelism.
+# BLOCK_N the flash kernel tries): a piece's partial result (128 rows x head_dim in fp32, written
+# and read back) is a quarter of the K and V that 512 keys bring, so shorter pieces would spend
+# more on partials than they gain in parallelism.
 PREFILL_MIN_PIECE = 512
 
 
@@ -146,11 +147,12 @@ class AttentionMetadata:
                                         dtype=torch.int32), device)
         n, b, k, m = len(slots), len(ctx_lens), len(items[0]), len(merges[0])
         at = n + 2 * b + 1
-        work = PrefillWork(items=packed[at:at + 5 * k].view(5, k), merges=packed[at + 5 * k:at + 5 * k + 4 * m].view(4, m),
+        merges_at, tables_at = at + 5 * k, at + 5 * k + 4 * m
+        work = PrefillWork(items=packed[at:merges_at].view(5, k), merges=packed[merges_at:tables_at].view(4, m),
                            num_parts=sum(merges[3]))
         return AttentionMetadata(slot_mapping=packed[:n], context_lens=packed[n:n + b],
                                  query_start_loc=packed[n + b:at], prefill=work,
-                                 block_tables=packed[at + 5 * k + 4 * m:].view(b, width), block_size=block_size)
+                                 block_tables=packed[tables_at:].view(b, width), block_size=block_size)
 
 
 @dataclass
@@ -172,8 +174,8 @@ def prefill_plan(q_lens: list[int], ctx_lens: list[int], split_items: int = 1,
     cut along its context into pieces (flash-decoding, for prefill): each piece is an item of its
     own that writes a partial result and its log-sum-exp into a slot, and a merge combines a
     tile's pieces. The piece size is what cuts the step's keys into `split_items` pieces (at
-    least PREFILL_MIN_PIECE, a multiple of it), so an unchunked prompt (many tiles) is never cut and a
-    chunk deep in its context is cut most. Items go longest first: the GPU's last wave is then
+    least PREFILL_MIN_PIECE, a multiple of it), so an unchunked prompt (many tiles) is never cut
+    and a chunk deep in its context is cut most. Items go longest first: the GPU's last wave is then
     short. An item: (sequence, first row, first key, end key, partial slot or -1 for a tile's
     only piece); a merge: (sequence, first row, first slot, pieces). Bounds (static buffers of
     a graph): items <= tiles + split_items, merges <= split_items, slots <= 2 * split_items."""

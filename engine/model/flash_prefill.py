@@ -10,9 +10,9 @@ of one sequence, and a tile's keys into pieces when the step has too few tiles t
 or one piece of its keys) for one query head: it streams the keys in BLOCK_N-wide blocks with an
 online softmax (flash attention), unmasked below the tile's first position and causally masked
 on the diagonal. A tile's only piece writes its output; pieces write a partial result and its
-log-sum-exp, which a second kernel merges. Keys are gathered through the block table row by row (a row is one token's
-head, contiguous), so no gathered copy of the context and no [q, ctx] mask ever exist; GQA reads
-the kv head of its group. Triton rather than a library kernel: FlashAttention's paged kernels
+log-sum-exp, which a second kernel merges. Keys are gathered through the block table row by row
+(a row is one token's head, contiguous), so no gathered copy of the context and no [q, ctx] mask
+ever exist; GQA reads the kv head of its group. Triton rather than a library kernel: FlashAttention's paged kernels
 need sm80+ builds that Jetson's JetPack wheels lack, while Triton compiles this one for the H200
 and Orin alike, and its interpreter lets CI check it on CPU.
 """
