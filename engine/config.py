@@ -338,7 +338,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True  # reuse the KV of prompt prefixes seen before
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
-    async_scheduling: bool = False  # launch step N+1 before reading step N's tokens
+    async_scheduling: bool | None = None  # launch step N+1 before reading step N's tokens; None: on a GPU
     speculative_config: dict | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None  # override the computed KV pool size (tests, tight devices)
@@ -375,10 +375,11 @@ class EngineArgs:
         g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
         g.add_argument("--enforce-eager", action="store_true", default=d.enforce_eager,
                        help="never capture CUDA graphs nor compile CPU decode steps")
-        g.add_argument("--async-scheduling", action="store_true", default=d.async_scheduling,
-                       help="overlap the host's work on one step with the device's on the next "
-                            "(with --speculative-config a step's inputs depend on how many drafts the "
-                            "last one accepted: those steps run one at a time, each one graph)")
+        g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
+                       help="overlap the host's work on one step with the device's on the next (default: on "
+                            "a GPU, where it hides the host's share of a step; off on a CPU, which does both). "
+                            "With --speculative-config, and while a request reads tokens or logits on the "
+                            "host (penalties, bad_words, min_tokens, logprobs), steps run one at a time")
         g.add_argument("--speculative-config", type=_json_dict, default=d.speculative_config,
                        help='e.g. \'{"method": "mtp", "num_speculative_tokens": 3}\'')
         g.add_argument("--block-size", type=int, default=d.block_size)
@@ -476,7 +477,8 @@ class EngineArgs:
             max_num_batched_tokens=budget, enable_chunked_prefill=self.enable_chunked_prefill,
             enable_prefix_caching=self.enable_prefix_caching, gpu_memory_utilization=self.gpu_memory_utilization,
             block_size=self.block_size, num_kv_blocks=self.num_kv_blocks, max_waiting=self.max_waiting,
-            seed=self.seed, async_scheduling=self.async_scheduling, speculative=spec, cuda_graphs=graphs,
+            seed=self.seed, speculative=spec, cuda_graphs=graphs,
+            async_scheduling=device.startswith("cuda") if self.async_scheduling is None else self.async_scheduling,
             fused_kernels=fused, has_tokenizer=(Path(model) / "tokenizer.json").exists(),
             engine_core_process=self.engine_core_process,
             quantization=quantization, cpu_compile=cpu_compile)

@@ -46,6 +46,13 @@ class _Request:
     prompt_logprobs_sent: bool = False
 
 
+def reads_host(params: SamplingParams) -> bool:
+    """Whether a sequence's steps need its tokens or logits on the host (penalties, bad_words and
+    min_tokens read its history; logprobs are computed there): async scheduling, which never
+    waits for a step's tokens, runs steps one at a time while such a sequence is unfinished."""
+    return params.needs_history or params.logprobs is not None or params.prompt_logprobs is not None
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, on_status=None, detokenize: bool = True):
         if config.backend != "torch":
@@ -62,6 +69,7 @@ class LLMEngine:
         self.families: dict[str, list[str]] = {}  # request id → its unfinished sequences' ids
         self.num_requests_finished = 0
         self._in_flight: Launch | None = None  # async scheduling: the step whose tokens are still out
+        self.num_reading_host = 0  # unfinished sequences whose steps read tokens or logits on the host
         self._seeds = random.Random(config.seed)  # noise keys of requests without a seed
         # Tokens computed per step, as counts per ITERATION_TOKENS_BUCKETS bucket (+Inf last) and a sum.
         self.iteration_tokens = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
@@ -83,10 +91,6 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already running")
         params.update_from_tokenizer(self.tokenizer)
         params.check_vocab(self.config.model_config.vocab_size)
-        if self.config.async_scheduling and (params.needs_history or params.logprobs is not None
-                                             or params.prompt_logprobs is not None):
-            raise ValueError("penalties, bad_words, min_tokens, logprobs and prompt_logprobs need the tokens "
-                             "on the host: not available with async_scheduling")
         text, ids = self.tokenize_prompt(prompt)
         # n > 1: n sequences of one prompt (vLLM's parent request), seeds apart so they differ.
         keys = [request_id] if params.n == 1 else [f"{request_id}[{i}]" for i in range(params.n)]
@@ -103,6 +107,7 @@ class LLMEngine:
             stops = StopStrings(params.stop if detok else (), params.include_stop_str_in_output)
             self.requests[key] = _Request(seq, text, detok, stops, request_id, index)
             self.scheduler.add(seq)
+            self.num_reading_host += reads_host(child)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request (all n of its sequences) wherever it is and free its blocks; returns
@@ -123,7 +128,11 @@ class LLMEngine:
         if self.config.async_scheduling and not self.draft_length:
             # With drafting, a step's inputs depend on how many drafts the last one accepted:
             # steps run one at a time, each one graph with one read back (runner._speculative).
-            return self._step_async()
+            if not self.num_reading_host:
+                return self._step_async()
+            if self._in_flight is not None:  # a sequence reads the host's tokens: catch up, then step in turn
+                previous, self._in_flight = self._in_flight, None
+                return self._receive(previous)
         num_drafts = self.draft_length.next() if self.draft_length else 0
         batch = self.scheduler.schedule(num_lookahead_slots=num_drafts)
         if not batch:
@@ -159,10 +168,12 @@ class LLMEngine:
         if launch is not None:
             self.scheduler.launched(batch, launch.seqs)
         previous, self._in_flight = self._in_flight, launch
-        if previous is None:
-            return []
+        return self._receive(previous) if previous is not None else []
+
+    def _receive(self, launch: Launch) -> list[RequestOutput]:
+        """Async scheduling: the deltas of a launched step, once its tokens are on the host."""
         outputs, now = [], time.monotonic()
-        for seq, token in previous.tokens():
+        for seq, token in launch.tokens():
             if self.scheduler.receive(seq, token):
                 outputs.append(self._process(self.requests[seq.request_id], [token], now))
         return outputs
@@ -224,6 +235,7 @@ class LLMEngine:
         seq = request.seq
         self.scheduler.finish(seq, reason, num_output_tokens)
         del self.requests[seq.request_id]
+        self.num_reading_host -= reads_host(seq.params)
         family = self.families[request.parent]
         family.remove(seq.request_id)
         if not family:

@@ -100,3 +100,41 @@ def test_with_speculative_decoding(tmp_path):
     drafted = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in drafted] == [o.outputs[0].token_ids for o in plain]
     assert llm.engine.stats().num_accepted_tokens > 0 and llm.engine.scheduler.blocks.num_used == 0
+
+
+def test_requests_that_read_the_host_step_in_turn(tiny):
+    """Penalties, bad_words, min_tokens, logprobs and prompt_logprobs read a step's tokens or logits
+    on the host: while one is unfinished the engine catches up with the step in flight and steps
+    one at a time, with the same tokens, text and logprobs as without async scheduling; then it
+    overlaps again."""
+    path, _ = tiny
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=9, logprobs=3, prompt_logprobs=2),
+              SamplingParams(temperature=0.9, seed=5, max_tokens=12, repetition_penalty=1.4, presence_penalty=0.5),
+              SamplingParams(temperature=0, max_tokens=10, min_tokens=6, bad_words=["e"]),
+              SamplingParams(temperature=1.0, seed=2, max_tokens=12, stop=["e"])]
+    prompts = [CORPUS[i % len(CORPUS)] for i in range(len(params))]
+    results = []
+    for async_scheduling in (False, True):
+        llm = LLM(str(path), max_num_seqs=4, max_num_batched_tokens=16, async_scheduling=async_scheduling)
+        results.append([(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].logprobs, o.prompt_logprobs)
+                        for o in llm.generate(prompts, params, use_tqdm=False)])
+        assert llm.engine.scheduler.blocks.num_used == 0 and llm.engine.num_reading_host == 0
+    assert results[0] == results[1]
+    assert results[1][1][2] is not None and results[1][1][3] is not None
+
+    engine = llm.engine
+    engine.add_request("plain", {"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=30, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    assert engine._in_flight is not None
+    engine.add_request("host", {"prompt_token_ids": PROMPTS[1]},
+                       SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1))
+    caught_up = engine.step()  # the step in flight, read: "host" has not run yet
+    assert [o.request_id for o in caught_up] == ["plain"] and engine._in_flight is None
+    while "host" in engine.families:
+        assert engine._in_flight is None
+        engine.step()
+    engine.step()
+    assert engine._in_flight is not None  # overlapping again
+    engine.abort("plain")

@@ -28,6 +28,15 @@ def test_defaults_are_resolved_once(tiny):
     assert unchunked.max_num_batched_tokens == 200  # a whole prompt in one step
 
 
+def test_async_scheduling_is_on_by_default_on_a_gpu_only(tiny):
+    """It hides the host's share of a step behind the GPU's; a CPU does both, so there it stays off."""
+    path, _ = tiny
+    assert EngineArgs(model=str(path)).resolve(device="cuda").async_scheduling
+    assert not EngineArgs(model=str(path)).resolve(device="cpu").async_scheduling
+    assert not EngineArgs(model=str(path), async_scheduling=False).resolve(device="cuda").async_scheduling
+    assert EngineArgs(model=str(path), async_scheduling=True).resolve(device="cpu").async_scheduling
+
+
 def test_kv_reserve_covers_the_largest_step_the_scheduler_runs(tiny):
     """With chunking off a step may carry max_model_len tokens: the KV plan must leave room for
     that step's activations, not for a 512-token chunk (it once reserved 512 regardless)."""

@@ -233,15 +233,13 @@ def test_prompt_logprobs_are_the_models_log_softmax(tiny, chunk):
     assert llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0].prompt_logprobs is None
 
 
-def test_async_scheduling_serves_n_and_refuses_logprobs_by_name(tiny):
-    """Logprobs need each step's logits on the host, which async scheduling never waits for:
-    refused, naming the fields; n > 1 (sequences of their own) is served, seeded as without it."""
+def test_async_scheduling_serves_n_and_logprobs_as_without_it(tiny):
+    """n > 1 (sequences of their own) runs asynchronously, seeded as without it; logprobs need each
+    step's logits on the host, so their steps run one at a time (test_async_scheduling.py)."""
     path, _ = tiny
     llm = LLM(str(path), max_num_seqs=4, block_size=4, async_scheduling=True)
-    for fields in ({"logprobs": 1}, {"prompt_logprobs": 1}):
-        with pytest.raises(ValueError, match="prompt_logprobs need the tokens on the host: not available with "
-                                             "async_scheduling"):
-            ours(llm, SamplingParams(**fields))
-    params = SamplingParams(n=2, seed=4, temperature=1.0, max_tokens=5, ignore_eos=True)
     plain = LLM(str(path), max_num_seqs=4, block_size=4)
-    assert [o.token_ids for o in ours(llm, params)] == [o.token_ids for o in ours(plain, params)]
+    for params in (SamplingParams(n=2, seed=4, temperature=1.0, max_tokens=5, ignore_eos=True),
+                   SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2, prompt_logprobs=1)):
+        assert [(o.token_ids, o.logprobs) for o in ours(llm, params)] == \
+            [(o.token_ids, o.logprobs) for o in ours(plain, params)]
