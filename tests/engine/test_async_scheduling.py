@@ -3,6 +3,7 @@
 import asyncio
 
 import pytest
+import torch
 
 from jetserve.engine import LLM, AsyncLLM, EngineArgs, SamplingParams
 from jetserve.engine.llm_engine import LLMEngine
@@ -102,11 +103,13 @@ def test_with_speculative_decoding(tmp_path):
     assert llm.engine.stats().num_accepted_tokens > 0 and llm.engine.scheduler.blocks.num_used == 0
 
 
-def test_requests_that_read_the_host_step_in_turn(tiny):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_requests_that_read_the_host_step_in_turn(tiny, device):
     """Penalties, bad_words, min_tokens, logprobs and prompt_logprobs read a step's tokens or logits
     on the host: while one is unfinished the engine catches up with the step in flight and steps
     one at a time, with the same tokens, text and logprobs as without async scheduling; then it
-    overlaps again."""
+    overlaps again (on a GPU: graphed steps, the default there)."""
     path, _ = tiny
     params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=9, logprobs=3, prompt_logprobs=2),
@@ -116,7 +119,8 @@ def test_requests_that_read_the_host_step_in_turn(tiny):
     prompts = [CORPUS[i % len(CORPUS)] for i in range(len(params))]
     results = []
     for async_scheduling in (False, True):
-        llm = LLM(str(path), max_num_seqs=4, max_num_batched_tokens=16, async_scheduling=async_scheduling)
+        llm = LLM(str(path), device=device, dtype="float32", max_num_seqs=4, max_num_batched_tokens=16,
+                  async_scheduling=async_scheduling)
         results.append([(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].logprobs, o.prompt_logprobs)
                         for o in llm.generate(prompts, params, use_tqdm=False)])
         assert llm.engine.scheduler.blocks.num_used == 0 and llm.engine.num_reading_host == 0
