@@ -142,3 +142,46 @@ def test_requests_that_read_the_host_step_in_turn(tiny, device):
     engine.step()
     assert engine._in_flight is not None  # overlapping again
     engine.abort("plain")
+
+
+def test_through_the_engine_core_process(tiny):
+    """The core in its own process, stepping asynchronously: seeded samples, stop strings, EOS and
+    max_tokens end exactly where a synchronous LLM ends them, and a stream left mid-way frees
+    every KV block across the process boundary."""
+    path, _ = tiny
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=24, stop=["e", "的"]) for s in range(3)] + \
+             [SamplingParams(temperature=0.8, seed=9, max_tokens=5), SamplingParams(temperature=0, max_tokens=30)]
+    prompts = [CORPUS[i % len(CORPUS)] for i in range(len(params))]
+    flags = dict(model=str(path), max_num_seqs=4, max_num_batched_tokens=32)
+    expected = [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason)
+                for o in LLM(**flags).generate(prompts, params, use_tqdm=False)]
+
+    async def main():
+        engine = AsyncLLM(EngineArgs(**flags, async_scheduling=True).resolve())
+        assert engine.config.engine_core_process
+        engine.start()
+        try:
+            async def one(prompt, sampling):
+                tokens, text, reason = [], "", None
+                async for out in engine.generate(prompt, sampling):
+                    tokens, text, reason = tokens + out.outputs[0].token_ids, text + out.outputs[0].text, \
+                        out.outputs[0].finish_reason
+                return tokens, text, reason
+            results = await asyncio.gather(*(one(p, sp) for p, sp in zip(prompts, params)))
+            stream = engine.generate(CORPUS[0], SamplingParams(max_tokens=200, ignore_eos=True))
+            async for _ in stream:  # one delta, then the reader leaves: the request is aborted
+                break
+            await stream.aclose()
+            for _ in range(400):  # the core's stats come with every step and every idle tick (0.5 s)
+                stats = engine.stats()
+                if stats.kv_blocks_used == 0 and stats.num_running == 0:
+                    break
+                await asyncio.sleep(0.05)
+            return results, stats
+        finally:
+            engine.shutdown()
+
+    results, stats = asyncio.run(main())
+    assert [tuple(r) for r in results] == expected
+    assert {reason for _, _, reason in expected} >= {"stop", "length"}
+    assert stats.kv_blocks_used == 0 and stats.num_running == 0 and stats.num_waiting == 0
