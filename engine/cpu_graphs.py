@@ -1,21 +1,28 @@
 """Compiled decode steps on the CPU: the CPU's counterpart of cuda_graphs.py.
 
 An eager CPU decode step of a small model is a few hundred aten calls from Python, and on a
-2-core board that interpreter work, not the arithmetic, sets the pace. So, as on CUDA, each
-decode batch bucket is made once into one fixed-shape program and then only run: the whole
-forward, the vocab projection and the greedy argmax go through `torch.compile` (inductor's C++
-backend, `dynamic=False`), which fuses the norms, RoPE and SiLU·up into a handful of C++ loops
-around the matrix products. What stays opaque to the compiler is the attention over the paged
-KV cache (`cpu_decode_attention`): the context it reads grows every step, and a shape that
-changes would recompile. Its static inputs are the CUDA graphs' (token ids, positions, slots,
-context lengths), plus each context position's cache slot in place of block tables, all
-written in place by the host (`stage`); the attention reads only the batch's longest context.
+2-core board that interpreter work, not the arithmetic, sets the pace. So a decode step is made
+once into one program and then only run: the whole forward, the attention over the paged KV
+cache, the vocab projection and the greedy argmax go through `torch.compile` (inductor's C++
+backend), which fuses the norms, q/k norm + RoPE, the attention and SiLU·up into a few C++
+loops between the matrix products. With inductor's freezing the weights are constants of the
+program, packed once at compile time for MKL (batch 1) or oneDNN (more rows), which read them
+faster than the BLAS call on the plain matrix (bench/results/decode-cpu-compiled).
 
-Compiled code lives in inductor's on-disk caches (FX graph and AOTAutograd caches under
-`cache_dir`), so a restart loads the buckets' kernels instead of compiling them again; the
-first start on a machine compiles each bucket once (progress bar). Steps with prefill chunks,
-batches above the largest bucket and buckets whose compile failed run eagerly; so does every
-step with `--enforce-eager`.
+Two programs serve every batch bucket: batch 1, and one whose batch size is symbolic (so
+oneDNN's product, 2-3x MKL's at 8 rows of a wide projection); in both the context read is the
+other symbolic size, the batch's longest context rounded up to `CONTEXT_ALIGN`, so a step never
+reads the whole block table nor recompiles as contexts grow. The static inputs are the CUDA
+graphs' (token ids, positions, slots, context lengths) plus each context position's cache slot
+in place of block tables, written in place by the host (`stage`). A step's new keys and values
+leave the program as outputs and are stored with one indexed copy after it: stored inside,
+into a view of the cache, they make inductor copy the whole cache every step.
+
+The batch-1 program lives in inductor's on-disk caches (`cache_dir`), so a restart loads it;
+oneDNN's packed weights cannot be pickled, so the other is compiled at every start (progress
+bar, tens of seconds on a 2-core board). The frozen weights are copies: each program holds the
+model's weights once more. Steps with prefill chunks, batches above the largest bucket and
+buckets whose compile failed run eagerly; so does every step with `--enforce-eager`.
 """
 
 from __future__ import annotations
@@ -36,57 +43,48 @@ from jetserve.engine.model.qwen3 import apply_rope
 
 log = logging.getLogger(__name__)
 
-# Realize every pointwise chain of more than three ops (a norm, SiLU·up, RoPE) into its own small
-# buffer: inlined into a product's reduction, inductor recomputes it for every output column and
-# can no longer vectorize along the weight row (a batch-8 step took 60 ms, not 3). The product's
-# own multiply (two loads and a mul) stays inlined, so no [N, M, K] tensor is ever made.
-INDUCTOR_OPTIONS = {"realize_opcount_threshold": 3}
+CONTEXT_ALIGN = 16  # the attention reads the batch's longest context rounded up to this
 
 
-@torch.library.custom_op("jetserve::cpu_kv_store", mutates_args=("k_cache", "v_cache"))
-def cpu_kv_store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slots: torch.Tensor) -> None:
-    """Write a step's keys and values into their cache slots."""
-    index = slots.long()
-    k_cache.index_copy_(0, index, k)
-    v_cache.index_copy_(0, index, v)
-
-
-@cpu_kv_store.register_fake
-def _(k, v, k_cache, v_cache, slots) -> None:
-    return None
-
-
-@torch.library.custom_op("jetserve::cpu_decode_attention", mutates_args=())
-def cpu_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context_slots: torch.Tensor,
-                         context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query a sequence over its context in the paged cache: q [B, H, D], caches [slots, KVH,
-    D], context_slots [B, W] the cache slot of each context position (a block table of one-token
-    blocks, written by the host), context_lens [B] (after this step's token). Reads the batch's
-    longest context only, not the table's whole width."""
-    longest = int(context_lens.max())
-    slots = context_slots[:, :longest]
-    keys, values = k_cache[slots].transpose(1, 2), v_cache[slots].transpose(1, 2)  # [B, KVH, C, D]
-    visible = (torch.arange(longest) < context_lens[:, None])[:, None, None, :]  # [B, 1, 1, C]
-    out = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=visible, scale=scale,
-                                         enable_gqa=q.shape[1] != keys.shape[1])
-    return out[:, :, 0].contiguous()
-
-
-@cpu_decode_attention.register_fake
-def _(q, k_cache, v_cache, context_slots, context_lens, scale):
-    return q.new_empty(q.shape)  # contiguous, as the real one returns
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context_slots: torch.Tensor,
+                     cached_lens: torch.Tensor, scale: float,
+                     fresh: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """One query a sequence over its context, as reductions inductor fuses with the gather from
+    the paged cache (no copy of the context): q [B, H, D]; caches [slots, KVH, D];
+    context_slots [B, C] the cache slot of each context position (a block table of one-token
+    blocks); cached_lens [B] the positions read from the cache (those past it are masked, so
+    their slots may be stale); `fresh`: this step's own key and value [B, KVH, D], not yet in
+    the cache."""
+    batch, heads, dim = q.shape
+    kv_heads = k_cache.shape[1]
+    q = q.view(batch, 1, kv_heads, heads // kv_heads, dim).float() * scale
+    keys, values = k_cache[context_slots], v_cache[context_slots]  # [B, C, KVH, D]
+    scores = (q * keys[:, :, :, None, :].float()).sum(-1)  # [B, C, KVH, G]
+    visible = torch.arange(context_slots.shape[1], device=q.device)[None, :] < cached_lens[:, None]
+    scores = scores.masked_fill(~visible[:, :, None, None], float("-inf"))
+    if fresh is not None:
+        k, v = (t.float()[:, None, :, None, :] for t in fresh)  # [B, 1, KVH, 1, D]
+        scores = torch.cat([scores, (q * k).sum(-1)], dim=1)
+    probs = torch.softmax(scores, dim=1)
+    out = (probs[:, :keys.shape[1], :, :, None] * values[:, :, :, None, :].float()).sum(1)  # [B, KVH, G, D]
+    if fresh is not None:
+        out = out + probs[:, -1, :, :, None] * v[:, 0]
+    return out.reshape(batch, heads, dim).to(k_cache.dtype)
 
 
 class CPUKernels:
     """The model's kernel interface (model/kernels.py's `FusedKernels`) in plain torch, for the
-    compiled step. Under `torch.compile` a product of a few rows becomes one reduction loop
-    that streams each weight row once for all the rows, `(W[:, None, :] * x).sum(-1)`: inductor
-    vectorizes it, where the BLAS call (M ≤ 16, K = hidden) reads the weights at a fraction of
-    the memory bandwidth (bench/results/decode-cpu-compiled). Eagerly (prefill steps, buckets
-    that did not compile) every method is the model's own plain-torch computation."""
+    compiled step: the model's own computation, with the paged attention of a decode step
+    (`decode_attention`). Eagerly (prefill steps, buckets that did not compile, MTP drafts over
+    a compiled step's metadata) the same methods run as plain torch ops."""
 
-    SKINNY_MAX_ROWS = 16  # more rows: the BLAS product, which is compute-bound by then
+    SKINNY_MAX_ROWS = 64  # rows the model hands to `linear` (all of them: it is F.linear)
+
+    def __init__(self):
+        # Compiling: each layer's new key and value, which the step returns for one store after
+        # the program (a store into the cache, a view of a graph input, makes inductor copy the
+        # whole cache); the layer's attention reads its own from here.
+        self.fresh: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     @staticmethod
     def runs_on(x: torch.Tensor) -> bool:
@@ -94,9 +92,7 @@ class CPUKernels:
 
     @staticmethod
     def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if not torch.compiler.is_compiling():
-            return F.linear(x, weight)
-        return (weight[:, None, :] * x[None]).sum(-1).t().contiguous()
+        return F.linear(x, weight)
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
@@ -122,22 +118,28 @@ class CPUKernels:
     def silu_linear(cls, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return cls.linear(cls.silu_mul(gate_up), weight)
 
-    @staticmethod
-    def qk_norm_rope_store(qkv, q_weight, k_weight, cos, sin, slot_mapping, k_cache, v_cache, eps: float,
+    def qk_norm_rope_store(self, qkv, q_weight, k_weight, cos, sin, slot_mapping, k_cache, v_cache, eps: float,
                            num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
         """Per-head RMSNorm and RoPE of q and k, k and v written into their cache slots; returns
         q [T, H, D]."""
         q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
         q = apply_rope(_rms_norm(q.view(-1, num_heads, head_dim), q_weight, eps), cos, sin)
         k = apply_rope(_rms_norm(k.view(-1, num_kv_heads, head_dim), k_weight, eps), cos, sin)
-        torch.ops.jetserve.cpu_kv_store(k, v.view(-1, num_kv_heads, head_dim), k_cache, v_cache, slot_mapping)
+        v = v.view(-1, num_kv_heads, head_dim)
+        if torch.compiler.is_compiling():
+            self.fresh.append((k, v))
+        else:
+            index = slot_mapping.long()
+            k_cache.index_copy_(0, index, k)
+            v_cache.index_copy_(0, index, v)
         return q
 
-    @staticmethod
-    def paged_attention(q, k_cache, v_cache, block_tables, context_lens, q_len: int, block_size: int,
+    def paged_attention(self, q, k_cache, v_cache, block_tables, context_lens, q_len: int, block_size: int,
                         scale: float) -> torch.Tensor:
         """The compiled step's tables are per token (block_size 1): see `CPUGraphs.meta`."""
-        return torch.ops.jetserve.cpu_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+        if torch.compiler.is_compiling():
+            return decode_attention(q, k_cache, v_cache, block_tables, context_lens - 1, scale, self.fresh[-1])
+        return decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -169,8 +171,8 @@ class CPUGraphs:
         self._offsets = np.arange(block_size)
         self.slots.fill_(self.scratch_slot)
         self.context_lens.fill_(1)
+        self.span = CONTEXT_ALIGN  # context positions the next step reads (set by `stage`)
         self.graphs: dict[tuple[None, int, int], Callable] = {}
-        self.outputs: dict[tuple[None, int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.compile_seconds: dict[int, float] = {}
 
     def key(self, num_drafts: int | None, q_len: int, batch: int, width: int) -> tuple[None, int, int] | None:
@@ -182,33 +184,59 @@ class CPUGraphs:
 
     def meta(self, q_len: int, batch: int) -> AttentionMetadata:
         """Attention metadata over the static inputs of `batch` decodes (tables per token: block size 1)."""
-        return AttentionMetadata(slot_mapping=self.slots[:batch], block_tables=self.context_slots[:batch],
+        return AttentionMetadata(slot_mapping=self.slots[:batch], block_tables=self.context_slots[:batch, :self.span],
                                  context_lens=self.context_lens[:batch], q_len=q_len, block_size=1)
 
-    def _step(self, ids, positions, meta):
+    def _step(self, ids, positions, slots, context_slots, context_lens):
+        meta = AttentionMetadata(slot_mapping=slots, block_tables=context_slots, context_lens=context_lens, q_len=1,
+                                 block_size=1)
         hidden = self.model(ids, positions, self.kv_cache, meta)
         logits = self.model.compute_logits(hidden).float()
-        return hidden, logits, logits.argmax(-1)
+        fresh = torch.stack([torch.stack(kv) for kv in self.kernels.fresh])  # [layers, 2, B, KVH, D]
+        self.kernels.fresh = []
+        return hidden, logits, logits.argmax(-1), fresh
+
+    def _inputs(self, bucket: int) -> tuple[torch.Tensor, ...]:
+        return (self.ids[:bucket], self.positions[:bucket], self.slots[:bucket],
+                self.context_slots[:bucket, :self.span], self.context_lens[:bucket])
+
+    def _run(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # Only the guards that tell the two programs apart: the others (the model's weights and
+        # modules, the cache) cannot change after `capture` (0.2 ms a step otherwise, on this box).
+        with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+            hidden, logits, greedy, fresh = self._compiled(*self._inputs(bucket))
+        self.kv_cache[:fresh.shape[0], :, self.slots[:bucket].long()] = fresh
+        return hidden, logits, greedy
 
     @torch.inference_mode()
     def capture(self, progress: Callable[[str], None] | None = None) -> None:
-        """Compile each bucket (or load it from the on-disk caches) and run it once."""
+        """Compile the programs (or load them from the on-disk caches) and run each bucket once."""
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = self.config.cache_dir  # inductor reads it at each lookup
-        self.model.use_kernels(CPUKernels())
-        compiled = torch.compile(self._step, dynamic=False, fullgraph=True, options=INDUCTOR_OPTIONS)
+        self.kernels = CPUKernels()
+        self.model.use_kernels(self.kernels)
+        self._compiled = torch.compile(self._step, fullgraph=True)
         start = time.perf_counter()
         for i, bucket in enumerate(tqdm(self.sizes, desc="compiling CPU decode steps", unit="step", leave=False)):
             if progress:
                 progress(f"compiling CPU decode steps {i + 1}/{len(self.sizes)}")
             began = time.perf_counter()
-            step = lambda b=bucket: compiled(self.ids[:b], self.positions[:b], self.meta(1, b))  # noqa: E731
+            self.kernels.fresh, self.span = [], 2 * CONTEXT_ALIGN
+            inputs = self._inputs(bucket)
+            torch._dynamo.maybe_mark_dynamic(inputs[3], 1)  # the context read
+            if bucket > 1:  # one program for every batch of 2 or more
+                for t in inputs:
+                    torch._dynamo.maybe_mark_dynamic(t, 0)
             try:
-                step()
+                # Freezing is read while dynamo traces, so it is set around the call, not in options.
+                with torch._dynamo.config.patch(automatic_dynamic_shapes=False), \
+                        torch._inductor.config.patch(freezing=True):
+                    *_, fresh = self._compiled(*inputs)
+                self.kv_cache[:fresh.shape[0], :, self.slots[:bucket].long()] = fresh
             except Exception as exc:  # that bucket runs eagerly; the engine still starts
                 log.warning("compiling the CPU decode step at batch size %d failed (%s: %s); it runs eagerly", bucket,
                             type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
                 continue
-            self.graphs[(None, 1, bucket)] = step
+            self.graphs[(None, 1, bucket)] = lambda b=bucket: self._run(b)
             self.compile_seconds[bucket] = round(time.perf_counter() - began, 2)
         log.info("CPU decode steps: %d of %d compiled in %.1f s (batch sizes %s; cache %s)", len(self.graphs),
                  len(self.sizes), time.perf_counter() - start, ",".join(map(str, self.sizes)),
@@ -230,10 +258,10 @@ class CPUGraphs:
         for row, table in zip(context_slots, tables):
             row[:len(table) * self.block_size] = (np.asarray(table)[:, None] * self.block_size + self._offsets).ravel()
         context_slots[n:bucket, 0] = self.scratch_slot
+        self.span = min(-(-max(ctx_lens) // CONTEXT_ALIGN) * CONTEXT_ALIGN, context_slots.shape[1])
 
     def replay(self, key: tuple[None, int, int], n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Run a compiled step over the static inputs: the first n rows of its hidden states, fp32
         logits and greedy tokens."""
         hidden, logits, greedy = self.graphs[key]()
         return hidden[:n], logits[:n], greedy[:n]
-

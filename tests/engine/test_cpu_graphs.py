@@ -1,7 +1,8 @@
 """The compiled CPU decode step (engine/cpu_graphs.py) against transformers and the eager step.
 
-One engine compiles one bucket (batch 4) of the tiny model, about 10-30 s on a busy 2-core box;
-the suite otherwise runs CPU engines eagerly (tests/conftest.py sets TORCH_COMPILE_DISABLE)."""
+One engine compiles the tiny model's two programs (batch 1, and batches of 2 or more serving the
+bucket of 4), about 20-40 s on a busy 2-core box; the suite otherwise runs CPU engines eagerly
+(tests/conftest.py sets TORCH_COMPILE_DISABLE)."""
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ def compiled(tiny):
     with pytest.MonkeyPatch.context() as mp:  # torch.compile on while this module's tests run
         mp.delenv("TORCH_COMPILE_DISABLE", raising=False)
         mp.setattr(torch._dynamo.config, "disable", False)
-        llm = LLM(str(tiny[0]), max_num_seqs=4, cudagraph_capture_sizes=[4], block_size=8)
+        llm = LLM(str(tiny[0]), max_num_seqs=4, cudagraph_capture_sizes=[1, 4], block_size=8)
         replays = []
         graphs = llm.engine.runner.graphs
         run = graphs.replay
@@ -34,14 +35,18 @@ def test_greedy_tokens_equal_transformers(tiny, compiled):
     path, hf_model = tiny
     llm, replays = compiled
     assert isinstance(llm.engine.runner.graphs, CPUGraphs)
-    assert list(llm.engine.runner.graphs.graphs) == [(None, 1, 4)]
+    assert list(llm.engine.runner.graphs.graphs) == [(None, 1, 1), (None, 1, 4)]
     assert not llm.engine.model_info.cuda_graphs  # compiled CPU steps are not CUDA graphs to a client
     replays.clear()
+    compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert compiled >= 2  # the two programs (the counter counts what dynamo traced)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in LENGTHS]
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf_model, p, n) for p, n in zip(PROMPTS, LENGTHS)]
-    # every decode step ran compiled: 11 steps after the prefill, batches 4, 3, 2 and 1 padded to 4
-    assert len(replays) == max(LENGTHS) - 1 and {n for _, n in replays} == {4, 3, 2, 1}
+    # every decode step ran compiled: 11 steps after the prefill, batches 4, 3 and 2 padded to 4, then 1
+    assert len(replays) == max(LENGTHS) - 1 and {(key[2], n) for key, n in replays} == {(4, 4), (4, 3), (4, 2), (1, 1)}
+    # contexts grew past several spans (16, 32) and the batch shrank: nothing was compiled again
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiled
     assert llm.engine.scheduler.blocks.num_used == 0
 
 
