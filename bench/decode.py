@@ -14,6 +14,15 @@ and "step overhead" what the engine step adds to it (host work and anything laun
 """
 
 DEFAULT_SHAPES = ["qwen3-0.6b", "qwen3-4b"]
+# CPU profile (--profile): profiler op names → where a step's time goes; the first match wins.
+PROFILE_FAMILIES = (
+    ("products (MKL / oneDNN)", ("mkl::_mkl_linear", "mkldnn::_linear_pointwise", "aten::mm", "aten::addmm",
+                                 "aten::bmm")),
+    ("attention (SDPA)", ("scaled_dot_product",)),
+    ("compiled program: inductor's C++ loops (norms, RoPE, attention, SiLU) and its Python wrapper",
+     ("## Call CompiledFxGraph",)),
+    ("entering the compiled program (dynamo)", ("TorchDynamo", "Torch-Compiled Region", "Pregraph", "AOTDispatcher")),
+)
 
 
 def add_arguments(p):
@@ -33,6 +42,8 @@ def add_arguments(p):
                    "ours_graphs_async)")
     p.add_argument("--repeats", type=int, default=3, help="CPU: rounds over every batch size and config")
     p.add_argument("--threads", type=int, help="CPU: torch threads (default: torch's, one a core)")
+    p.add_argument("--profile", action="store_true",
+                   help="CPU: after the rounds, where a step's time goes (torch.profiler), ours and transformers")
 
 
 def _checkpoint_dir(model: str) -> str:
@@ -245,11 +256,74 @@ def _time_cpu(args, model_dir, hf, batches) -> dict:
     out["configs"] = {name: {b: median(v) for b, v in per.items()} for name, per in runs.items()}
     out["min"] = {name: {b: min(v) for b, v in per.items()} for name, per in runs.items()}
     out["runs"] = runs
+    if args.profile:
+        out["profile_ms"] = {name: {b: _profile_engine(engine, b, args.prompt_len, rng) for b in batches}
+                             for name, engine in engines.items()}
+        if hf is not None:
+            out["profile_ms"]["hf_eager"] = {b: _profile_hf(hf, b, args.prompt_len, rng) for b in batches}
     if hf is not None:
         hf_median = out["configs"]["hf_eager"]
         out["speedup_vs_hf_eager"] = {name: {b: round(hf_median[b] / out["configs"][name][b], 2) for b in batches}
                                       for name in engines}
     return out
+
+
+def _families(profile, steps: int, wall_s: float) -> dict:
+    """ms a step of each PROFILE_FAMILIES family (self times), and the rest of the wall time."""
+    out = {name: 0.0 for name, _ in PROFILE_FAMILIES}
+    for event in profile.key_averages():
+        family = next((name for name, keys in PROFILE_FAMILIES if any(k in event.key for k in keys)), None)
+        if family:
+            out[family] += event.self_cpu_time_total / 1e3 / steps
+    out["rest: Python and small ops (ours: scheduling, inputs, sampling)"] = wall_s * 1e3 / steps - sum(out.values())
+    out["profiled step"] = wall_s * 1e3 / steps
+    return {name: round(ms, 3) for name, ms in out.items() if ms}
+
+
+def _profile_engine(engine, batch, prompt_len, rng, steps=16) -> dict:
+    """Where `steps` decode steps of `batch` fresh sequences spend their time (torch.profiler)."""
+    import time
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from jetserve.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
+    for i in range(batch):
+        ids = torch.randint(0, engine.config.model_config.vocab_size, (prompt_len,), generator=rng).tolist()
+        engine.add_request(f"profile-{batch}-{i}", {"prompt_token_ids": ids}, params)
+    started = set()
+    while len(started) < batch:
+        started.update(o.request_id for o in engine.step())
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        wall = time.perf_counter() - start
+    while engine.has_unfinished_requests():
+        engine.step()
+    return _families(prof, steps, wall)
+
+
+def _profile_hf(model, batch, prompt_len, rng, steps=16) -> dict:
+    """The same for transformers' `generate`: a run of steps + 1 tokens less a run of 1 (the prefill)."""
+    import time
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    ids = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=rng)
+    runs = []
+    for tokens in (steps + 1, 1):
+        kwargs = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0,
+                      attention_mask=torch.ones_like(ids))
+        with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
+            start = time.perf_counter()
+            model.generate(ids, **kwargs)
+            wall = time.perf_counter() - start
+        runs.append(_families(prof, steps, wall))
+    return {name: round(ms - runs[1].get(name, 0), 3) for name, ms in runs[0].items()}
 
 
 def _replay_ms(graphs, batch) -> float | None:
