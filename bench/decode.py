@@ -238,6 +238,9 @@ def _time_cpu(args, model_dir, hf, batches) -> dict:
         graphs = engines[name].runner.graphs
         if graphs:
             out["compile_s"][name] = graphs.compile_seconds
+            # inductor's on-disk cache: programs loaded (hit), compiled (miss), not cacheable (bypass)
+            out["fx_graph_cache"] = {k: v for k, v in torch._dynamo.utils.counters["inductor"].items()
+                                     if k.startswith("fxgraph_cache")}
     rng = torch.Generator().manual_seed(0)
     for batch in batches:  # warm every shape (prefill and decode) of ours; _time_hf warms its own
         for engine in engines.values():

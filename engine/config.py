@@ -247,15 +247,17 @@ def token_sizes(budget: int) -> list[int]:
 
 @dataclass(frozen=True)
 class CPUCompileConfig:
-    """What the runner compiles on a CPU: one decode step a batch bucket (see cpu_graphs.py)."""
+    """What the runner compiles on a CPU: the decode step of these batch buckets, as two programs
+    (batch 1, and any batch of 2 or more: see cpu_graphs.py)."""
 
     capture_sizes: tuple[int, ...]
     cache_dir: str  # inductor's on-disk caches: $TORCHINDUCTOR_CACHE_DIR, else ~/.cache/jetserve/torchinductor
 
 
 def cpu_capture_sizes(sizes: list[int] | None, max_size: int | None, max_num_seqs: int) -> list[int]:
-    """CPU batch buckets: the given sizes, or powers of two up to the max (each bucket is a
-    compile, tens of seconds on a small board the first time), all capped by max_num_seqs."""
+    """CPU batch buckets: the given sizes, or powers of two up to the max, all capped by
+    max_num_seqs. A step is padded to its bucket; buckets cost no compile of their own (one
+    program serves every batch of 2 or more)."""
     limit = min(max_size or max_num_seqs, max_num_seqs)
     sizes = sizes or [*(2 ** i for i in range(limit.bit_length())), limit]
     return sorted({s for s in sizes if 1 <= s <= limit})
