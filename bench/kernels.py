@@ -2,8 +2,9 @@
 shape, with the prologue the model fuses into it) against cuBLAS, and paged attention with the
 context split over programs against one program per (token, kv head), by context length.
 
-Shows which tile the first-use tuner picks per shape and how close each product gets to the
-read bandwidth; the step-level numbers are `jetserve bench decode` and `profile`.
+Shows which tile the start-up tuner picks per shape (programmatic dependent launches on), how
+close each product gets to the read bandwidth, and main's tiles without PDL in the same run; the
+step-level numbers are `jetserve bench decode` and `profile`.
 """
 
 ROWS = [1, 2, 4, 8]
@@ -17,7 +18,6 @@ def add_arguments(p):
 
 def run(args) -> dict:
     import torch
-    import triton
     from tqdm import tqdm
 
     from jetserve.bench.common import SHAPES, environment, read_bandwidth, write_results
@@ -29,41 +29,35 @@ def run(args) -> dict:
     result = {"env": environment(device), "dtype": "bfloat16", "read_bandwidth_GBps": round(read_bandwidth(device) / 1e9),
               "matmul": {}, "attention": {}}
 
-    tuned = kernels.FusedKernels(tile_timing=True)
+    from jetserve.bench.quant import _operands, _projections, main_time, precompile, projection_variants
 
     def bench(fn, weight=None):
         """µs a call takes on the GPU, replayed from a graph; with a weight, read cold as in a step."""
         copies = kernels._cold_copies(weight) if weight is not None else [None]
         return kernels.graph_time([lambda w=w: fn(w) for w in copies]) * 1e3
 
+    for m in rows:
+        precompile(projection_variants(args.shapes, ["bf16"], m), f"[kernels] compiling {m}-row variants")
     for shape in args.shapes:
         s = SHAPES[shape]
-        h, i, heads, kv, d = (s["hidden_size"], s["intermediate_size"], s["num_attention_heads"],
-                              s["num_key_value_heads"], s["head_dim"])
-        weights = {"qkv (RMSNorm +)": (kernels.ADD_NORM, (heads + 2 * kv) * d, h), "o": (kernels.PLAIN, h, heads * d),
-                   "gate_up (RMSNorm +)": (kernels.ADD_NORM, 2 * i, h), "down (SiLU·up +)": (kernels.SILU_MUL, h, i),
-                   "lm_head": (kernels.PLAIN, s["vocab_size"], h)}
+        heads, kv, d = s["num_attention_heads"], s["num_key_value_heads"], s["head_dim"]
         table = result["matmul"][shape] = {}
-        for name, (prologue, n, k) in tqdm(weights.items(), desc=f"[kernels] {shape} matmuls"):
-            w = torch.randn(n, k, dtype=dtype, device=device) / k ** 0.5
-            norm_w = torch.ones(k, dtype=dtype, device=device)
+        for name, (prologue, n, k) in tqdm(_projections(shape).items(), desc=f"[kernels] {shape} matmuls"):
             for m in rows:
-                x = torch.randn(m, 2 * k if prologue == kernels.SILU_MUL else k, dtype=dtype, device=device)
-                res = torch.randn(m, k, dtype=dtype, device=device)
-                extra = (res if prologue == kernels.ADD_NORM else None, norm_w, 1e-6)
-                tuned.skinny_matmul(prologue, x, w, *extra)  # tunes this shape
-                key = (prologue, triton.next_power_of_2(m), n, k, dtype)
-                tile, tried = tuned.chosen[key], tuned.tuning_times[key]
-                best_tile = min((t for t in tried if t), key=tried.get, default=None)
-                ours = bench(lambda w_: tuned.skinny_matmul(prologue, x, w_, *extra), w)
-                cublas = bench(lambda w_: kernels._run(None, prologue, x, w_, *extra), w)
+                x, w, res, norm_w = _operands(prologue, n, k, "bf16", device, m)
+                tuned = kernels.FusedKernels(tile_timing=True, pdl=True)  # PDL where supported: the engine's
+                tuned.skinny_matmul(prologue, x, w, res, norm_w, 1e-6)  # tunes this shape
+                tile, tried = next(iter(tuned.chosen.values())), next(iter(tuned.tuning_times.values()))
+                main_ms, main_tile = main_time("bf16", prologue, x, w, res, norm_w)
                 gb = w.numel() * w.element_size() / 1e9
+                ours, cublas, main = tried[tile] * 1e3, tried[None] * 1e3, min(main_ms * 1e3, tried[None] * 1e3)
                 table.setdefault(name, {})[m] = {
-                    "tile": list(tile) if tile else "cuBLAS", "us": round(ours, 2), "cublas_us": round(cublas, 2),
-                    "best_tile": best_tile and list(best_tile),
-                    "best_tile_us": best_tile and round(tried[best_tile] * 1e3, 2),
-                    "GBps": round(gb / ours * 1e6), "cublas_GBps": round(gb / cublas * 1e6)}
-            del w
+                    "tile": str(tile) if tile else "cuBLAS", "us": round(ours, 2), "cublas_us": round(cublas, 2),
+                    "main_us": round(main, 2), "main_tile": str(main_tile) if main_ms * 1e3 < cublas else "cuBLAS",
+                    "tiles_us": {str(t): round(v * 1e3, 2) for t, v in tried.items()},
+                    "GBps": round(gb / ours * 1e6), "main_GBps": round(gb / main * 1e6),
+                    "cublas_GBps": round(gb / cublas * 1e6)}
+                del x, w, res, norm_w, tuned
         cache_slots = max(CONTEXTS) + 16
         k_cache = torch.randn(cache_slots, kv, d, dtype=dtype, device=device)
         v_cache = torch.randn_like(k_cache)
@@ -87,7 +81,7 @@ def print_summary(result):
     for shape, table in result["matmul"].items():
         for name, by_m in table.items():
             tqdm.write(f"[kernels] {shape} {name}: " + "; ".join(
-                f"M={m} {v['us']} µs ({v['GBps']} GB/s, {v['tile']}; best tile {v['best_tile_us']}, cuBLAS "
+                f"M={m} {v['us']} µs ({v['GBps']} GB/s, {v['tile']}; main {v['main_us']} µs {v['main_tile']}, cuBLAS "
                 f"{v['cublas_us']})" for m, v in by_m.items()))
         for ctx, v in result["attention"][shape].items():
             tqdm.write(f"[kernels] {shape} attention, context {ctx}: {v['us']} µs in {v['splits']} splits, "
@@ -105,13 +99,16 @@ def _plot(result):
     for ax, shape in zip(axes[0], shapes):
         table = result["matmul"][shape]
         names = list(table)
-        for offset, (key, label) in enumerate((("GBps", "skinny matmul (fused)"), ("cublas_GBps", "cuBLAS (unfused)"))):
-            ax.bar([j + 0.4 * offset for j in range(len(names))], [table[n][min(table[n])][key] for n in names],
-                   width=0.4, label=label)
+        m = min(table[names[0]])
+        series = (("GBps", "tuned (PDL, split K, prologue apart)"), ("main_GBps", "main's tiles, no PDL"),
+                  ("cublas_GBps", "cuBLAS (unfused)"))
+        for offset, (key, label) in enumerate(series):
+            ax.bar([j + 0.27 * offset for j in range(len(names))], [table[n][m][key] for n in names],
+                   width=0.27, label=label)
         ax.axhline(result["read_bandwidth_GBps"], color="k", ls="--", label="read bandwidth")
-        ax.set_xticks([j + 0.2 for j in range(len(names))], names, rotation=20, fontsize=8)
-        ax.set_ylabel("GB/s of weights read, batch 1")
-        ax.set_title(f"{shape}: one decode row")
+        ax.set_xticks([j + 0.27 for j in range(len(names))], names, rotation=20, fontsize=8)
+        ax.set_ylabel(f"GB/s of weights read, {m} rows")
+        ax.set_title(f"{shape}: {m} decode rows")
         ax.legend(fontsize=8)
     fig.tight_layout()
     return fig

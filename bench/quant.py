@@ -46,8 +46,8 @@ def _methods(name: str, methods: list[str]) -> list[str]:
     return ["bf16"] if name == "lm_head" else methods
 
 
-def _operands(prologue: int, n: int, k: int, method: str, device):
-    """(x, weight, residual, norm weight) of one batch-1 product, random."""
+def _operands(prologue: int, n: int, k: int, method: str, device, rows: int = 1):
+    """(x, weight, residual, norm weight) of one product of `rows` rows, random."""
     import torch
 
     from jetserve.engine.config import ON_THE_FLY
@@ -57,26 +57,48 @@ def _operands(prologue: int, n: int, k: int, method: str, device):
     dense = torch.randn(n, k, device=device) / k**0.5
     weight = dense.to(torch.bfloat16) if method == "bf16" else quant.quantize(dense, *ON_THE_FLY[method])
     del dense
-    x = torch.randn(1, 2 * k if prologue == kernels.SILU_MUL else k, device=device, dtype=torch.bfloat16)
-    residual = torch.randn(1, k, device=device, dtype=torch.bfloat16) if prologue == kernels.ADD_NORM else None
+    x = torch.randn(rows, 2 * k if prologue == kernels.SILU_MUL else k, device=device, dtype=torch.bfloat16)
+    residual = torch.randn(rows, k, device=device, dtype=torch.bfloat16) if prologue == kernels.ADD_NORM else None
     norm = torch.rand(k, device=device, dtype=torch.bfloat16) + 0.5 if prologue in (kernels.NORM,
                                                                                    kernels.ADD_NORM) else None
     return x, weight, residual, norm
 
 
-def _variants(shapes, methods) -> list[tuple]:
-    """(method, prologue, k, tile) of every kernel the run compiles: N is a launch argument
-    (all real ones multiples of 16, as Triton specializes them), K and the tile are compiled in."""
+def main_tiles(tiles) -> list:
+    """The tiles main had before split K and the prologue apart (measured there without PDL)."""
+    return [t for t in tiles if t is not None and t.split_k == 1 and not t.apart]
+
+
+def _tiles(method: str, prologue: int, rows: int) -> list:
     from jetserve.engine.model import kernels
     from jetserve.engine.model.quant_kernels import TILES
 
+    if method == "bf16":
+        return kernels.candidate_tiles(rows, prologue)[1:]
+    return [t for t in TILES if not (t.apart and prologue == kernels.PLAIN)]
+
+
+def projection_variants(shapes, methods, rows: int, main: bool = True) -> list[tuple]:
+    """(method, prologue, k, rows, tile, pdl) of every kernel a run compiles: all tiles with PDL
+    (the engine's), and with `main` main's without. N is a launch argument (all real ones
+    multiples of 16, as Triton specializes them), K and the tile are compiled in."""
     seen = []
     for shape in shapes:
         for name, (prologue, _, k) in _projections(shape).items():
             for method in _methods(name, methods):
-                tiles = kernels.candidate_tiles(1)[1:] if method == "bf16" else TILES
-                seen += [(method, prologue, k, tile) for tile in tiles if (method, prologue, k, tile) not in seen]
+                tiles = _tiles(method, prologue, rows)
+                for variant in [(method, prologue, k, rows, t, True) for t in tiles] + [
+                        (method, prologue, k, rows, t, False) for t in (main_tiles(tiles) if main else [])]:
+                    if variant not in seen:
+                        seen.append(variant)
     return seen
+
+
+def _runner(method: str):
+    from jetserve.engine.model import kernels
+    from jetserve.engine.model.quant_kernels import quant_matmul
+
+    return kernels._run if method == "bf16" else quant_matmul
 
 
 def _compile(variant) -> str | None:
@@ -84,34 +106,44 @@ def _compile(variant) -> str | None:
     skipped by the tuning too)."""
     import torch
 
-    from jetserve.engine.model import kernels
-    from jetserve.engine.model.quant_kernels import quant_matmul
-
-    method, prologue, k, tile = variant
-    x, weight, residual, norm = _operands(prologue, 64, k, method, torch.device("cuda"))
-    run = kernels._run if method == "bf16" else quant_matmul
+    method, prologue, k, rows, tile, pdl = variant
+    x, weight, residual, norm = _operands(prologue, 64, k, method, torch.device("cuda"), rows)
     try:
-        run(tile, prologue, x, weight, residual, norm, 1e-6)
+        _runner(method)(tile, prologue, x, weight, residual, norm, 1e-6, pdl)
         torch.cuda.synchronize()
     except Exception as exc:  # noqa: BLE001 - reported, the run goes on
         return f"{variant}: {type(exc).__name__}: {exc}"[:300]
     return None
 
 
-def precompile(shapes, methods) -> None:
+def precompile(variants, desc: str) -> None:
+    """Every kernel variant compiled first by a pool of processes (Triton's on-disk cache then
+    serves the timing process): compiled one after another they take minutes."""
     import multiprocessing
     import os
     from concurrent.futures import ProcessPoolExecutor
 
     from tqdm import tqdm
 
-    variants = _variants(shapes, methods)
     workers = max(1, min(len(variants), (os.cpu_count() or 2) - 1))
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        errors = [e for e in tqdm(pool.map(_compile, variants), total=len(variants),
-                                  desc="[quant] compiling kernel variants") if e]
+        errors = [e for e in tqdm(pool.map(_compile, variants), total=len(variants), desc=desc) if e]
     for error in errors:
         tqdm.write(f"[quant] failed: {error}")
+
+
+def main_time(method, prologue, x, weight, residual, norm) -> tuple[float, object]:
+    """(ms, tile) of main's fastest tile without PDL, over cold weights (cuBLAS not included)."""
+    from jetserve.engine.model import kernels
+
+    copies = kernels._cold_copies(weight if method == "bf16" else weight.qweight)
+    copies = copies if method == "bf16" else [weight._replace(qweight=q) for q in copies]
+    run = _runner(method)
+    times = {t: kernels.FusedKernels._time([lambda w=w, t=t: run(t, prologue, x, w, residual, norm, 1e-6, False)
+                                            for w in copies])
+             for t in main_tiles(_tiles(method, prologue, x.shape[0]))}
+    best = min(times, key=times.get)
+    return times[best], best
 
 
 def _weight_bytes(weight) -> int:
@@ -159,22 +191,28 @@ def kernel_table(shapes, methods, bandwidth: float) -> dict:
         for name, (prologue, n, k) in _projections(shape).items():
             for method in _methods(name, methods):
                 x, weight, residual, norm = _operands(prologue, n, k, method, device)
-                fused = QuantFusedKernels(tile_timing=True)
+                fused = QuantFusedKernels(tile_timing=True, pdl=True)
                 fused.skinny_matmul(prologue, x, weight, residual, norm, 1e-6)
                 (key, tile), = fused.chosen.items()
                 times = fused.tuning_times[key]
                 ms = min(times.values())
+                main_ms, main_tile = main_time(method, prologue, x, weight, residual, norm)
+                if None in times:
+                    main_ms, main_tile = min((main_ms, main_tile), (times[None], None), key=lambda v: v[0])
                 size = _weight_bytes(weight)
                 error = _relative_error(fused, prologue, x, weight, residual, norm)
                 rows[f"{name} {method}"] = {
                     "shape_nk": [n, k], "weight_bytes": size, "us": round(ms * 1e3, 2),
                     "GBps": round(size / ms / 1e6, 1), "share_of_read_bandwidth": round(size / ms / 1e6 / bandwidth, 3),
-                    "tile": "cuBLAS" if tile is None else list(tile), "relative_error": error,
+                    "tile": "cuBLAS" if tile is None else str(tile), "relative_error": error,
+                    "main_us": round(main_ms * 1e3, 2), "main_GBps": round(size / main_ms / 1e6, 1),
+                    "main_tile": "cuBLAS" if main_tile is None else str(main_tile),
                     "cuBLAS_us": round(times[None] * 1e3, 2) if None in times else None,
                     "tiles_us": {str(t): round(v * 1e3, 2) for t, v in times.items()}}
                 row = rows[f"{name} {method}"]
                 print(f"[quant] kernel {shape} {name} {method}: {row['us']} us {row['GBps']} GB/s tile {tile} "
-                      f"error {row['relative_error']}", flush=True)
+                      f"error {row['relative_error']}; main {row['main_us']} us {row['main_GBps']} GB/s "
+                      f"{row['main_tile']}", flush=True)
                 del x, weight, residual, norm, fused
     return table
 
@@ -219,7 +257,11 @@ def run(args) -> dict:
     from jetserve.engine.plan import BOARDS, memory_plan
 
     device = torch.device("cuda")
-    precompile(args.shapes, args.methods)
+    # the table's, then the engines' start-up tuning's (16-64 rows: the mixed-step buckets)
+    variants = projection_variants(args.shapes, args.methods, 1)
+    for rows in ([] if args.skip_engine else [16, 32, 64]):
+        variants += projection_variants(args.shapes, ["bf16"], rows, main=False)
+    precompile(variants, "[quant] compiling kernel variants")
     bandwidth = read_bandwidth(device)
     result = {"env": environment(device), "read_bandwidth_GBps": round(bandwidth / 1e9, 1), "batch": 1,
               "activations": "bfloat16", "kernels": {}, "shapes": {}}

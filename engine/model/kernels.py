@@ -19,10 +19,12 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from jetserve.engine.model.flash_prefill import prefill_attention
 
@@ -32,10 +34,13 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's interpreter 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    if PDL:  # the product after it may start and request its weights now
+        gdc_launch_dependents()
+        gdc_wait()
     x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0)
@@ -47,24 +52,29 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps,
     tl.store(out_ptr + row * n_cols + cols, (w.to(tl.float32) * y.to(tl.float32)).to(x.dtype), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-    """RMSNorm of x (of x + residual, also returned as the new residual) in one launch."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             pdl: bool = False):
+    """RMSNorm of x (of x + residual, also returned as the new residual) in one launch; `pdl`:
+    a programmatic dependent launch (see `launch`)."""
     n = x.shape[-1]
     x2 = x.reshape(-1, n)
     out = torch.empty_like(x2)
     res_out = torch.empty_like(x2) if residual is not None else out
     res = residual.reshape(-1, n) if residual is not None else x2
-    _rms_norm_kernel[(x2.shape[0],)](x2, res, weight, out, res_out, n, eps, HAS_RESIDUAL=residual is not None,
-                                     BLOCK=triton.next_power_of_2(n))
+    launch(_rms_norm_kernel, (x2.shape[0],), pdl, x2, res, weight, out, res_out, n, eps,
+           HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n))
     out = out.view(x.shape)
     return out if residual is None else (out, res_out.view(x.shape))
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     gate = tl.load(x_ptr + row * 2 * n_cols + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * 2 * n_cols + n_cols + cols, mask=mask, other=0.0)
     g = gate.to(tl.float32)
@@ -72,13 +82,13 @@ def _silu_mul_kernel(x_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
     tl.store(out_ptr + row * n_cols + cols, (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=mask)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_mul(gate_up: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     """silu(gate) * up for gate|up concatenated on the last dim."""
     n = gate_up.shape[-1] // 2
     x = gate_up.reshape(-1, 2 * n)
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     block = 1024
-    _silu_mul_kernel[(x.shape[0], triton.cdiv(n, block))](x, out, n, BLOCK=block)
+    launch(_silu_mul_kernel, (x.shape[0], triton.cdiv(n, block)), pdl, x, out, n, BLOCK=block)
     return out.view(*gate_up.shape[:-1], n)
 
 
@@ -301,29 +311,44 @@ def _normalized(a, inv, norm_w_ptr, cols, k_mask, dtype: tl.constexpr):
 @triton.jit
 def _skinny_matmul_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, out_ptr, res_out_ptr, M, N, K: tl.constexpr, eps,
                           NORM: tl.constexpr, ADD: tl.constexpr, SILU: tl.constexpr, DOT: tl.constexpr,
-                          IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                          IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          K_SPLIT: tl.constexpr, PDL: tl.constexpr):
     """out[M, N] = a(x)[M, K] @ w[N, K]^T for a few rows, a() being the prologue: nothing, RMSNorm
-    (of x + residual, whose sum the first program also stores) or SiLU(gate) * up. Each program
-    streams BLOCK_N weight rows once for all M input rows; the inputs are tiny and come from L2.
-    Up to 8 rows the products are FMAs in registers (a tensor-core tile would be mostly padding);
-    from 16 rows (DOT) they are tensor-core dots. When a tile spans K, its weights are requested
-    first and the prologue runs while they arrive."""
+    (of x + residual, whose sum the first column of programs also stores) or SiLU(gate) * up.
+    Program (i, j) streams BLOCK_N weight rows once for all M input rows, over input columns
+    [j K_SPLIT, (j + 1) K_SPLIT): with several, each writes fp32 partial sums that
+    `_sum_splits_kernel` adds in order (deterministic), so a small N still fills the GPU. The
+    inputs are tiny and come from L2. Up to 8 rows the products are FMAs in registers (a
+    tensor-core tile would be mostly padding); from 16 rows (DOT) they are tensor-core dots. The
+    next tile's weights are requested before this one is multiplied; the first tile's before
+    waiting for the previous kernel (PDL: a programmatic dependent launch starts while it ends,
+    and weights are never written by a step), the prologue runs while they arrive."""
     pid = tl.program_id(0)
+    k_lo = tl.program_id(1) * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
     rows = tl.arange(0, BLOCK_M)
     row_mask = rows < M
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
     w_rows = w_ptr + n[:, None].to(tl.int64) * K
     dtype = out_ptr.dtype.element_ty
-    if K <= BLOCK_K:
-        cols = tl.arange(0, BLOCK_K)
-        k_mask = cols < K
-        w = tl.load(w_rows + cols[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+    w = _weights(w_rows, n_mask, k_lo, k_hi, BLOCK_K)
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    if K_SPLIT <= BLOCK_K:  # the program's columns in one tile
+        cols = k_lo + tl.arange(0, BLOCK_K)
+        k_mask = cols < k_hi
         a = _input_chunk(x_ptr, res_ptr, res_out_ptr, rows, cols, row_mask[:, None] & k_mask[None, :], K, pid == 0,
                          ADD, SILU, dtype)
         if NORM:
-            af = a.to(tl.float32)
-            a = _normalized(a, tl.rsqrt(tl.sum(af * af, axis=1) / K + eps), norm_w_ptr, cols, k_mask, dtype)
+            if K_SPLIT >= K:  # the tile is the whole row
+                af = a.to(tl.float32)
+                inv = tl.rsqrt(tl.sum(af * af, axis=1) / K + eps)
+            else:
+                inv = _row_inv_rms(x_ptr, res_ptr, res_out_ptr, rows, row_mask, K, eps, ADD, SILU, dtype, BLOCK_M,
+                                   BLOCK_K)
+            a = _normalized(a, inv, norm_w_ptr, cols, k_mask, dtype)
         if DOT:
             acc = _dot(a, w, IEEE)
         else:
@@ -335,35 +360,87 @@ def _skinny_matmul_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, out_ptr, res_out_pt
                                BLOCK_K)
         if DOT:
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                a, w = _operands(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_rows, rows, row_mask, n_mask, k0, inv,
-                                 pid == 0, K, NORM, ADD, SILU, dtype, BLOCK_K)
-                acc += _dot(a, w, IEEE)
+            for k0 in range(k_lo, k_hi, BLOCK_K):
+                cur = w
+                w = _weights(w_rows, n_mask, k0 + BLOCK_K, k_hi, BLOCK_K)  # the next tile, in flight meanwhile
+                a = _prologue(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, rows, row_mask, k0, k_hi, inv, pid == 0, K,
+                              NORM, ADD, SILU, dtype, BLOCK_K)
+                acc += _dot(a, cur, IEEE)
         else:
             # Products accumulate elementwise and are reduced once at the end: an iteration is
             # loads and FMAs, with no cross-thread reduction between one tile's loads and the next's.
             acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                a, w = _operands(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_rows, rows, row_mask, n_mask, k0, inv,
-                                 pid == 0, K, NORM, ADD, SILU, dtype, BLOCK_K)
-                acc3 += a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+            for k0 in range(k_lo, k_hi, BLOCK_K):
+                cur = w
+                w = _weights(w_rows, n_mask, k0 + BLOCK_K, k_hi, BLOCK_K)
+                a = _prologue(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, rows, row_mask, k0, k_hi, inv, pid == 0, K,
+                              NORM, ADD, SILU, dtype, BLOCK_K)
+                acc3 += a.to(tl.float32)[:, None, :] * cur.to(tl.float32)[None, :, :]
             acc = tl.sum(acc3, axis=2)
-    tl.store(out_ptr + rows[:, None] * N + n[None, :], acc.to(dtype), mask=row_mask[:, None] & n_mask[None, :])
+    out_mask = row_mask[:, None] & n_mask[None, :]
+    if K_SPLIT >= K:
+        tl.store(out_ptr + rows[:, None] * N + n[None, :], acc.to(dtype), mask=out_mask)
+    else:  # this split's partial sums, [split, M, N] fp32
+        tl.store(out_ptr + (tl.program_id(1) * M + rows[:, None]) * N + n[None, :], acc, mask=out_mask)
 
 
 @triton.jit
-def _operands(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_rows, rows, row_mask, n_mask, k0, inv, store_sum,
-              K: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr, SILU: tl.constexpr, dtype: tl.constexpr,
-              BLOCK_K: tl.constexpr):
-    """One K-slice of the product: the weights (requested first) and the input after its prologue."""
+def _sum_splits_kernel(part_ptr, out_ptr, size, SPLITS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """out = the sum of a split-K product's partials [SPLITS, size], added in split order."""
+    at = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = at < size
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    acc = tl.load(part_ptr + at, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLITS):
+        acc += tl.load(part_ptr + s * size + at, mask=mask, other=0.0)
+    tl.store(out_ptr + at, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def sum_splits(part: torch.Tensor, out: torch.Tensor, pdl: bool) -> torch.Tensor:
+    """Write into `out` the in-order sum of `part` [splits, *out.shape] (fp32)."""
+    block = 1024
+    launch(_sum_splits_kernel, (triton.cdiv(out.numel(), block),), pdl, part, out, out.numel(), SPLITS=part.shape[0],
+           BLOCK=block, num_warps=4)
+    return out
+
+
+def launch(kernel, grid, pdl: bool, *args, **meta):
+    """Launch a kernel that takes a PDL flag; with it, as a programmatic dependent launch: the
+    kernel may start while the one before it in the stream still runs, so each of ours first
+    requests what no step writes (its weights), then lets its own successor start and waits
+    (`gdc_wait`) for its predecessor's writes before reading anything else. A chain of such
+    launches streams weights without a gap between kernels (CUDA graphs keep the edges)."""
+    if pdl:
+        meta["launch_pdl"] = True
+    kernel[grid](*args, PDL=pdl, **meta)
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Programmatic dependent launch (a kernel starts while the previous one ends): Hopper and
+    later; not Orin (sm_87), not Triton's interpreter."""
+    return device.type == "cuda" and not INTERPRETED and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+@triton.jit
+def _weights(w_rows, n_mask, k0, k_hi, BLOCK_K: tl.constexpr):
+    """The weight tile of columns [k0, k0 + BLOCK_K), those below k_hi."""
     cols = k0 + tl.arange(0, BLOCK_K)
-    k_mask = cols < K
-    w = tl.load(w_rows + cols[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+    return tl.load(w_rows + cols[None, :], mask=n_mask[:, None] & (cols < k_hi)[None, :], other=0.0)
+
+
+@triton.jit
+def _prologue(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, rows, row_mask, k0, k_hi, inv, store_sum, K: tl.constexpr,
+              NORM: tl.constexpr, ADD: tl.constexpr, SILU: tl.constexpr, dtype: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Columns [k0, k0 + BLOCK_K) of the product's input after its prologue (`inv`: each row's 1 / RMS)."""
+    cols = k0 + tl.arange(0, BLOCK_K)
+    k_mask = cols < k_hi
     a = _input_chunk(x_ptr, res_ptr, res_out_ptr, rows, cols, row_mask[:, None] & k_mask[None, :], K, store_sum,
                      ADD, SILU, dtype)
     if NORM:
         a = _normalized(a, inv, norm_w_ptr, cols, k_mask, dtype)
-    return a, w
+    return a
 
 
 @triton.jit
@@ -374,22 +451,42 @@ def _dot(a, w, IEEE: tl.constexpr):
     return tl.dot(a, tl.trans(w))
 
 
-# (BLOCK_N, BLOCK_K, warps) tried for each shape; an FMA tile holds BLOCK_M * BLOCK_N * BLOCK_K products.
-_TILES = [(4, 1024, 4), (1, 4096, 4), (2, 2048, 4), (2, 4096, 4), (4, 2048, 4), (8, 1024, 4), (16, 512, 4),  # one row
-          (1, 4096, 8), (2, 2048, 8), (4, 2048, 8), (8, 512, 8), (8, 1024, 8),
-          (4, 4096, 8), (8, 2048, 8), (16, 1024, 8),  # more bytes in flight a program, for big weights
-          (2, 1024, 8), (4, 512, 8), (8, 256, 8)]  # small enough for 8 rows
-# Tensor-core tiles (16-64 rows): narrow N for many programs on small weights, wide K for bytes in flight.
-_DOT_TILES = [(16, 256, 4), (32, 128, 4), (32, 256, 4), (64, 128, 4), (64, 64, 4), (128, 64, 8)]
+class Tile(NamedTuple):
+    """How a skinny product runs: BLOCK_N weight rows a program, BLOCK_K columns (the quantized
+    kernel: BLOCK_W words) a step, `warps` warps; the columns split over `split_k` programs whose
+    fp32 partial sums a second kernel adds in order (a small N still fills the GPU); `apart`:
+    the prologue (norm, SiLU·up) as its own kernel first, so no program recomputes it (the fused
+    kernel computes it once per program, over the whole row)."""
+
+    block_n: int
+    block_k: int
+    warps: int
+    split_k: int = 1
+    apart: bool = False
+
+
+# Tiles tried for each shape; an FMA tile holds BLOCK_M * BLOCK_N * BLOCK_K products. Main's
+# tiles that some Qwen3 0.6B/4B projection chose on the H200 (bench/results/kernels-h200,
+# quant-h200), then the same with the prologue apart.
+_TILES = [Tile(4, 1024, 4), Tile(2, 2048, 4), Tile(8, 1024, 4), Tile(2, 4096, 4), Tile(16, 512, 4),
+          Tile(2, 1024, 8), Tile(4, 512, 8), Tile(8, 256, 8),  # the last three small enough for 8 rows
+          Tile(4, 1024, 4, apart=True), Tile(8, 1024, 4, apart=True), Tile(2, 4096, 4, apart=True),
+          Tile(2, 1024, 8, apart=True)]
+# Tensor-core tiles (16-64 rows): narrow N for many programs on small weights, wide K for bytes in
+# flight; split K where N / BLOCK_N programs would leave most of the GPU idle.
+_DOT_TILES = [Tile(16, 256, 4), Tile(32, 128, 4), Tile(32, 256, 4), Tile(64, 128, 4), Tile(64, 64, 4),
+              Tile(128, 64, 8), Tile(16, 256, 4, 4), Tile(16, 128, 4, 8), Tile(32, 128, 4, 4),
+              Tile(16, 256, 4, apart=True), Tile(16, 256, 4, 4, True)]
 _UNTUNED_BYTES = 256 * 1024  # weights this small take the first tile that fits: nothing to gain from timing
 _MAX_PRODUCTS_PER_THREAD = 64  # more spills registers
 
 
-def candidate_tiles(rows: int) -> list[tuple[int, int, int] | None]:
-    """Tiles a product of `rows` rows (a power of two) may take, cuBLAS (None) first."""
-    if rows >= DOT_MIN_ROWS:
-        return [None, *_DOT_TILES]
-    return [None] + [t for t in _TILES if rows * t[0] * t[1] <= _MAX_PRODUCTS_PER_THREAD * 32 * t[2]]
+def candidate_tiles(rows: int, prologue: int = PLAIN) -> list[Tile | None]:
+    """Tiles a product of `rows` rows (a power of two) may take, cuBLAS (None) first; a plain
+    product has no prologue to run apart."""
+    tiles = _DOT_TILES if rows >= DOT_MIN_ROWS else [
+        t for t in _TILES if rows * t.block_n * t.block_k <= _MAX_PRODUCTS_PER_THREAD * 32 * t.warps]
+    return [None] + [t for t in tiles if not (t.apart and prologue == PLAIN)]
 
 
 def _torch_variant(prologue, x, weight, residual, norm_weight, eps):
@@ -404,19 +501,43 @@ def _torch_variant(prologue, x, weight, residual, norm_weight, eps):
     return torch.nn.functional.linear(y, weight), res_out
 
 
-def _run(tile, prologue, x, weight, residual, norm_weight, eps):
+def run_apart(product, prologue, x, residual, norm_weight, eps, pdl: bool):
+    """The prologue as its own kernel, then `product` (of the prologue's output, a plain product);
+    the same results as a fused kernel."""
+    if prologue == SILU_MUL:
+        return product(silu_mul(x, pdl))
+    if prologue == NORM:
+        return product(rms_norm(x, norm_weight, eps, pdl=pdl)), x
+    y, res_out = rms_norm(x, norm_weight, eps, residual, pdl=pdl)
+    return product(y), res_out
+
+
+def split_k(k: int, tile: Tile, unit: int) -> tuple[int, int]:
+    """(columns a program, programs along K) for `tile` over K = k: whole steps of `unit`."""
+    per = triton.cdiv(triton.cdiv(k, tile.split_k), unit) * unit
+    splits = triton.cdiv(k, per)
+    return (k, 1) if splits == 1 else (per, splits)
+
+
+def _run(tile, prologue, x, weight, residual, norm_weight, eps, pdl: bool = False):
     if tile is None:
         return _torch_variant(prologue, x, weight, residual, norm_weight, eps)
-    block_n, block_k, warps = tile
+    if tile.apart and prologue != PLAIN:
+        return run_apart(lambda y: _run(tile, PLAIN, y, weight, None, None, eps, pdl), prologue, x, residual,
+                         norm_weight, eps, pdl)
     m, (n, k) = x.shape[0], weight.shape
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     res_out = torch.empty(m, k, dtype=x.dtype, device=x.device) if prologue == ADD_NORM else out
     block_m = triton.next_power_of_2(m)
-    _skinny_matmul_kernel[(triton.cdiv(n, block_n),)](
-        x, residual if residual is not None else x, norm_weight if norm_weight is not None else weight, weight, out,
-        res_out, m, n, k, eps, NORM=prologue in (NORM, ADD_NORM), ADD=prologue == ADD_NORM, SILU=prologue == SILU_MUL,
-        DOT=block_m >= DOT_MIN_ROWS, IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, num_warps=warps)
+    k_split, splits = split_k(k, tile, tile.block_k)
+    target = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    launch(_skinny_matmul_kernel, (triton.cdiv(n, tile.block_n), splits), pdl,
+           x, residual if residual is not None else x, norm_weight if norm_weight is not None else weight, weight,
+           target, res_out, m, n, k, eps, NORM=prologue in (NORM, ADD_NORM), ADD=prologue == ADD_NORM,
+           SILU=prologue == SILU_MUL, DOT=block_m >= DOT_MIN_ROWS, IEEE=x.dtype == torch.float32, BLOCK_M=block_m,
+           BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, K_SPLIT=k_split, num_warps=tile.warps)
+    if splits > 1:
+        sum_splits(target, out, pdl)
     if prologue == NORM:
         return out, x
     return (out, res_out) if prologue == ADD_NORM else out
@@ -468,8 +589,9 @@ class FusedKernels:
     paged_attention = staticmethod(paged_attention)
     prefill_attention = staticmethod(prefill_attention)
 
-    def __init__(self, tile_timing: bool):
+    def __init__(self, tile_timing: bool, pdl: bool | None = None):
         self.tile_timing = tile_timing
+        self.pdl = pdl  # programmatic dependent launches; None: where the GPU has them (first use)
         self.frozen = False
         self.untuned: set[tuple] = set()  # shapes first seen after freeze()
         self.chosen: dict[tuple, tuple[int, int, int] | None] = {}
@@ -507,12 +629,17 @@ class FusedKernels:
         key = (prologue, triton.next_power_of_2(x.shape[0]), *weight.shape, x.dtype)
         tile = self.chosen[key] if key in self.chosen else self._choose_tile(key, prologue, x, weight, residual,
                                                                              norm_weight, eps)
-        return _run(tile, prologue, x, weight, residual, norm_weight, eps)
+        return _run(tile, prologue, x, weight, residual, norm_weight, eps, self._pdl(x))
+
+    def _pdl(self, x: torch.Tensor) -> bool:
+        if self.pdl is None:
+            self.pdl = pdl_supported(x.device)
+        return self.pdl
 
     def _choose_tile(self, key, prologue, x, weight, residual, norm_weight, eps):
         """A new shape's tile (None: cuBLAS), remembered: timed when this engine times tiles and
         start-up tuning is still on, else the first tile that fits."""
-        tiles = candidate_tiles(key[1])
+        tiles = candidate_tiles(key[1], prologue)
         if self.frozen:
             self.untuned.add(key)
             log.warning("skinny matmul %s first seen after start-up tuning: untimed tile %s", key, tiles[1])
@@ -521,11 +648,19 @@ class FusedKernels:
         if not timed:
             self.chosen[key] = tiles[1]
             return tiles[1]
-        weights = _cold_copies(weight)
-        times = [graph_time([lambda w=w, t=t: _run(t, prologue, x, w, residual, norm_weight, eps) for w in weights])
-                 for t in tiles]
+        weights, pdl = _cold_copies(weight), self._pdl(x)
+        times = [self._time([lambda w=w, t=t: _run(t, prologue, x, w, residual, norm_weight, eps, pdl)
+                             for w in weights]) for t in tiles]
         self.chosen[key] = tiles[times.index(min(times))]
         self.tuning_times[key] = dict(zip(tiles, times))
         log.debug("skinny matmul %s: %s (%.2f µs; cuBLAS %.2f µs)", key, self.chosen[key] or "cuBLAS",
                   min(times) * 1e3, times[0] * 1e3)
         return self.chosen[key]
+
+    @staticmethod
+    def _time(calls) -> float:
+        """ms a call, as `graph_time`; a tile this GPU cannot run (registers, shared memory) never wins."""
+        try:
+            return graph_time(calls)
+        except triton.runtime.errors.OutOfResources:
+            return float("inf")

@@ -14,10 +14,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from jetserve.engine.model.kernels import (ADD_NORM, NORM, SILU_MUL, FusedKernels, _cold_copies,
-                                           _input_chunk, _normalized, _row_inv_rms, _torch_variant,
-                                           graph_time)
+from jetserve.engine.model.kernels import (ADD_NORM, NORM, PLAIN, SILU_MUL, FusedKernels, Tile, _cold_copies,
+                                           _input_chunk, _normalized, _row_inv_rms, _torch_variant, launch,
+                                           run_apart, split_k, sum_splits)
 from jetserve.engine.model.quant import QuantizedWeight, dequantize
 
 
@@ -34,7 +35,8 @@ def _as_float(q):
 def _quant_skinny_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, res_out_ptr, M, N,
                          K: tl.constexpr, eps, low_bits, NORM: tl.constexpr, ADD: tl.constexpr, SILU: tl.constexpr,
                          BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, NORM_BLOCK: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, NORM_BLOCK: tl.constexpr,
+                         KW_SPLIT: tl.constexpr, PDL: tl.constexpr):
     """out[M, N] = a(x)[M, K] @ dequant(w)[N, K]^T, a() the prologue as in `_skinny_matmul_kernel`.
 
     A program streams BLOCK_N rows of words, BLOCK_W words a row at a time (consecutive threads,
@@ -46,8 +48,12 @@ def _quant_skinny_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_p
     tile's rows. Zero point and scale come once a word where a word's fields share a group:
     sum_i a_i (q_i - z) s = (sum_i a_i q_i - z sum_i a_i) s, the activations' sum shared by all
     the tile's rows; with one group a row, once a row at the end.
-    Smaller groups take both per weight."""
+    Smaller groups take both per weight.
+    Program (i, j) takes words [j KW_SPLIT, (j + 1) KW_SPLIT) of its rows: with several, fp32
+    partial sums that `sum_splits` adds in order. The first words are requested before waiting
+    for the previous kernel (PDL, see kernels.launch)."""
     pid = tl.program_id(0)
+    w_lo = tl.program_id(1) * KW_SPLIT
     FIELDS: tl.constexpr = 32 // BITS
     SPAN: tl.constexpr = 16 * FIELDS  # input columns a span of 16 words holds
     KW: tl.constexpr = K // FIELDS  # words a row
@@ -64,13 +70,18 @@ def _quant_skinny_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_p
     t = tl.arange(0, BLOCK_W)
     field0 = (t // 16) * SPAN + t % 16  # input column of field 0 of the tile's word t, from the tile's first
     dtype = out_ptr.dtype.element_ty
-    words = tl.load(row_words + t[None, :], mask=n_mask[:, None] & (t < KW)[None, :], other=0)  # in flight first
+    w_hi = tl.minimum(w_lo + KW_SPLIT, KW)
+    words = tl.load(row_words + w_lo + t[None, :], mask=n_mask[:, None] & (w_lo + t < w_hi)[None, :],
+                    other=0)  # in flight first
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     if NORM:  # first pass: each row's mean square
         inv = _row_inv_rms(x_ptr, res_ptr, res_out_ptr, rows, row_mask, K, eps, ADD, SILU, dtype, BLOCK_M,
                            NORM_BLOCK)
     acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_W], tl.float32)
     a_sum = tl.zeros([BLOCK_M, BLOCK_W], tl.float32)
-    for w0 in range(0, KW, BLOCK_W):
+    for w0 in range(w_lo, w_hi, BLOCK_W):
         word = w0 + t
         w_mask = n_mask[:, None] & ((word < KW) | EVEN)[None, :]
         if WHOLE and GROUPS > 1:  # this tile's zero points and scales, used after the fields
@@ -80,7 +91,7 @@ def _quant_skinny_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_p
                 zero = _as_float(tl.load(z_ptr + at, mask=w_mask, other=0).to(tl.int32)) - 8388608.0
         cur = words
         following = word + BLOCK_W
-        words = tl.load(row_words + following[None, :], mask=n_mask[:, None] & (following < KW)[None, :], other=0)
+        words = tl.load(row_words + following[None, :], mask=n_mask[:, None] & (following < w_hi)[None, :], other=0)
         if WHOLE and GROUPS > 1:
             part = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_W], tl.float32)
             a_part = tl.zeros([BLOCK_M, BLOCK_W], tl.float32)
@@ -130,43 +141,62 @@ def _quant_skinny_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_p
         else:
             zero = tl.zeros([BLOCK_N], tl.float32) + MID
         out = (out - zero[None, :] * tl.sum(a_sum, axis=1)[:, None]) * tl.load(s_ptr + n, mask=n_mask, other=0.0)
-    tl.store(out_ptr + rows[:, None] * N + n[None, :], out.to(dtype), mask=row_mask[:, None] & n_mask[None, :])
+    if KW_SPLIT >= KW:
+        tl.store(out_ptr + rows[:, None] * N + n[None, :], out.to(dtype), mask=row_mask[:, None] & n_mask[None, :])
+    else:  # this split's partial sums, [split, M, N] fp32
+        tl.store(out_ptr + (tl.program_id(1) * M + rows[:, None]) * N + n[None, :], out,
+                 mask=row_mask[:, None] & n_mask[None, :])
 
 
-# (BLOCK_N, BLOCK_W, warps) tried for each shape, as in kernels._TILES: BLOCK_W words a row at a
-# time (a power of two, at least a span). Triton lays consecutive words on consecutive threads,
-# one each, so where BLOCK_W spans all threads a thread holds all BLOCK_N rows of its word and
-# computes an activation's prologue once for them. These are the tiles that were fastest, or
-# within a few percent, for some Qwen3 0.6B/4B projection at batch 1 on the H200 (of 15 timed:
-# bench/results/quant-h200); (2, 128, 4) and (1, 256, 8) also fit 8 rows.
-TILES = [(8, 128, 4), (16, 128, 4), (4, 128, 4), (8, 64, 2), (4, 64, 2), (8, 32, 1), (8, 256, 8), (1, 256, 8),
-         (2, 128, 4)]
+# Tiles tried for each shape, as in kernels._TILES (`block_k`: BLOCK_W words a row at a time, a
+# power of two, at least a span). Triton lays consecutive words on consecutive threads, one each,
+# so where BLOCK_W spans all threads a thread holds all BLOCK_N rows of its word and computes an
+# activation's prologue once for them. The first nine were the fastest, or within a few percent,
+# for some Qwen3 0.6B/4B projection at batch 1 on the H200 (of 15 timed: bench/results/quant-h200);
+# (2, 128, 4) and (1, 256, 8) also fit 8 rows. Then the same with the prologue apart (a fused
+# program spends about as many instructions on its activations as on its weights), and split K
+# for the narrow products (o, down: N / BLOCK_N programs leave SMs idle).
+TILES = [Tile(8, 128, 4), Tile(16, 128, 4), Tile(4, 128, 4), Tile(8, 64, 2), Tile(4, 64, 2), Tile(8, 32, 1),
+         Tile(8, 256, 8), Tile(1, 256, 8), Tile(2, 128, 4),
+         Tile(8, 128, 4, apart=True), Tile(8, 64, 2, apart=True), Tile(8, 256, 8, apart=True),
+         Tile(8, 128, 4, 2), Tile(4, 128, 4, 4), Tile(8, 256, 8, 2)]
 _MAX_WORDS_PER_THREAD = 16  # accumulators a thread holds per word: more spills registers
 
 
-def fitting_tiles(rows: int, weight: QuantizedWeight) -> list[tuple[int, int, int]]:
-    """Tiles this shape can take: few enough accumulators a thread; fp32 scales (the loader's)."""
+def fitting_tiles(rows: int, weight: QuantizedWeight, prologue: int = PLAIN) -> list[Tile]:
+    """Tiles this shape can take: few enough accumulators a thread; fp32 scales (the loader's);
+    a plain product has no prologue to run apart."""
     if weight.scales.dtype != torch.float32:
         return []
-    return [t for t in TILES if triton.next_power_of_2(rows) * t[0] * t[1] <= _MAX_WORDS_PER_THREAD * 32 * t[2]]
+    return [t for t in TILES if triton.next_power_of_2(rows) * t.block_n * t.block_k
+            <= _MAX_WORDS_PER_THREAD * 32 * t.warps and not (t.apart and prologue == PLAIN)]
 
 
-def quant_matmul(tile, prologue, x, weight: QuantizedWeight, residual=None, norm_weight=None, eps=0.0):
-    """One launch of the fused kernel in `tile`; None: dequantize and take the float path."""
+def quant_matmul(tile, prologue, x, weight: QuantizedWeight, residual=None, norm_weight=None, eps=0.0,
+                 pdl: bool = False):
+    """The fused kernel in `tile` (with the partial sums' addition where it splits K, after the
+    prologue's own kernel where it runs apart); None: dequantize and take the float path."""
     if tile is None:
         return _torch_variant(prologue, x, dequantize(weight, x.dtype), residual, norm_weight, eps)
-    block_n, block_w, warps = tile
+    if tile.apart and prologue != PLAIN:
+        return run_apart(lambda y: quant_matmul(tile, PLAIN, y, weight, pdl=pdl), prologue, x, residual,
+                         norm_weight, eps, pdl)
     m, (n, k) = x.shape[0], weight.shape
     block_m = triton.next_power_of_2(m)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     res_out = torch.empty(m, k, dtype=x.dtype, device=x.device) if prologue == ADD_NORM else out
     zeros = weight.zeros if weight.zeros is not None else weight.scales
-    _quant_skinny_kernel[(triton.cdiv(n, block_n),)](
-        x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, weight.qweight,
-        weight.scales, zeros, out, res_out, m, n, k, eps, (1 << weight.bits) - 1, NORM=prologue in (NORM, ADD_NORM), ADD=prologue == ADD_NORM,
-        SILU=prologue == SILU_MUL, BITS=weight.bits, GROUP=weight.group_size, HAS_ZEROS=weight.zeros is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_W=block_w, NORM_BLOCK=min(triton.next_power_of_2(k), 4096 // block_m),
-        num_warps=warps)
+    kw_split, splits = split_k(weight.qweight.shape[1], tile, tile.block_k)
+    target = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    launch(_quant_skinny_kernel, (triton.cdiv(n, tile.block_n), splits), pdl,
+           x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, weight.qweight,
+           weight.scales, zeros, target, res_out, m, n, k, eps, (1 << weight.bits) - 1,
+           NORM=prologue in (NORM, ADD_NORM), ADD=prologue == ADD_NORM, SILU=prologue == SILU_MUL, BITS=weight.bits,
+           GROUP=weight.group_size, HAS_ZEROS=weight.zeros is not None, BLOCK_M=block_m, BLOCK_N=tile.block_n,
+           BLOCK_W=tile.block_k, NORM_BLOCK=min(triton.next_power_of_2(k), 4096 // block_m), KW_SPLIT=kw_split,
+           num_warps=tile.warps)
+    if splits > 1:
+        sum_splits(target, out, pdl)
     if prologue == NORM:
         return out, x
     return (out, res_out) if prologue == ADD_NORM else out
@@ -185,29 +215,21 @@ class QuantFusedKernels(FusedKernels):
                weight.scales.dtype, x.dtype)
         tile = self.chosen[key] if key in self.chosen else self._choose_quant_tile(key, prologue, x, weight,
                                                                                    residual, norm_weight, eps)
-        return quant_matmul(tile, prologue, x, weight, residual, norm_weight, eps)
+        return quant_matmul(tile, prologue, x, weight, residual, norm_weight, eps, self._pdl(x))
 
     def _choose_quant_tile(self, key, prologue, x, weight, residual, norm_weight, eps):
         """As `FusedKernels._choose_tile`: timed while start-up tuning is on and this engine times
         tiles, else the first tile that fits (recorded in `untuned` after `freeze()`); None where
         none fits: dequantize and take the float path."""
-        tiles = fitting_tiles(x.shape[0], weight)
+        tiles = fitting_tiles(x.shape[0], weight, prologue)
         if self.frozen:
             self.untuned.add(key)
         if not (tiles and self.tile_timing and not self.frozen and not torch.cuda.is_current_stream_capturing()):
             self.chosen[key] = tiles[0] if tiles else None
             return self.chosen[key]
-        copies = [weight._replace(qweight=q) for q in _cold_copies(weight.qweight)]
-        times = [self._time(copies, t, prologue, x, residual, norm_weight, eps) for t in tiles]
+        copies, pdl = [weight._replace(qweight=q) for q in _cold_copies(weight.qweight)], self._pdl(x)
+        times = [self._time([lambda w=w, t=t: quant_matmul(t, prologue, x, w, residual, norm_weight, eps, pdl)
+                             for w in copies]) for t in tiles]
         self.chosen[key] = tiles[times.index(min(times))]
         self.tuning_times[key] = dict(zip(tiles, times))
         return self.chosen[key]
-
-    @staticmethod
-    def _time(copies, tile, prologue, x, residual, norm_weight, eps) -> float:
-        """ms a launch over cold weights; a tile this GPU cannot run (registers, shared memory) never wins."""
-        try:
-            return graph_time([lambda w=w: quant_matmul(tile, prologue, x, w, residual, norm_weight, eps)
-                               for w in copies])
-        except triton.runtime.errors.OutOfResources:
-            return float("inf")

@@ -21,8 +21,12 @@ def rms_norm(x, w, eps):
     return w * (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-FMA_TILES = [(4, 1024, 4), (1, 4096, 4), (16, 512, 4), (8, 256, 8), (4, 4096, 8)]  # from kernels._TILES
-DOT_TILES = [(16, 256, 4), (64, 64, 4), (32, 128, 4)]  # from kernels._DOT_TILES: K in one tile, in loops
+Tile = kernels.Tile
+FMA_TILES = [Tile(4, 1024, 4), Tile(2, 4096, 4), Tile(16, 512, 4), Tile(8, 256, 8), Tile(2, 1024, 8, apart=True)]
+# from kernels._DOT_TILES: K in one tile, in loops, split over programs (in one tile or a loop each)
+DOT_TILES = [Tile(16, 256, 4), Tile(64, 64, 4), Tile(32, 128, 4), Tile(16, 128, 4, 8), Tile(16, 256, 4, 4, True),
+             Tile(32, 128, 4, 4)]
+SPLIT_TILES = [Tile(4, 128, 4, 3), Tile(2, 256, 4, 2, True)]  # FMA tiles over K split: loops, a partial last split
 
 
 # bf16: the interpreter truncates where GPUs round to nearest, so its results drift further.
@@ -31,13 +35,14 @@ DOT_TILES = [(16, 256, 4), (64, 64, 4), (32, 128, 4)]  # from kernels._DOT_TILES
 def test_skinny_matmul_prologues(dtype, tol, m):
     """Every row count up to SKINNY_MAX_ROWS in its kind of tile (FMAs up to 8 rows, tensor-core
     dots from 9): N and K not multiples of any tile (masked edges), K in one tile or in a loop
-    (the norm's first pass); bf16 rounds where the torch path does."""
+    (the norm's first pass), K split over programs whose partial sums are added after, the
+    prologue in a kernel of its own; bf16 rounds where the torch path does."""
     if m > 8 and dtype == torch.bfloat16 and DEVICE == "cpu":
         pytest.skip("the interpreter's tl.dot returns garbage for bf16 operands (Triton 3.x): GPU only")
     assert set(FMA_TILES) <= set(kernels._TILES) and set(DOT_TILES) <= set(kernels._DOT_TILES)
     assert m <= kernels.SKINNY_MAX_ROWS
-    tiles = DOT_TILES if m > 8 else FMA_TILES
-    assert m <= 8 or set(tiles) <= set(kernels.candidate_tiles(triton.next_power_of_2(m)))
+    tiles = DOT_TILES if m > 8 else FMA_TILES + SPLIT_TILES
+    assert m <= 8 or set(tiles) <= set(kernels.candidate_tiles(triton.next_power_of_2(m), kernels.NORM))
     torch.manual_seed(m)
     n, k, eps = 37, 600, 1e-6
     x, res = torch.randn(m, k, dtype=dtype, device=DEVICE), torch.randn(m, k, dtype=dtype, device=DEVICE)

@@ -212,15 +212,18 @@ FORMATS = [(8, -1, True), (4, 128, False), (8, 128, False), (4, 128, True), (4, 
 @pytest.mark.parametrize("m", [1, 3])
 def test_quant_kernel_prologues(bits, group, sym, m):
     """Against dequantize + torch: N not a tile multiple, K in several tiles of words (the next
-    one in flight) and in one partly masked tile."""
+    one in flight) and in one partly masked tile; K split over programs (a partial last split),
+    the prologue in its own kernel."""
     pytest.importorskip("triton")
     from jetserve.engine.model import kernels
+    from jetserve.engine.model.kernels import Tile
     from jetserve.engine.model.quant_kernels import quant_matmul
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(m + bits)
     eps = 1e-6
-    for k, tile in [(384, (8, 16, 4)), (256, (4, 64, 4))]:
+    for k, tile in [(384, Tile(8, 16, 4)), (256, Tile(4, 64, 4)), (384, Tile(8, 16, 4, 3, True)),
+                    (640, Tile(4, 16, 4, 3))]:
         n = 37
         w = quant.quantize(torch.randn(n, k) / 8, bits, group, sym)
         w = quant.QuantizedWeight(*(t.to(device) if isinstance(t, torch.Tensor) else t for t in w))
@@ -238,7 +241,7 @@ def test_quant_kernel_prologues(bits, group, sym, m):
             if prologue == kernels.ADD_NORM:
                 torch.testing.assert_close(got[1], h, rtol=0, atol=0)
             got = got[0] if isinstance(got, tuple) else got
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=f"{prologue} k={k}")
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=f"{prologue} k={k} {tile}")
 
 
 def test_fused_kernels_route_quantized_weights():
