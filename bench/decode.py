@@ -76,6 +76,12 @@ def run(args) -> dict:
     if device.type == "cuda":
         result["read_bandwidth_GBps"] = round(read_bandwidth(device) / 1e9, 1)
     targets = [("model", args.model)] if args.model else [(s, None) for s in args.shapes]
+    if device.type == "cuda" and not args.model:  # every skinny-matmul tile the engines' start-up times, in parallel
+        from jetserve.bench.quant import precompile, projection_variants
+        from jetserve.engine.runner import skinny_row_counts
+
+        precompile([v for rows in skinny_row_counts() for v in projection_variants(args.shapes, ["bf16"], rows)],
+                   "[decode] compiling skinny-matmul tiles")
     for name, model_dir in targets:
         with tempfile.TemporaryDirectory() as tmp:
             if model_dir:

@@ -64,34 +64,34 @@ def _operands(prologue: int, n: int, k: int, method: str, device, rows: int = 1)
     return x, weight, residual, norm
 
 
-def main_tiles(tiles) -> list:
-    """The tiles main had before split K and the prologue apart (measured there without PDL)."""
-    return [t for t in tiles if t is not None and t.split_k == 1 and not t.apart]
-
-
 def _tiles(method: str, prologue: int, rows: int) -> list:
+    """Every tile the start-up tuning times for this product on a GPU with PDL."""
     from jetserve.engine.model import kernels
     from jetserve.engine.model.quant_kernels import TILES
 
     if method == "bf16":
-        return kernels.candidate_tiles(rows, prologue)[1:]
-    return [t for t in TILES if not (t.apart and prologue == kernels.PLAIN)]
+        return kernels.candidate_tiles(rows, prologue, pdl=True)[1:]
+    return kernels.with_pdl([t for t in TILES if not (t.apart and prologue == kernels.PLAIN)], True)
 
 
-def projection_variants(shapes, methods, rows: int, main: bool = True) -> list[tuple]:
-    """(method, prologue, k, rows, tile, pdl) of every kernel a run compiles: all tiles with PDL
-    (the engine's), and with `main` main's without. N is a launch argument (all real ones
-    multiples of 16, as Triton specializes them), K and the tile are compiled in."""
+def projection_variants(shapes, methods, rows: int) -> list[tuple]:
+    """(method, prologue, k, rows, tile) of every kernel a run compiles. N is a launch argument
+    (all real ones multiples of 16, as Triton specializes them), K and the tile are compiled in."""
     seen = []
     for shape in shapes:
         for name, (prologue, _, k) in _projections(shape).items():
             for method in _methods(name, methods):
-                tiles = _tiles(method, prologue, rows)
-                for variant in [(method, prologue, k, rows, t, True) for t in tiles] + [
-                        (method, prologue, k, rows, t, False) for t in (main_tiles(tiles) if main else [])]:
-                    if variant not in seen:
-                        seen.append(variant)
+                seen += [v for v in ((method, prologue, k, rows, t) for t in _tiles(method, prologue, rows))
+                         if v not in seen]
     return seen
+
+
+def main_choice(times: dict) -> tuple[float, object]:
+    """(ms, tile) of the fastest of what main could choose: cuBLAS or a tile without PDL, K whole,
+    the prologue fused."""
+    mains = {t: ms for t, ms in times.items() if t is None or not (t.pdl or t.apart or t.split_k > 1)}
+    best = min(mains, key=mains.get)
+    return mains[best], best
 
 
 def _runner(method: str):
@@ -106,10 +106,10 @@ def _compile(variant) -> str | None:
     skipped by the tuning too)."""
     import torch
 
-    method, prologue, k, rows, tile, pdl = variant
+    method, prologue, k, rows, tile = variant
     x, weight, residual, norm = _operands(prologue, 64, k, method, torch.device("cuda"), rows)
     try:
-        _runner(method)(tile, prologue, x, weight, residual, norm, 1e-6, pdl)
+        _runner(method)(tile, prologue, x, weight, residual, norm, 1e-6)
         torch.cuda.synchronize()
     except Exception as exc:  # noqa: BLE001 - reported, the run goes on
         return f"{variant}: {type(exc).__name__}: {exc}"[:300]
@@ -130,20 +130,6 @@ def precompile(variants, desc: str) -> None:
         errors = [e for e in tqdm(pool.map(_compile, variants), total=len(variants), desc=desc) if e]
     for error in errors:
         tqdm.write(f"[quant] failed: {error}")
-
-
-def main_time(method, prologue, x, weight, residual, norm) -> tuple[float, object]:
-    """(ms, tile) of main's fastest tile without PDL, over cold weights (cuBLAS not included)."""
-    from jetserve.engine.model import kernels
-
-    copies = kernels._cold_copies(weight if method == "bf16" else weight.qweight)
-    copies = copies if method == "bf16" else [weight._replace(qweight=q) for q in copies]
-    run = _runner(method)
-    times = {t: kernels.FusedKernels._time([lambda w=w, t=t: run(t, prologue, x, w, residual, norm, 1e-6, False)
-                                            for w in copies])
-             for t in main_tiles(_tiles(method, prologue, x.shape[0]))}
-    best = min(times, key=times.get)
-    return times[best], best
 
 
 def _weight_bytes(weight) -> int:
@@ -191,14 +177,12 @@ def kernel_table(shapes, methods, bandwidth: float) -> dict:
         for name, (prologue, n, k) in _projections(shape).items():
             for method in _methods(name, methods):
                 x, weight, residual, norm = _operands(prologue, n, k, method, device)
-                fused = QuantFusedKernels(tile_timing=True, pdl=True)
+                fused = QuantFusedKernels(tile_timing=True)
                 fused.skinny_matmul(prologue, x, weight, residual, norm, 1e-6)
                 (key, tile), = fused.chosen.items()
                 times = fused.tuning_times[key]
                 ms = min(times.values())
-                main_ms, main_tile = main_time(method, prologue, x, weight, residual, norm)
-                if None in times:
-                    main_ms, main_tile = min((main_ms, main_tile), (times[None], None), key=lambda v: v[0])
+                main_ms, main_tile = main_choice(times)
                 size = _weight_bytes(weight)
                 error = _relative_error(fused, prologue, x, weight, residual, norm)
                 rows[f"{name} {method}"] = {
@@ -260,7 +244,7 @@ def run(args) -> dict:
     # the table's, then the engines' start-up tuning's (16-64 rows: the mixed-step buckets)
     variants = projection_variants(args.shapes, args.methods, 1)
     for rows in ([] if args.skip_engine else [16, 32, 64]):
-        variants += projection_variants(args.shapes, ["bf16"], rows, main=False)
+        variants += projection_variants(args.shapes, ["bf16"], rows)
     precompile(variants, "[quant] compiling kernel variants")
     bandwidth = read_bandwidth(device)
     result = {"env": environment(device), "read_bandwidth_GBps": round(bandwidth / 1e9, 1), "batch": 1,

@@ -331,7 +331,7 @@ def _skinny_matmul_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, out_ptr, res_out_pt
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
     w_rows = w_ptr + n[:, None].to(tl.int64) * K
-    dtype = out_ptr.dtype.element_ty
+    dtype = x_ptr.dtype.element_ty  # the activations' (out may hold fp32 partial sums)
     w = _weights(w_rows, n_mask, k_lo, k_hi, BLOCK_K)
     if PDL:
         gdc_launch_dependents()
@@ -456,13 +456,15 @@ class Tile(NamedTuple):
     kernel: BLOCK_W words) a step, `warps` warps; the columns split over `split_k` programs whose
     fp32 partial sums a second kernel adds in order (a small N still fills the GPU); `apart`:
     the prologue (norm, SiLU·up) as its own kernel first, so no program recomputes it (the fused
-    kernel computes it once per program, over the whole row)."""
+    kernel computes it once per program, over the whole row); `pdl`: programmatic dependent
+    launches (see `launch`), which help some shapes and slow others."""
 
     block_n: int
     block_k: int
     warps: int
     split_k: int = 1
     apart: bool = False
+    pdl: bool = False
 
 
 # Tiles tried for each shape; an FMA tile holds BLOCK_M * BLOCK_N * BLOCK_K products. Main's
@@ -481,12 +483,20 @@ _UNTUNED_BYTES = 256 * 1024  # weights this small take the first tile that fits:
 _MAX_PRODUCTS_PER_THREAD = 64  # more spills registers
 
 
-def candidate_tiles(rows: int, prologue: int = PLAIN) -> list[Tile | None]:
+def candidate_tiles(rows: int, prologue: int = PLAIN, pdl: bool = False) -> list[Tile | None]:
     """Tiles a product of `rows` rows (a power of two) may take, cuBLAS (None) first; a plain
     product has no prologue to run apart."""
     tiles = _DOT_TILES if rows >= DOT_MIN_ROWS else [
         t for t in _TILES if rows * t.block_n * t.block_k <= _MAX_PRODUCTS_PER_THREAD * 32 * t.warps]
-    return [None] + [t for t in tiles if not (t.apart and prologue == PLAIN)]
+    return [None] + with_pdl([t for t in tiles if not (t.apart and prologue == PLAIN)], pdl)
+
+
+def with_pdl(tiles: list[Tile], pdl: bool) -> list[Tile]:
+    """Where the GPU has programmatic dependent launches: every tile with them, and the plain
+    tiles (K whole, the prologue fused) also without, as main ran them; else the tiles as they are."""
+    if not pdl:
+        return tiles
+    return [t._replace(pdl=True) for t in tiles] + [t for t in tiles if t.split_k == 1 and not t.apart]
 
 
 def _torch_variant(prologue, x, weight, residual, norm_weight, eps):
@@ -519,25 +529,25 @@ def split_k(k: int, tile: Tile, unit: int) -> tuple[int, int]:
     return (k, 1) if splits == 1 else (per, splits)
 
 
-def _run(tile, prologue, x, weight, residual, norm_weight, eps, pdl: bool = False):
+def _run(tile, prologue, x, weight, residual, norm_weight, eps):
     if tile is None:
         return _torch_variant(prologue, x, weight, residual, norm_weight, eps)
     if tile.apart and prologue != PLAIN:
-        return run_apart(lambda y: _run(tile, PLAIN, y, weight, None, None, eps, pdl), prologue, x, residual,
-                         norm_weight, eps, pdl)
+        return run_apart(lambda y: _run(tile, PLAIN, y, weight, None, None, eps), prologue, x, residual,
+                         norm_weight, eps, tile.pdl)
     m, (n, k) = x.shape[0], weight.shape
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     res_out = torch.empty(m, k, dtype=x.dtype, device=x.device) if prologue == ADD_NORM else out
     block_m = triton.next_power_of_2(m)
     k_split, splits = split_k(k, tile, tile.block_k)
     target = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
-    launch(_skinny_matmul_kernel, (triton.cdiv(n, tile.block_n), splits), pdl,
+    launch(_skinny_matmul_kernel, (triton.cdiv(n, tile.block_n), splits), tile.pdl,
            x, residual if residual is not None else x, norm_weight if norm_weight is not None else weight, weight,
            target, res_out, m, n, k, eps, NORM=prologue in (NORM, ADD_NORM), ADD=prologue == ADD_NORM,
            SILU=prologue == SILU_MUL, DOT=block_m >= DOT_MIN_ROWS, IEEE=x.dtype == torch.float32, BLOCK_M=block_m,
            BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, K_SPLIT=k_split, num_warps=tile.warps)
     if splits > 1:
-        sum_splits(target, out, pdl)
+        sum_splits(target, out, tile.pdl)
     if prologue == NORM:
         return out, x
     return (out, res_out) if prologue == ADD_NORM else out
@@ -589,9 +599,8 @@ class FusedKernels:
     paged_attention = staticmethod(paged_attention)
     prefill_attention = staticmethod(prefill_attention)
 
-    def __init__(self, tile_timing: bool, pdl: bool | None = None):
+    def __init__(self, tile_timing: bool):
         self.tile_timing = tile_timing
-        self.pdl = pdl  # programmatic dependent launches; None: where the GPU has them (first use)
         self.frozen = False
         self.untuned: set[tuple] = set()  # shapes first seen after freeze()
         self.chosen: dict[tuple, tuple[int, int, int] | None] = {}
@@ -629,17 +638,12 @@ class FusedKernels:
         key = (prologue, triton.next_power_of_2(x.shape[0]), *weight.shape, x.dtype)
         tile = self.chosen[key] if key in self.chosen else self._choose_tile(key, prologue, x, weight, residual,
                                                                              norm_weight, eps)
-        return _run(tile, prologue, x, weight, residual, norm_weight, eps, self._pdl(x))
-
-    def _pdl(self, x: torch.Tensor) -> bool:
-        if self.pdl is None:
-            self.pdl = pdl_supported(x.device)
-        return self.pdl
+        return _run(tile, prologue, x, weight, residual, norm_weight, eps)
 
     def _choose_tile(self, key, prologue, x, weight, residual, norm_weight, eps):
         """A new shape's tile (None: cuBLAS), remembered: timed when this engine times tiles and
         start-up tuning is still on, else the first tile that fits."""
-        tiles = candidate_tiles(key[1], prologue)
+        tiles = candidate_tiles(key[1], prologue, pdl_supported(x.device))
         if self.frozen:
             self.untuned.add(key)
             log.warning("skinny matmul %s first seen after start-up tuning: untimed tile %s", key, tiles[1])
@@ -648,9 +652,9 @@ class FusedKernels:
         if not timed:
             self.chosen[key] = tiles[1]
             return tiles[1]
-        weights, pdl = _cold_copies(weight), self._pdl(x)
-        times = [self._time([lambda w=w, t=t: _run(t, prologue, x, w, residual, norm_weight, eps, pdl)
-                             for w in weights]) for t in tiles]
+        weights = _cold_copies(weight)
+        times = [self._time([lambda w=w, t=t: _run(t, prologue, x, w, residual, norm_weight, eps) for w in weights])
+                 for t in tiles]
         self.chosen[key] = tiles[times.index(min(times))]
         self.tuning_times[key] = dict(zip(tiles, times))
         log.debug("skinny matmul %s: %s (%.2f µs; cuBLAS %.2f µs)", key, self.chosen[key] or "cuBLAS",

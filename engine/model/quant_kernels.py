@@ -18,7 +18,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from jetserve.engine.model.kernels import (ADD_NORM, NORM, PLAIN, SILU_MUL, FusedKernels, Tile, _cold_copies,
                                            _input_chunk, _normalized, _row_inv_rms, _torch_variant, launch,
-                                           run_apart, split_k, sum_splits)
+                                           pdl_supported, run_apart, split_k, sum_splits, with_pdl)
 from jetserve.engine.model.quant import QuantizedWeight, dequantize
 
 
@@ -69,7 +69,7 @@ def _quant_skinny_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_p
     row_groups = n.to(tl.int64)[:, None] * GROUPS
     t = tl.arange(0, BLOCK_W)
     field0 = (t // 16) * SPAN + t % 16  # input column of field 0 of the tile's word t, from the tile's first
-    dtype = out_ptr.dtype.element_ty
+    dtype = x_ptr.dtype.element_ty  # the activations' (out may hold fp32 partial sums)
     w_hi = tl.minimum(w_lo + KW_SPLIT, KW)
     words = tl.load(row_words + w_lo + t[None, :], mask=n_mask[:, None] & (w_lo + t < w_hi)[None, :],
                     other=0)  # in flight first
@@ -163,24 +163,23 @@ TILES = [Tile(8, 128, 4), Tile(16, 128, 4), Tile(4, 128, 4), Tile(8, 64, 2), Til
 _MAX_WORDS_PER_THREAD = 16  # accumulators a thread holds per word: more spills registers
 
 
-def fitting_tiles(rows: int, weight: QuantizedWeight, prologue: int = PLAIN) -> list[Tile]:
+def fitting_tiles(rows: int, weight: QuantizedWeight, prologue: int = PLAIN, pdl: bool = False) -> list[Tile]:
     """Tiles this shape can take: few enough accumulators a thread; fp32 scales (the loader's);
-    a plain product has no prologue to run apart."""
+    a plain product has no prologue to run apart; with and without PDL as `kernels.with_pdl`."""
     if weight.scales.dtype != torch.float32:
         return []
-    return [t for t in TILES if triton.next_power_of_2(rows) * t.block_n * t.block_k
-            <= _MAX_WORDS_PER_THREAD * 32 * t.warps and not (t.apart and prologue == PLAIN)]
+    return with_pdl([t for t in TILES if triton.next_power_of_2(rows) * t.block_n * t.block_k
+                     <= _MAX_WORDS_PER_THREAD * 32 * t.warps and not (t.apart and prologue == PLAIN)], pdl)
 
 
-def quant_matmul(tile, prologue, x, weight: QuantizedWeight, residual=None, norm_weight=None, eps=0.0,
-                 pdl: bool = False):
+def quant_matmul(tile, prologue, x, weight: QuantizedWeight, residual=None, norm_weight=None, eps=0.0):
     """The fused kernel in `tile` (with the partial sums' addition where it splits K, after the
     prologue's own kernel where it runs apart); None: dequantize and take the float path."""
     if tile is None:
         return _torch_variant(prologue, x, dequantize(weight, x.dtype), residual, norm_weight, eps)
     if tile.apart and prologue != PLAIN:
-        return run_apart(lambda y: quant_matmul(tile, PLAIN, y, weight, pdl=pdl), prologue, x, residual,
-                         norm_weight, eps, pdl)
+        return run_apart(lambda y: quant_matmul(tile, PLAIN, y, weight), prologue, x, residual, norm_weight, eps,
+                         tile.pdl)
     m, (n, k) = x.shape[0], weight.shape
     block_m = triton.next_power_of_2(m)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -188,7 +187,7 @@ def quant_matmul(tile, prologue, x, weight: QuantizedWeight, residual=None, norm
     zeros = weight.zeros if weight.zeros is not None else weight.scales
     kw_split, splits = split_k(weight.qweight.shape[1], tile, tile.block_k)
     target = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
-    launch(_quant_skinny_kernel, (triton.cdiv(n, tile.block_n), splits), pdl,
+    launch(_quant_skinny_kernel, (triton.cdiv(n, tile.block_n), splits), tile.pdl,
            x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, weight.qweight,
            weight.scales, zeros, target, res_out, m, n, k, eps, (1 << weight.bits) - 1,
            NORM=prologue in (NORM, ADD_NORM), ADD=prologue == ADD_NORM, SILU=prologue == SILU_MUL, BITS=weight.bits,
@@ -196,7 +195,7 @@ def quant_matmul(tile, prologue, x, weight: QuantizedWeight, residual=None, norm
            BLOCK_W=tile.block_k, NORM_BLOCK=min(triton.next_power_of_2(k), 4096 // block_m), KW_SPLIT=kw_split,
            num_warps=tile.warps)
     if splits > 1:
-        sum_splits(target, out, pdl)
+        sum_splits(target, out, tile.pdl)
     if prologue == NORM:
         return out, x
     return (out, res_out) if prologue == ADD_NORM else out
@@ -215,20 +214,20 @@ class QuantFusedKernels(FusedKernels):
                weight.scales.dtype, x.dtype)
         tile = self.chosen[key] if key in self.chosen else self._choose_quant_tile(key, prologue, x, weight,
                                                                                    residual, norm_weight, eps)
-        return quant_matmul(tile, prologue, x, weight, residual, norm_weight, eps, self._pdl(x))
+        return quant_matmul(tile, prologue, x, weight, residual, norm_weight, eps)
 
     def _choose_quant_tile(self, key, prologue, x, weight, residual, norm_weight, eps):
         """As `FusedKernels._choose_tile`: timed while start-up tuning is on and this engine times
         tiles, else the first tile that fits (recorded in `untuned` after `freeze()`); None where
         none fits: dequantize and take the float path."""
-        tiles = fitting_tiles(x.shape[0], weight, prologue)
+        tiles = fitting_tiles(x.shape[0], weight, prologue, pdl_supported(x.device))
         if self.frozen:
             self.untuned.add(key)
         if not (tiles and self.tile_timing and not self.frozen and not torch.cuda.is_current_stream_capturing()):
             self.chosen[key] = tiles[0] if tiles else None
             return self.chosen[key]
-        copies, pdl = [weight._replace(qweight=q) for q in _cold_copies(weight.qweight)], self._pdl(x)
-        times = [self._time([lambda w=w, t=t: quant_matmul(t, prologue, x, w, residual, norm_weight, eps, pdl)
+        copies = [weight._replace(qweight=q) for q in _cold_copies(weight.qweight)]
+        times = [self._time([lambda w=w, t=t: quant_matmul(t, prologue, x, w, residual, norm_weight, eps)
                              for w in copies]) for t in tiles]
         self.chosen[key] = tiles[times.index(min(times))]
         self.tuning_times[key] = dict(zip(tiles, times))
