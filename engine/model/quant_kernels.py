@@ -153,16 +153,15 @@ def _quant_skinny_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_p
 # so where BLOCK_W spans all threads a thread holds all BLOCK_N rows of its word and computes an
 # activation's prologue once for them. The first nine were the fastest, or within a few percent,
 # for some Qwen3 0.6B/4B projection at batch 1 on the H200 (of 15 timed: bench/results/quant-h200);
-# (2, 128, 4) and (1, 256, 8) also fit 8 rows. Then wider tiles (2-4 words a thread a row: more
-# bytes in flight a program, 128-bit loads), the prologue apart (a fused program spends about as
-# many instructions on its activations as on its weights), and split K for the narrow products
-# (o, down: N / BLOCK_N programs leave SMs idle).
+# (2, 128, 4) and (1, 256, 8) also fit 8 rows. Then those of this round's candidates that won some
+# projection there (bench/results/quant-h200): two words a thread, the prologue apart (a fused
+# program spends about as many instructions on its activations as on its weights: 4B gate·up INT4
+# 41 -> 31 µs), split K for the narrow down projection. Wider tiles (four words a thread, more
+# bytes in flight a program) won nowhere.
 TILES = [Tile(8, 128, 4), Tile(16, 128, 4), Tile(4, 128, 4), Tile(8, 64, 2), Tile(4, 64, 2), Tile(8, 32, 1),
-         Tile(8, 256, 8), Tile(1, 256, 8), Tile(2, 128, 4),
-         Tile(4, 256, 2), Tile(4, 128, 1), Tile(4, 512, 4), Tile(8, 256, 4), Tile(2, 512, 4),
+         Tile(8, 256, 8), Tile(1, 256, 8), Tile(2, 128, 4), Tile(8, 256, 4),
          Tile(8, 128, 4, apart=True), Tile(8, 64, 2, apart=True), Tile(8, 256, 8, apart=True),
-         Tile(4, 256, 2, apart=True), Tile(8, 256, 4, apart=True),
-         Tile(8, 128, 4, 2), Tile(4, 128, 4, 4), Tile(8, 256, 8, 2), Tile(4, 256, 2, 2)]
+         Tile(4, 128, 4, 4), Tile(8, 256, 8, 2)]
 _MAX_WORDS_PER_THREAD = 16  # accumulators a thread holds per word: more spills registers
 
 

@@ -129,3 +129,16 @@ def test_shapes_after_freeze_are_recorded_untimed():
     x, w = torch.randn(3, 256, device=DEVICE), torch.randn(300, 256, device=DEVICE)
     torch.testing.assert_close(tuned.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
     assert tuned.untuned == {(kernels.PLAIN, 4, 300, 256, torch.float32)} and tuned.tuning_times == {}
+
+
+def test_candidates_with_and_without_pdl():
+    """Where the GPU has programmatic dependent launches every tile is tried with them and main's
+    plain tiles (K whole, the prologue fused) also without; elsewhere none has them; a plain
+    product has no prologue to run apart."""
+    plain = kernels.candidate_tiles(1, kernels.NORM)
+    assert plain[0] is None and not any(t.pdl for t in plain[1:])
+    both = kernels.candidate_tiles(1, kernels.NORM, pdl=True)
+    assert [t._replace(pdl=False) for t in both[1:] if t.pdl] == plain[1:]
+    assert [t for t in both[1:] if not t.pdl] == [t for t in plain[1:] if t.split_k == 1 and not t.apart]
+    assert any(t.apart for t in plain) and not any(t.apart for t in kernels.candidate_tiles(1, pdl=True)[1:])
+    assert any(t.split_k > 1 for t in kernels.candidate_tiles(32, kernels.PLAIN))
