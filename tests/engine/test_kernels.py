@@ -140,5 +140,5 @@ def test_candidates_with_and_without_pdl():
     both = kernels.candidate_tiles(1, kernels.NORM, pdl=True)
     assert [t._replace(pdl=False) for t in both[1:] if t.pdl] == plain[1:]
     assert [t for t in both[1:] if not t.pdl] == [t for t in plain[1:] if t.split_k == 1 and not t.apart]
-    assert any(t.apart for t in plain) and not any(t.apart for t in kernels.candidate_tiles(1, pdl=True)[1:])
-    assert any(t.split_k > 1 for t in kernels.candidate_tiles(32, kernels.PLAIN))
+    assert any(t.apart for t in plain[1:]) and not any(t.apart for t in kernels.candidate_tiles(1, pdl=True)[1:])
+    assert any(t.split_k > 1 for t in kernels.candidate_tiles(32, kernels.PLAIN)[1:])
