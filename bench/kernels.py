@@ -56,6 +56,7 @@ def run(args) -> dict:
                     "main_us": round(main, 2), "main_tile": str(main_tile) if main_tile else "cuBLAS",
                     "tiles_us": {str(t): round(v * 1e3, 2) for t, v in tried.items()},
                     "GBps": round(gb / ours * 1e6), "main_GBps": round(gb / main * 1e6),
+                    "Gweights_per_s": round(n * k / ours / 1e3),
                     "cublas_GBps": round(gb / cublas * 1e6)}
                 del x, w, res, norm_w, tuned
         cache_slots = max(CONTEXTS) + 16

@@ -164,7 +164,8 @@ def _relative_error(fused, prologue, x, weight, residual, norm) -> float:
 
 
 def kernel_table(shapes, methods, bandwidth: float) -> dict:
-    """Per shape, projection and method: the start-up tile tuning's fastest tile and GB/s
+    """Per shape, projection and method: the start-up tile tuning's fastest tile, GB/s and
+    weights a second, beside the fastest of what main could choose, timed in the same tuning
     (`bandwidth` the tensor-sum read rate, GB/s)."""
     import torch
 
@@ -187,7 +188,7 @@ def kernel_table(shapes, methods, bandwidth: float) -> dict:
                 error = _relative_error(fused, prologue, x, weight, residual, norm)
                 rows[f"{name} {method}"] = {
                     "shape_nk": [n, k], "weight_bytes": size, "us": round(ms * 1e3, 2),
-                    "GBps": round(size / ms / 1e6, 1), "share_of_read_bandwidth": round(size / ms / 1e6 / bandwidth, 3),
+                    "GBps": round(size / ms / 1e6, 1), "Gweights_per_s": round(n * k / ms / 1e6), "share_of_read_bandwidth": round(size / ms / 1e6 / bandwidth, 3),
                     "tile": "cuBLAS" if tile is None else str(tile), "relative_error": error,
                     "main_us": round(main_ms * 1e3, 2), "main_GBps": round(size / main_ms / 1e6, 1),
                     "main_tile": "cuBLAS" if main_tile is None else str(main_tile),
