@@ -2,9 +2,10 @@
 shape, with the prologue the model fuses into it) against cuBLAS, and paged attention with the
 context split over programs against one program per (token, kv head), by context length.
 
-Shows which tile the start-up tuner picks per shape (programmatic dependent launches on), how
-close each product gets to the read bandwidth, and main's tiles without PDL in the same run; the
-step-level numbers are `jetserve bench decode` and `profile`.
+Shows which tile the start-up tuner picks per shape, how close each product gets to the read
+bandwidth, and beside it the fastest of what main could choose (cuBLAS, or a tile without PDL, K
+whole, the prologue fused), timed in the same tuning; the step-level numbers are `jetserve bench
+decode` and `profile`.
 """
 
 ROWS = [1, 2, 4, 8]
@@ -21,6 +22,7 @@ def run(args) -> dict:
     from tqdm import tqdm
 
     from jetserve.bench.common import SHAPES, environment, read_bandwidth, write_results
+    from jetserve.bench.quant import _operands, _projections, main_choice, precompile, projection_variants
     from jetserve.engine.model import kernels
 
     device = torch.device("cuda")
@@ -29,12 +31,9 @@ def run(args) -> dict:
     result = {"env": environment(device), "dtype": "bfloat16", "read_bandwidth_GBps": round(read_bandwidth(device) / 1e9),
               "matmul": {}, "attention": {}}
 
-    from jetserve.bench.quant import _operands, _projections, main_choice, precompile, projection_variants
-
-    def bench(fn, weight=None):
-        """µs a call takes on the GPU, replayed from a graph; with a weight, read cold as in a step."""
-        copies = kernels._cold_copies(weight) if weight is not None else [None]
-        return kernels.graph_time([lambda w=w: fn(w) for w in copies]) * 1e3
+    def bench(fn):
+        """µs a call takes on the GPU, replayed from a graph."""
+        return kernels.graph_time([fn]) * 1e3
 
     for m in rows:
         precompile(projection_variants(args.shapes, ["bf16"], m), f"[kernels] compiling {m}-row variants")
@@ -67,9 +66,9 @@ def run(args) -> dict:
         att = result["attention"][shape] = {}
         for ctx in CONTEXTS:
             lens = torch.tensor([ctx], dtype=torch.int32, device=device)
-            split_us = bench(lambda _: kernels.paged_attention(q, k_cache, v_cache, tables, lens, 1, 16, d ** -0.5))
-            one_us = bench(lambda _: kernels.paged_attention(q, k_cache, v_cache, tables, lens, 1, 16, d ** -0.5,
-                                                             num_splits=1))
+            split_us = bench(lambda: kernels.paged_attention(q, k_cache, v_cache, tables, lens, 1, 16, d ** -0.5))
+            one_us = bench(lambda: kernels.paged_attention(q, k_cache, v_cache, tables, lens, 1, 16, d ** -0.5,
+                                                           num_splits=1))
             att[ctx] = {"splits": kernels._num_splits(kv, device), "us": round(split_us, 2), "one_split_us": round(one_us, 2)}
     print_summary(result)
     write_results(args.out, result, {"kernels": _plot(result)})
