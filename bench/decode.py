@@ -315,8 +315,9 @@ def _profile_engine(engine, batch, prompt_len, rng, steps=16) -> dict:
     return _families(prof, steps, wall)
 
 
-def _profile_hf(model, batch, prompt_len, rng, steps=16) -> dict:
-    """The same for transformers' `generate`: a run of steps + 1 tokens less a run of 1 (the prefill)."""
+def _profile_hf(model, batch, prompt_len, rng, steps=64) -> dict:
+    """The same for transformers' `generate`: a run of steps + 1 tokens less a run of 1 (the
+    prefill; long enough a run that the prefill's own variation stays small)."""
     import time
 
     import torch
