@@ -21,8 +21,9 @@ into a view of the cache, they make inductor copy the whole cache every step.
 Packed weights (oneDNN tensors) cannot be pickled, so inductor's on-disk cache (`cache_dir`)
 passes these programs by and each start compiles both (progress bar; 30 s and 47 s on the
 2-core box at load 6, whatever the number of buckets). The frozen weights are copies: each
-program holds the model's weights once more. Steps with prefill chunks, batches above the largest bucket and
-buckets whose compile failed run eagerly; so does every step with `--enforce-eager`.
+program holds the model's weights once more. Steps with prefill chunks, batches above the
+largest bucket and buckets whose compile failed run eagerly; so does every step with
+`--enforce-eager`.
 """
 
 from __future__ import annotations
