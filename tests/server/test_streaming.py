@@ -113,19 +113,29 @@ def test_client_cancel_mid_stream_frees_the_blocks(stubs, live):
 
 
 def test_deadline_mid_stream_frees_the_blocks(stubs, live):
-    """The deadline is set from this machine's own pace (a whole stream timed first), so it falls
-    mid-stream on a fast machine and a loaded one alike."""
+    """The deadline is set from this machine's own pace (a whole stream timed first); a busy
+    neighbour can change that pace between two calls, so the fraction adapts, a bounded number of
+    times, until the deadline falls mid-stream."""
     inference, _ = stubs
     request = pb.GenerateRequest(text=PROMPTS[2], sampling=greedy(480, ignore_eos=True))
     start = time.monotonic()
     list(inference.Generate(request))
     whole = time.monotonic() - start
-    received = []
-    with pytest.raises(grpc.RpcError) as err:
-        for message in inference.Generate(request, timeout=whole * 0.5):
-            received.append(message)
-    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert 0 < len(received) < 480  # it expired mid-stream
+    fraction = 0.5
+    for _ in range(8):
+        received = []
+        try:
+            for message in inference.Generate(request, timeout=whole * fraction):
+                received.append(message)
+        except grpc.RpcError as err:
+            assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            if 0 < len(received) < 480:
+                break
+            fraction *= 1.5 if not received else 0.5  # expired before the first token: later
+        else:
+            fraction *= 0.5  # the stream ran faster than the first: sooner
+        wait_for_free_blocks(live.engine)
+    assert 0 < len(received) < 480, "the deadline never fell mid-stream"
     stats = wait_for_free_blocks(live.engine)
     assert stats.kv_blocks_used == 0 and stats.num_running == 0
 
