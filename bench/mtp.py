@@ -183,29 +183,53 @@ def _profile_step(llm, k: int, batch: int, prompts: list, args) -> dict:
     ids, positions = graphs.ids[:n], graphs.positions[:n]
     accept = graphs.acceptance(q, bucket)
     with torch.inference_mode():
-        hidden = model(ids, positions, kv, meta)
+        rope = model.rotary(positions, model.embed_tokens.weight.dtype)
+        hidden = model(ids, positions, kv, meta, rope)
         target = model.compute_logits(hidden).argmax(-1).view(-1, q)
-        accepted, last, chain = accept(ids, target, positions, k - 1)
-        mtp_hidden = model.mtp_forward(0, target.flatten(), positions, hidden, kv, meta)
-        h = mtp_hidden[last]
-        draft = model.draft_tokens(h)
+        mtp_in = model.draft_input(0, target.flatten(), hidden)
+        x, res = model.mtp_layer(0, mtp_in, rope, kv, meta)
+        packed = torch.zeros(bucket, q + 1 + k, dtype=torch.long, device=ids.device)
+        xl, rl, chain = accept(ids, target, positions, x, res, k - 1, packed)
+        logits, total = model.draft_logits(0, xl, rl)
         pieces = {
-            "verify forward": lambda: model(ids, positions, kv, meta),
+            "RoPE rows": lambda: model.rotary(positions, model.embed_tokens.weight.dtype),
+            "verify forward": lambda: model(ids, positions, kv, meta, rope),
             "vocab projection + argmax (verify rows)": lambda: model.compute_logits(hidden).argmax(-1),
-            "acceptance + drafting inputs": lambda: accept(ids, target, positions, k - 1),
-            "MTP pass": lambda: model.mtp_forward(0, target.flatten(), positions, hidden, kv, meta),
-            "draft head (gather + vocab projection + argmax), each": lambda: model.draft_tokens(mtp_hidden[last]),
+            "MTP pass (input + layer)": lambda: model.mtp_layer(0, model.draft_input(0, target.flatten(), hidden),
+                                                                rope, kv, meta),
+            "acceptance + drafting inputs": lambda: accept(ids, target, positions, x, res, k - 1, packed),
+            "draft head (final norm + vocab projection), each": lambda: model.draft_logits(0, xl, rl),
         }
         if chain:
-            pieces["drafting step (MTP layer), each"] = lambda: model.mtp_forward(1, draft, chain[0][0], h, kv,
-                                                                                 chain[0][1])
+            norm = model.mtp[0].norm
+            pieces["drafting step (argmax + input + MTP layer), each"] = lambda: model.mtp_layer(
+                1, model.draft_input(1, logits, total, norm, packed[:, q + 1]), chain[0][0], kv, chain[0][1])
         times = {name: graph_time([fn]) * 1e3 for name, fn in pieces.items()}
         times["whole step graph"] = _replay_us(graphs.graphs[k, q, bucket])
         times["plain decode graph"] = _replay_us(graphs.graphs[None, 1, bucket])
     times["sum of pieces"] = (sum(v for name, v in times.items() if "graph" not in name)
-                              + (k - 1) * times["draft head (gather + vocab projection + argmax), each"]
-                              + max(k - 2, 0) * times.get("drafting step (MTP layer), each", 0.0))
-    return {name: round(v, 1) for name, v in times.items()}
+                              + (k - 1) * times["draft head (final norm + vocab projection), each"]
+                              + max(k - 2, 0) * times.get("drafting step (argmax + input + MTP layer), each", 0.0))
+    result = {name: round(v, 1) for name, v in times.items()}
+    result["kernels, whole step graph"] = _kernel_list(graphs.graphs[k, q, bucket])
+    result["kernels, plain decode graph"] = _kernel_list(graphs.graphs[None, 1, bucket])
+    return result
+
+
+def _kernel_list(graph) -> dict:
+    """One replay under torch.profiler: the kernels it ran, in order, with their µs on the device,
+    and their count and total (launch gaps are the rest of the replay's time)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    kernels = [(e.name, e.device_time) for e in prof.events() if e.device_time > 0 and not e.name.startswith("Memcpy")]
+    return {"count": len(kernels), "device_us": round(sum(t for _, t in kernels), 1),
+            "kernels": [[name[:60], round(t, 2)] for name, t in kernels]}
 
 
 def _replay_us(graph, repeat: int = 50) -> float:

@@ -158,7 +158,7 @@ class CUDAGraphs:
     def acceptance(self, q_len: int, batch: int) -> Acceptance:
         """A speculative step's acceptance and drafting inputs over the static inputs of `batch`
         sequences (padded ones draft into the scratch slot)."""
-        return device_acceptance(self.meta(q_len, batch), q_len, self.scratch_slot)
+        return device_acceptance(self.meta(q_len, batch), q_len, self.model.rotary, self.scratch_slot)
 
     def _step(self, num_drafts: int | None, q_len: int, bucket: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The captured work: hidden states, and for the main model the greedy tokens of the fp32

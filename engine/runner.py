@@ -74,6 +74,7 @@ def tune_kernels(model, kv_cache: torch.Tensor, block_size: int, scratch_block: 
         if rows:
             model.compute_logits(hidden)
             model.draft_tokens(hidden)  # a draft vocabulary is its own shape
+            model.draft_logits(0, hidden, hidden)  # ... and with the MTP layer's final norm fused in
             for step in range(len(model.mtp)):
                 model.mtp_forward(step, ids, ids, hidden, kv_cache, meta)
     if device.type == "cuda":
@@ -298,8 +299,8 @@ class ModelRunner:
         else:
             meta = AttentionMetadata.build([q] * len(seqs), ctx_lens, tables, self.block_size, self.device,
                                            self.config.fused_kernels)
-            accept = (device_acceptance(meta, q) if meta.block_tables is not None
-                      else host_acceptance(tables, self.block_size, self.device))
+            accept = (device_acceptance(meta, q, self.model.rotary) if meta.block_tables is not None
+                      else host_acceptance(tables, self.block_size, self.device, self.model.rotary))
             positions_t = to_device(torch.tensor(positions), self.device)
             packed = speculative_step(self.model, self.kv_cache, to_device(torch.tensor(ids), self.device),
                                       positions_t, meta, q, num_drafts, self._sample_rows(seqs, q, positions_t), accept)

@@ -67,8 +67,8 @@ def verify(logits: torch.Tensor, drafts: list[list[int]], params: list[SamplingP
     return out
 
 
-Acceptance = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int],
-                      tuple[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, AttentionMetadata]]]]
+Acceptance = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor],
+                      tuple[torch.Tensor, torch.Tensor, list[tuple[tuple[torch.Tensor, torch.Tensor], AttentionMetadata]]]]
 
 
 def speculative_step(model, kv_cache: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
@@ -78,55 +78,73 @@ def speculative_step(model, kv_cache: torch.Tensor, ids: torch.Tensor, positions
     `num_drafts` each, on device tensors with fixed shapes and no host read, so it can be
     captured in a CUDA graph.
 
-    `sample_rows(logits)` gives each row's token (step 2); `accept(ids, target, positions, n)`
-    gives the accepted counts, the last verified rows and the inputs (positions, attention
-    metadata) of n one-token drafting steps after them (the caller knows where the KV slots
-    are). Returns [B, q + 1 + num_drafts] int64: the q sampled tokens, the accepted count n,
-    then the next drafts; the sequence gains the first n+1 tokens.
-    """
-    hidden = model(ids, positions, kv_cache, meta)
+    `sample_rows(logits)` gives each row's token (step 2); `accept(ids, target, positions, x,
+    residual, n, packed)` writes the sampled tokens and accepted counts into `packed` and gives
+    the MTP pass's output (x, residual) at each sequence's last verified row and the inputs
+    (RoPE, attention metadata) of n one-token drafting steps after it (the caller knows where
+    the KV slots are). Returns [B, q + 1 + num_drafts] int64: the q sampled tokens, the accepted
+    count n, then the next drafts; the sequence gains the first n+1 tokens.
+
+    Launches are what a small model's step costs, so the MTP pass shares the verify's RoPE, each
+    MTP layer's input is one kernel (`Qwen3ForCausalLM.draft_input`: the embedding, both norms,
+    and in the chain the previous draft's argmax and final norm), and a draft head is its final
+    norm fused into the projection of the draft vocabulary."""
+    rope = model.rotary(positions, model.embed_tokens.weight.dtype)
+    hidden = model(ids, positions, kv_cache, meta, rope)
     target = sample_rows(model.compute_logits(hidden)).view(-1, q)
-    accepted, last, chain = accept(ids, target, positions, max(num_drafts - 1, 0))
     # Row j's successor is target[j] for every row up to the first rejection: the shifted ids.
-    mtp_hidden = model.mtp_forward(0, target.flatten(), positions, hidden, kv_cache, meta)
-    drafts = []
-    if num_drafts:
-        h = mtp_hidden[last]
-        drafts.append(model.draft_tokens(h))
-    for step, (step_positions, step_meta) in enumerate(chain, start=1):
-        h = model.mtp_forward(step, drafts[-1], step_positions, h, kv_cache, step_meta)
-        drafts.append(model.draft_tokens(h))
-    return torch.cat([target, accepted[:, None], *(d[:, None] for d in drafts)], dim=1)
+    x, residual = model.mtp_layer(0, model.draft_input(0, target.flatten(), hidden), rope, kv_cache, meta)
+    packed = torch.empty(target.shape[0], q + 1 + num_drafts, dtype=torch.int64, device=target.device)
+    x, residual, chain = accept(ids, target, positions, x, residual, max(num_drafts - 1, 0), packed)
+    for step in range(num_drafts):
+        logits, total = model.draft_logits(step, x, residual)
+        column = packed[:, q + 1 + step]
+        if step == num_drafts - 1:
+            if model.lm_head._skinny(total):
+                from jetserve.engine.model.spec_kernels import argmax_into  # needs Triton
+
+                argmax_into(logits, column)
+            else:
+                column.copy_(logits.argmax(dim=-1))
+            break
+        step_rope, step_meta = chain[step]
+        inputs = model.draft_input(step + 1, logits, total, model.mtp[step % len(model.mtp)].norm, column)
+        x, residual = model.mtp_layer(step + 1, inputs, step_rope, kv_cache, step_meta)
+    return packed
 
 
-def device_acceptance(meta: AttentionMetadata, q: int, scratch_slot: int = 0) -> Acceptance:
+def device_acceptance(meta: AttentionMetadata, q: int, rotary, scratch_slot: int = 0) -> Acceptance:
     """Acceptance and drafting inputs computed on the device from a uniform step's metadata, in
     one kernel (model/spec_kernels.py): no host read, so they can live in a CUDA graph. A graph's
-    padded sequences (context length 1) draft into `scratch_slot`."""
+    padded sequences (context length 1) draft into `scratch_slot`. `rotary`: the model's
+    RotaryEmbedding."""
     from jetserve.engine.model.spec_kernels import accept_and_chain  # needs Triton
 
-    def accept(ids, target, positions, steps):
-        accepted, last, chain_positions, slots, context_lens = accept_and_chain(
-            ids, target, positions, meta.block_tables, meta.context_lens, meta.block_size, q, steps, scratch_slot)
-        return accepted, last, [
-            (chain_positions[s], AttentionMetadata(slot_mapping=slots[s], block_tables=meta.block_tables,
-                                                   context_lens=context_lens[s], q_len=1, block_size=meta.block_size))
+    def accept(ids, target, positions, x, residual, steps, packed):
+        x, residual, slots, context_lens, cos, sin = accept_and_chain(
+            ids, target, positions, meta.block_tables, meta.context_lens, meta.block_size, q, steps, x, residual,
+            *rotary.tables(x.dtype), packed, scratch_slot)
+        return x, residual, [
+            ((cos[s][:, None], sin[s][:, None]),
+             AttentionMetadata(slot_mapping=slots[s], block_tables=meta.block_tables, context_lens=context_lens[s],
+                               q_len=1, block_size=meta.block_size))
             for s in range(steps)]
     return accept
 
 
-def host_acceptance(block_tables: list[list[int]], block_size: int, device: torch.device) -> Acceptance:
+def host_acceptance(block_tables: list[list[int]], block_size: int, device: torch.device, rotary) -> Acceptance:
     """Acceptance in torch, drafting inputs built on the host (the general attention path, e.g.
     on a CPU, where reading the positions costs nothing)."""
-    def accept(ids, target, positions, steps):
+    def accept(ids, target, positions, x, residual, steps, packed):
         batch, q = target.shape
         accepted = accepted_counts(ids.view(batch, q)[:, 1:], target)
+        packed[:, :q], packed[:, q] = target, accepted
         last = torch.arange(batch, device=ids.device) * q + accepted
         last_positions = positions[last].long()
         ends = last_positions.tolist()
-        return accepted, last, [
-            (last_positions + s, AttentionMetadata.build([1] * batch, [p + s + 1 for p in ends], block_tables,
-                                                         block_size, device))
+        return x[last], residual[last], [
+            (rotary(last_positions + s, x.dtype),
+             AttentionMetadata.build([1] * batch, [p + s + 1 for p in ends], block_tables, block_size, device))
             for s in range(1, steps + 1)]
     return accept
 

@@ -85,9 +85,18 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
+        self._cast: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype):
-        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+        cos, sin = self.tables(dtype)
+        return cos[positions][:, None, :], sin[positions][:, None, :]
+
+    def tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tables cast to `dtype` once (the rows transformers casts per call, rounded alike):
+        a step gathers its rows in two launches, not four."""
+        if self._cast is None or self._cast[0].dtype != dtype or self._cast[0].device != self.cos.device:
+            self._cast = self.cos.to(dtype), self.sin.to(dtype)
+        return self._cast
 
 
 def _rotate_half(x):
@@ -187,8 +196,15 @@ class MTPLayer(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, embeds, hidden, rope, kv_cache, meta):
-        x = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
-        return self.norm(*self.block(x, None, rope, kv_cache, meta))[0]
+        return self.norm(*self.layer(self.inputs(embeds, hidden), rope, kv_cache, meta))[0]
+
+    def inputs(self, embeds, hidden):
+        """The fc's input: the normed embedding beside the normed hidden state."""
+        return torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1)
+
+    def layer(self, inputs, rope, kv_cache, meta):
+        """(x, residual) from the fc's input, before the final norm (the draft head fuses it)."""
+        return self.block(self.fc(inputs), None, rope, kv_cache, meta)
 
 
 class Qwen3ForCausalLM(nn.Module):
@@ -219,9 +235,11 @@ class Qwen3ForCausalLM(nn.Module):
         """Layers that keep a KV cache: the main stack, then one per MTP layer."""
         return len(self.layers) + len(self.mtp)
 
-    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata):
+    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata, rope=None):
+        """`rope`: the positions' (cos, sin), when the caller already has them (a speculative step
+        shares them with its MTP pass)."""
         x = self.embed_tokens(input_ids)
-        rope = self.rotary(positions, x.dtype)
+        rope = rope or self.rotary(positions, x.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, rope, kv_cache, meta)
@@ -233,6 +251,37 @@ class Qwen3ForCausalLM(nn.Module):
         embeds = self.embed_tokens(input_ids)
         rope = self.rotary(positions, embeds.dtype)
         return self.mtp[index](embeds, hidden, rope, kv_caches[len(self.layers) + index], meta)
+
+    def draft_input(self, step: int, tokens, hidden, hidden_norm: RMSNorm | None = None, tokens_out=None):
+        """MTP layer step % n's fc input [rows, 2H] for a speculative step: its normed embedding of
+        the tokens beside its normed hidden state. `tokens`: ids [rows], or draft logits
+        [rows, draft vocab] whose argmax is the token (then also written into `tokens_out`);
+        `hidden_norm`: `hidden` is the previous MTP layer's output before its final norm (x +
+        residual), normed here. One kernel on CUDA (spec_kernels.draft_input)."""
+        layer = self.mtp[step % len(self.mtp)]
+        if layer.fc._skinny(hidden):
+            from jetserve.engine.model.spec_kernels import draft_input  # needs Triton
+
+            return draft_input(tokens, hidden, self.embed_tokens.weight, layer.pre_fc_norm_embedding,
+                               layer.pre_fc_norm_hidden, hidden_norm, tokens_out)
+        if tokens.is_floating_point():
+            tokens = tokens.argmax(dim=-1)
+            tokens_out.copy_(tokens)
+        return layer.inputs(self.embed_tokens(tokens), hidden if hidden_norm is None else hidden_norm(hidden))
+
+    def mtp_layer(self, step: int, inputs, rope, kv_caches, meta: AttentionMetadata):
+        """MTP layer step % n (its own KV cache) on its fc input: (x, residual) before its final norm."""
+        index = step % len(self.mtp)
+        return self.mtp[index].layer(inputs, rope, kv_caches[len(self.layers) + index], meta)
+
+    def draft_logits(self, step: int, x, residual):
+        """(logits over the first draft_vocab_size ids, x + residual) from MTP layer step % n's
+        output: its final norm fused into the draft head's projection (see draft_tokens)."""
+        norm, weight = self.mtp[step % len(self.mtp)].norm, self.lm_head.weight[:self.draft_vocab_size]
+        if self.lm_head._skinny(x):
+            return self.lm_head.kernels.norm_linear(x, residual, norm.weight, norm.eps, weight)
+        h, total = norm(x, residual)
+        return F.linear(h, weight), total
 
     def compute_logits(self, hidden):
         return self.lm_head(hidden)

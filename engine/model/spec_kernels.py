@@ -1,11 +1,17 @@
-"""The bookkeeping of a speculative step as one Triton kernel.
+"""A speculative step's own kernels: its bookkeeping and the MTP layers' inputs, one launch each.
 
-Between the verify forward and the drafting chain a speculative step must know, per sequence,
-how many drafts were accepted, which row was the last verified one, and where each drafting
-step's token sits (position, KV slot, context length). In torch that is some thirty tiny
-kernels (compare, cumprod, sum, gathers, and a dozen index ops per drafting step); on a model
-whose decode step is ~50 kernels it was a fifth of a speculative step's cost. Here it is one
-launch, one program per sequence. Used on CUDA (tests: Triton's interpreter).
+Between the verify forward and the drafting chain a step must know, per sequence, how many
+drafts were accepted, which row was the last verified one, and where each drafting step's token
+sits (KV slot, context length, RoPE rows). In torch that was some thirty tiny kernels plus four for
+each drafting step's RoPE; here it is one launch, one program per sequence, which also gathers
+the MTP pass's output at the last verified row and writes the step's packed result.
+
+An MTP layer's input (embedding of a token, RMSNorm of it, RMSNorm of the hidden state, the
+concatenation, and in the chain the argmax of the previous draft head and that head's final
+norm) is another launch instead of five to seven. A model whose layer is a sixth of the model
+(the demo) pays for launches, not arithmetic, so the count is what matters. Each rounds to the
+activation dtype where the torch code it replaces rounds. Used on CUDA (tests: Triton's
+interpreter).
 """
 
 from __future__ import annotations
@@ -16,48 +22,146 @@ import triton.language as tl
 
 
 @triton.jit
-def _accept_chain_kernel(ids_ptr, target_ptr, positions_ptr, tables_ptr, ctx_ptr, accepted_ptr, last_ptr,
-                         chain_pos_ptr, chain_slot_ptr, chain_ctx_ptr, batch, width, block_size, scratch_slot,
-                         Q: tl.constexpr, Q_PAD: tl.constexpr, STEPS: tl.constexpr):
+def _accept_chain_kernel(ids_ptr, target_ptr, positions_ptr, tables_ptr, ctx_ptr, x_ptr, res_ptr, cos_ptr, sin_ptr,
+                         packed_ptr, x_out_ptr, res_out_ptr, chain_slot_ptr, chain_ctx_ptr, chain_cos_ptr,
+                         chain_sin_ptr, batch, width, block_size, scratch_slot, packed_width,
+                         Q: tl.constexpr, Q_PAD: tl.constexpr, STEPS: tl.constexpr, HIDDEN: tl.constexpr,
+                         HIDDEN_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
     b = tl.program_id(0)
     j = tl.arange(0, Q_PAD)
     is_draft = j < Q - 1
     # Draft j (the id at row j+1) against the token row j samples; the leading run of matches.
     draft = tl.load(ids_ptr + b * Q + j + 1, mask=is_draft, other=0).to(tl.int64)
-    target = tl.load(target_ptr + b * Q + j, mask=is_draft, other=0).to(tl.int64)
+    target = tl.load(target_ptr + b * Q + j, mask=j < Q, other=0).to(tl.int64)
     miss = tl.where(is_draft & (draft != target), j, Q - 1)
     accepted = tl.min(miss, axis=0)
     last = b * Q + accepted
-    tl.store(accepted_ptr + b, accepted.to(tl.int64))
-    tl.store(last_ptr + b, last.to(tl.int64))
+    packed = packed_ptr + b * packed_width
+    tl.store(packed + j, target, mask=j < Q)
+    tl.store(packed + Q, accepted.to(tl.int64))
+    # The MTP pass's output at the last verified row: where the drafting chain starts.
+    h = tl.arange(0, HIDDEN_PAD)
+    tl.store(x_out_ptr + b * HIDDEN + h, tl.load(x_ptr + last * HIDDEN + h, mask=h < HIDDEN), mask=h < HIDDEN)
+    tl.store(res_out_ptr + b * HIDDEN + h, tl.load(res_ptr + last * HIDDEN + h, mask=h < HIDDEN), mask=h < HIDDEN)
     position = tl.load(positions_ptr + last).to(tl.int64)
     # A graph's padded sequence has context length 1 (< q): its drafting steps stay in the scratch slot.
     padded = tl.load(ctx_ptr + b) < Q
+    d = tl.arange(0, HEAD_PAD)
     for step in tl.static_range(STEPS):
         p = position + step + 1
         p = tl.where(padded, 0, p)
         block = tl.load(tables_ptr + b * width + p // block_size).to(tl.int64)
         slot = tl.where(padded, scratch_slot, block * block_size + p % block_size)
-        tl.store(chain_pos_ptr + step * batch + b, p)
         tl.store(chain_slot_ptr + step * batch + b, slot.to(tl.int32))
         tl.store(chain_ctx_ptr + step * batch + b, (p + 1).to(tl.int32))
+        at = (step * batch + b) * HEAD_DIM + d
+        tl.store(chain_cos_ptr + at, tl.load(cos_ptr + p * HEAD_DIM + d, mask=d < HEAD_DIM), mask=d < HEAD_DIM)
+        tl.store(chain_sin_ptr + at, tl.load(sin_ptr + p * HEAD_DIM + d, mask=d < HEAD_DIM), mask=d < HEAD_DIM)
 
 
 def accept_and_chain(ids: torch.Tensor, target: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
-                     context_lens: torch.Tensor, block_size: int, q: int, steps: int, scratch_slot: int = 0):
+                     context_lens: torch.Tensor, block_size: int, q: int, steps: int, x: torch.Tensor,
+                     residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, packed: torch.Tensor,
+                     scratch_slot: int = 0):
     """ids, positions: [B*q] (last token, then the q-1 drafts, per sequence); target: [B, q] the
-    tokens the rows sampled; block_tables [B, W] int32. Returns the accepted draft counts [B]
-    int64, the last verified row [B] int64, and per drafting step 1..steps the positions [steps, B]
-    int64, KV slots and context lengths [steps, B] int32. context_lens [B]: after the verify rows;
-    a graph's padded sequences (context length 1 < q) draft at position 0 into `scratch_slot`."""
-    batch = target.shape[0]
-    device = target.device
-    accepted = torch.empty(batch, dtype=torch.int64, device=device)
-    last = torch.empty(batch, dtype=torch.int64, device=device)
-    chain_pos = torch.empty(max(steps, 1), batch, dtype=torch.int64, device=device)
+    tokens the rows sampled; block_tables [B, W] int32; context_lens [B] (after the verify rows;
+    a graph's padded sequences, context length 1 < q, draft at position 0 into `scratch_slot`);
+    x, residual [B*q, H]: the MTP pass's output; cos, sin: the RoPE tables [P, head_dim] in x's dtype.
+
+    Writes packed[:, :q] = target and packed[:, q] = the accepted draft counts (int64). Returns
+    x and residual at each sequence's last verified row [B, H], and per drafting step 1..steps
+    the KV slots and context lengths [steps, B] int32 and RoPE cos, sin [steps, B, head_dim] in
+    x's dtype."""
+    batch, hidden = target.shape[0], x.shape[1]
+    device, head_dim = target.device, cos.shape[1]
+    x_out = torch.empty(batch, hidden, dtype=x.dtype, device=device)
+    res_out = torch.empty_like(x_out)
     chain_slot = torch.empty(max(steps, 1), batch, dtype=torch.int32, device=device)
     chain_ctx = torch.empty(max(steps, 1), batch, dtype=torch.int32, device=device)
-    _accept_chain_kernel[(batch,)](ids, target, positions, block_tables, context_lens, accepted, last, chain_pos,
-                                   chain_slot, chain_ctx, batch, block_tables.shape[1], block_size, scratch_slot,
-                                   Q=q, Q_PAD=triton.next_power_of_2(max(q, 2)), STEPS=steps)
-    return accepted, last, chain_pos[:steps], chain_slot[:steps], chain_ctx[:steps]
+    chain_cos = torch.empty(max(steps, 1), batch, head_dim, dtype=cos.dtype, device=device)
+    chain_sin = torch.empty_like(chain_cos)
+    _accept_chain_kernel[(batch,)](ids, target, positions, block_tables, context_lens, x, residual, cos, sin, packed,
+                                   x_out, res_out, chain_slot, chain_ctx, chain_cos, chain_sin, batch,
+                                   block_tables.shape[1], block_size, scratch_slot, packed.stride(0), Q=q,
+                                   Q_PAD=triton.next_power_of_2(max(q, 2)), STEPS=steps, HIDDEN=hidden,
+                                   HIDDEN_PAD=triton.next_power_of_2(hidden), HEAD_DIM=head_dim,
+                                   HEAD_PAD=triton.next_power_of_2(head_dim))
+    return x_out, res_out, chain_slot[:steps], chain_ctx[:steps], chain_cos[:steps], chain_sin[:steps]
+
+
+@triton.jit
+def _row_argmax(logits_ptr, vocab, V_BLOCK: tl.constexpr):
+    """The first index of a row's largest value, as torch.argmax."""
+    best_value = tl.full([], float("-inf"), tl.float32)
+    best_index = tl.full([], 0, tl.int64)
+    for start in range(0, vocab, V_BLOCK):
+        v = start + tl.arange(0, V_BLOCK)
+        x = tl.load(logits_ptr + v, mask=v < vocab, other=float("-inf")).to(tl.float32)
+        value = tl.max(x, axis=0)
+        index = tl.min(tl.where(x == value, v, vocab), axis=0).to(tl.int64)
+        take = value > best_value
+        best_index = tl.where(take, index, best_index)
+        best_value = tl.where(take, value, best_value)
+    return best_index
+
+
+@triton.jit
+def _rms(x, w_ptr, cols, mask, n, eps, dtype: tl.constexpr):
+    """RMSNorm of one row held in fp32, rounded as the RMSNorm module rounds."""
+    y = (x * tl.rsqrt(tl.sum(x * x, axis=0) / n + eps)).to(dtype)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    return (w.to(tl.float32) * y.to(tl.float32)).to(dtype)
+
+
+@triton.jit
+def _draft_input_kernel(tokens_ptr, hidden_ptr, embed_ptr, enorm_ptr, hnorm_ptr, prev_norm_ptr, out_ptr,
+                        tokens_out_ptr, tokens_out_stride, vocab, eps_e, eps_h, eps_prev,
+                        HIDDEN: tl.constexpr, HIDDEN_PAD: tl.constexpr, FROM_LOGITS: tl.constexpr,
+                        NORM_HIDDEN: tl.constexpr, V_BLOCK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    if FROM_LOGITS:
+        token = _row_argmax(tokens_ptr + r * vocab, vocab, V_BLOCK)
+        tl.store(tokens_out_ptr + r * tokens_out_stride, token)
+    else:
+        token = tl.load(tokens_ptr + r).to(tl.int64)
+    h = tl.arange(0, HIDDEN_PAD)
+    mask = h < HIDDEN
+    dtype = out_ptr.dtype.element_ty
+    embeds = tl.load(embed_ptr + token * HIDDEN + h, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + r * 2 * HIDDEN + h, _rms(embeds, enorm_ptr, h, mask, HIDDEN, eps_e, dtype), mask=mask)
+    hidden = tl.load(hidden_ptr + r * HIDDEN + h, mask=mask, other=0.0).to(tl.float32)
+    if NORM_HIDDEN:
+        hidden = _rms(hidden, prev_norm_ptr, h, mask, HIDDEN, eps_prev, dtype).to(tl.float32)
+    tl.store(out_ptr + r * 2 * HIDDEN + HIDDEN + h, _rms(hidden, hnorm_ptr, h, mask, HIDDEN, eps_h, dtype), mask=mask)
+
+
+def draft_input(tokens: torch.Tensor, hidden: torch.Tensor, embed: torch.Tensor, enorm, hnorm, hidden_norm=None,
+                tokens_out: torch.Tensor | None = None) -> torch.Tensor:
+    """An MTP layer's fc input [rows, 2H]: enorm(embed[token]) beside hnorm(hidden). `tokens`:
+    ids [rows], or draft logits [rows, V] whose argmax is the token (written into `tokens_out`,
+    a column view); `hidden_norm`: hidden is un-normed (the previous MTP layer's x + residual)
+    and takes that RMSNorm first. enorm, hnorm, hidden_norm: RMSNorm modules."""
+    rows, size = hidden.shape
+    out = torch.empty(rows, 2 * size, dtype=hidden.dtype, device=hidden.device)
+    from_logits = tokens.is_floating_point()
+    prev = hidden_norm if hidden_norm is not None else hnorm
+    _draft_input_kernel[(rows,)](tokens.contiguous(), hidden.contiguous(), embed, enorm.weight, hnorm.weight,
+                                 prev.weight, out, tokens_out if from_logits else out,
+                                 tokens_out.stride(0) if from_logits else 0, tokens.shape[-1] if from_logits else 0,
+                                 enorm.eps, hnorm.eps, prev.eps, HIDDEN=size, HIDDEN_PAD=triton.next_power_of_2(size),
+                                 FROM_LOGITS=from_logits, NORM_HIDDEN=hidden_norm is not None,
+                                 V_BLOCK=min(4096, triton.next_power_of_2(tokens.shape[-1])) if from_logits else 16)
+    return out
+
+
+@triton.jit
+def _argmax_into_kernel(logits_ptr, out_ptr, out_stride, vocab, V_BLOCK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    tl.store(out_ptr + r * out_stride, _row_argmax(logits_ptr + r * vocab, vocab, V_BLOCK))
+
+
+def argmax_into(logits: torch.Tensor, out: torch.Tensor) -> None:
+    """out[r] = argmax of logits row r (the first, as torch.argmax); out: an int64 column view."""
+    logits = logits.contiguous()
+    _argmax_into_kernel[(logits.shape[0],)](logits, out, out.stride(0), logits.shape[1],
+                                            V_BLOCK=min(4096, triton.next_power_of_2(logits.shape[1])))

@@ -236,13 +236,16 @@ def test_issue_repro_stop_string_on_the_demo_model():
 @pytest.mark.parametrize("q, steps", [(1, 2), (3, 2), (4, 3), (2, 0)])
 def test_acceptance_kernel_matches_torch(q, steps):
     """The one-kernel acceptance and drafting inputs of a graphed step (Triton's interpreter on
-    CPU) against the torch/host version: accepted counts, last rows, and each drafting step's
-    positions, slots and context lengths; a graph's padded sequence drafts into the scratch slot."""
+    CPU) against the torch/host version: the packed tokens and accepted counts, the MTP output
+    gathered at the last verified rows, and each drafting step's RoPE, slots and context lengths;
+    a graph's padded sequence drafts into the scratch slot."""
     from jetserve.engine.model.attention import AttentionMetadata
+    from jetserve.engine.model.qwen3 import RotaryEmbedding
     from jetserve.engine.spec_decode import device_acceptance, host_acceptance
 
     gen = torch.Generator().manual_seed(q * 10 + steps)
-    batch, block_size, width = 5, 4, 8
+    batch, block_size, width, hidden = 5, 4, 8, 24
+    rotary = RotaryEmbedding(16, 10000.0, 64)
     tables = [torch.randperm(40, generator=gen)[:width].tolist() for _ in range(batch)]
     starts = torch.randint(0, 16, (batch,), generator=gen).tolist()
     target = torch.randint(0, 3, (batch, q), generator=gen)
@@ -250,22 +253,58 @@ def test_acceptance_kernel_matches_torch(q, steps):
     ids[:, 1:][torch.rand(batch, q - 1, generator=gen) < 0.3] = 7  # some drafts rejected
     positions = torch.tensor([p for s in starts for p in range(s, s + q)])
     ctx = [s + q for s in starts]
-    host = host_acceptance(tables, block_size, torch.device("cpu"))(ids.flatten(), target, positions, steps)
+    x, residual = torch.randn(2, batch * q, hidden, generator=gen).to(torch.bfloat16)
+    packed_host = torch.full((batch, q + 1 + steps), -1)
+    host = host_acceptance(tables, block_size, torch.device("cpu"), rotary)(
+        ids.flatten(), target, positions, x, residual, steps, packed_host)
     on = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     meta = AttentionMetadata(slot_mapping=None, block_tables=torch.tensor(tables, dtype=torch.int32, device=on),
                              context_lens=torch.tensor(ctx, dtype=torch.int32, device=on), q_len=q,
                              block_size=block_size)
-    args = (ids.flatten().int().to(on), target.to(on), positions.int().to(on), steps)
-    device = [t.cpu() for t in device_acceptance(meta, q)(*args)[:2]], device_acceptance(meta, q)(*args)[2]
-    assert torch.equal(device[0][0], host[0]) and torch.equal(device[0][1], host[1]) and len(device[1]) == steps
-    for (pos_d, meta_d), (pos_h, meta_h) in zip(device[1], host[2]):
-        assert torch.equal(pos_d.cpu(), pos_h)
+    rotary = rotary.to(on)
+    packed = torch.full((batch, q + 1 + steps), -1, device=on)
+    args = (ids.flatten().int().to(on), target.to(on), positions.int().to(on), x.to(on), residual.to(on), steps, packed)
+    x_d, res_d, chain = device_acceptance(meta, q, rotary)(*args)
+    assert torch.equal(packed.cpu(), packed_host) and len(chain) == steps
+    assert torch.equal(x_d.cpu(), host[0]) and torch.equal(res_d.cpu(), host[1])
+    last_positions = positions[torch.arange(batch) * q + packed_host[:, q]]
+    for step, (((cos_d, sin_d), meta_d), ((cos_h, sin_h), meta_h)) in enumerate(zip(chain, host[2]), start=1):
+        assert torch.equal(cos_d.cpu(), cos_h) and torch.equal(sin_d.cpu(), sin_h)
         assert torch.equal(meta_d.slot_mapping.long().cpu(), meta_h.slot_mapping.long())
-        assert torch.equal(meta_d.context_lens.long().cpu(), pos_h + 1)
+        assert torch.equal(meta_d.context_lens.long().cpu(), last_positions + step + 1)
     if q > 1:  # a padded sequence: context length 1
         meta.context_lens[0] = 1
-        _, _, chain = device_acceptance(meta, q, scratch_slot=999)(*args)
-        assert all(p[0] == 0 and m.slot_mapping[0] == 999 for p, m in chain)
+        _, _, chain = device_acceptance(meta, q, rotary, scratch_slot=999)(*args)
+        assert all(m.slot_mapping[0] == 999 and m.context_lens[0] == 1 and torch.equal(cos[0], rotary.cos[0, None])
+                   for (cos, _), m in chain)
+
+
+def test_draft_input_and_argmax_kernels_match_torch():
+    """An MTP layer's fused input (embedding, both norms, the previous head's argmax and final
+    norm) and the last draft's argmax (Triton's interpreter on CPU) against the torch modules."""
+    from jetserve.engine.model.qwen3 import RMSNorm
+    from jetserve.engine.model.spec_kernels import argmax_into, draft_input
+
+    gen = torch.Generator().manual_seed(3)
+    rows, hidden, vocab = 6, 48, 300
+    on = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    embed = torch.randn(vocab, hidden, generator=gen).to(torch.bfloat16).to(on)
+    enorm, hnorm, prev = (RMSNorm(hidden, 1e-6).to(torch.bfloat16).to(on) for _ in range(3))
+    for norm in (enorm, hnorm, prev):
+        norm.weight.data = (1 + torch.randn(hidden, generator=gen) / 4).to(torch.bfloat16).to(on)
+    h = torch.randn(rows, hidden, generator=gen).to(torch.bfloat16).to(on)
+    logits = torch.randn(rows, vocab, generator=gen).to(torch.bfloat16).to(on)
+    logits[2, 7] = logits[2, 9] = logits[2].max() + 1  # a tie: the first index, as torch.argmax
+    tokens = logits.argmax(-1)
+    out = torch.full((rows, 3), -1, device=on)
+    got = draft_input(logits, h, embed, enorm, hnorm, prev, out[:, 1])
+    want = torch.cat([enorm(embed[tokens]), hnorm(prev(h))], dim=-1)
+    assert torch.equal(out[:, 1], tokens) and tokens[2] == 7
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-2)  # bf16: a rounding step or two apart
+    torch.testing.assert_close(draft_input(tokens, h, embed, enorm, hnorm), torch.cat([enorm(embed[tokens]), hnorm(h)], -1),
+                               rtol=2e-2, atol=1e-2)
+    argmax_into(logits, out[:, 2])
+    assert torch.equal(out[:, 2], tokens)
 
 
 # -- cost-aware draft length ---------------------------------------------------------------------
