@@ -8,15 +8,19 @@ shape is captured once — (model part, tokens per sequence, batch bucket) — a
   graphs were captured on, all views of one int32 tensor, so that a main-model step built on
   the host crosses in one copy (`stage`); padded tokens write their KV into the scratch block
   and attend to one key, so they touch no real sequence;
-- decode steps also run the vocab projection and the greedy argmax inside the graph, into a
+- decode steps also run the vocab projection and the draw inside the graph, into a
   static fp32 logits buffer: the lm_head GEMV is the step's biggest, and launched eagerly it
   and the argmax cost host time every step;
 - a speculative step (verify k+1 rows a sequence, accept, MTP pass, k drafting steps: the
-  whole of `spec_decode.speculative_step`) is one graph for greedy batches, its drafting
+  whole of `spec_decode.speculative_step`) is one graph, its drafting
   steps' slots computed on the device from the static block tables; it returns one small
   int tensor (tokens, accepted counts, next drafts), the only thing the host reads back;
 - graphs are captured largest first into one shared memory pool, each after warm-up runs
   (Triton compiles, cuBLAS handles, allocator state);
+- the draw is inside the decode and speculative graphs too (`draw`: sampler.race's kernel,
+  temperature, min_p and seed per sequence as static inputs, 0 = greedy), so greedy and
+  sampled batches alike replay one graph; top-k/top-p (a sort) and the logits processors take
+  the graph's logits and draw eagerly (a speculative step with them runs eagerly);
 - any other step — prefill chunks, alone or beside decodes (vLLM's full-graph mode) — replays
   a graph bucketed by its token count (`MixedStepGraphs`): its varlen attention metadata
   (query starts, the flash kernel's work list, context lengths, block tables) are static inputs
@@ -24,9 +28,7 @@ shape is captured once — (model part, tokens per sequence, batch bucket) — a
   the flash kernel point at an empty sequence; the graph ends in the vocab projection of the
   sampled rows and their argmax;
 - batches above the largest bucket, steps above the largest token bucket, steps with prefill
-  chunks when speculating, and buckets whose capture failed run eagerly. Sampling other than
-  greedy stays outside the graphs (a sampled speculative step runs the same function eagerly
-  over the same static inputs).
+  chunks when speculating, and buckets whose capture failed run eagerly.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import time
 from collections.abc import Callable
 from itertools import accumulate
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -119,28 +122,33 @@ class CUDAGraphs:
         self.max_rows, self.max_batch = max(self.sizes) * max_q, max(self.sizes)
         # Wide enough for max_model_len plus the KV slots reserved for drafts.
         self.width = -(-(max_model_len + max_q) // block_size)
-        size = 3 * self.max_rows + self.max_batch * (1 + self.width)
+        size = 3 * self.max_rows + self.max_batch * (5 + self.width)
         self.staged = StagedInputs(size, kv_cache.device, self._split, self._pad)
         self.inputs = self.staged.device  # static inputs, shared by every graph (one step runs at a time)
-        self.ids, self.positions, self.slots, self.context_lens, self.block_tables = self.staged.views
+        self.ids, self.positions, self.slots, self.context_lens, self.block_tables, draw = self.staged.views
+        # Per sequence, what the draw reads (sampler.race): temperature and min_p (float32 bits), seed (lo, hi).
+        self.temperature, self.min_p = draw[:self.max_batch].view(torch.float32), draw[self.max_batch:2 * self.max_batch].view(torch.float32)
+        self.seeds = draw[2 * self.max_batch:]
         # Outside the pool and shared by the main-model graphs: one graph's own output would pin
         # its logits in the pool, one such copy per captured graph.
         self.logits = torch.zeros(self.max_rows, model.config.vocab_size, dtype=torch.float32, device=kv_cache.device)
         self.graphs: dict[tuple[int | None, int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int | None, int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
 
-    def _pad(self, ids, positions, slots, context_lens, block_tables) -> None:
-        """Padding that touches no real sequence: the scratch slot, a context of one key."""
+    def _pad(self, ids, positions, slots, context_lens, block_tables, draw) -> None:
+        """Padding that touches no real sequence: the scratch slot, a context of one key, a greedy draw."""
         slots.fill(self.scratch_slot)
         context_lens.fill(1)
         block_tables.fill(self.scratch_block)
 
     def _split(self, flat):
-        """Views of one buffer, laid out [ids n | positions n | slots n | context_lens b | block_tables b×W]
-        (n: rows of the largest step, b: the largest bucket, W: the table width)."""
+        """Views of one buffer, laid out [ids n | positions n | slots n | context_lens b | draw 4b |
+        block_tables b×W] (n: rows of the largest step, b: the largest bucket, W: the table width;
+        draw: per sequence temperature, min_p, then seeds as (lo, hi) pairs)."""
         n, b = self.max_rows, self.max_batch
+        tables = 3 * n + 5 * b
         return (flat[:n], flat[n:2 * n], flat[2 * n:3 * n], flat[3 * n:3 * n + b],
-                flat[3 * n + b:].reshape(b, self.width))
+                flat[tables:].reshape(b, self.width), flat[3 * n + b:tables])
 
     def key(self, num_drafts: int | None, q_len: int, batch: int, width: int) -> tuple[int | None, int, int] | None:
         """The captured graph for `batch` sequences of `q_len` tokens with block tables `width`
@@ -160,18 +168,27 @@ class CUDAGraphs:
         sequences (padded ones draft into the scratch slot)."""
         return device_acceptance(self.meta(q_len, batch), q_len, self.model.rotary, self.scratch_slot)
 
+    def draw(self, logits: torch.Tensor, q_len: int, bucket: int) -> torch.Tensor:
+        """Each row's token from its logits, with its sequence's parameters and seed and its
+        token's position (the row's + 1): sampler.race, inside the graph."""
+        from jetserve.engine.model.sampling_kernels import race
+
+        return race(logits, self.temperature[:bucket], self.min_p[:bucket], None, self.seeds[:2 * bucket],
+                    self.positions[:bucket * q_len], position_offset=1, rows_per_param=q_len)
+
     def _step(self, num_drafts: int | None, q_len: int, bucket: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The captured work: hidden states, and for the main model the greedy tokens of the fp32
-        logits it writes into `self.logits`; a greedy speculative step's packed result."""
+        """The captured work: hidden states, and for the main model the tokens drawn from the
+        fp32 logits it writes into `self.logits`; a speculative step's packed result."""
         n = bucket * q_len
         meta = self.meta(q_len, bucket)
         if num_drafts is not None:
             return speculative_step(self.model, self.kv_cache, self.ids[:n], self.positions[:n], meta, q_len, num_drafts,
-                                    lambda logits: logits.argmax(dim=-1), self.acceptance(q_len, bucket)), None
+                                    lambda logits: self.draw(logits, q_len, bucket),
+                                    self.acceptance(q_len, bucket)), None
         hidden = self.model(self.ids[:n], self.positions[:n], self.kv_cache, meta)
         logits = self.logits[:n]
         logits.copy_(self.model.compute_logits(hidden))  # the cast to fp32 rides on the copy
-        return hidden, logits.argmax(-1)
+        return hidden, self.draw(logits, q_len, bucket)
 
     @torch.inference_mode()
     def capture(self, pool, progress: Callable[[str], None] | None = None) -> None:
@@ -187,13 +204,22 @@ class CUDAGraphs:
                  ", ".join(_name(*s) for s in self.shapes), (torch.cuda.memory_reserved() - reserved) / 2**20)
 
     def stage(self, key: tuple[None, int, int], ids: list[int], positions: list[int], ctx_lens: list[int],
-              tables: list[list[int]]) -> None:
+              tables: list[list[int]], draw: list[tuple[float, float, int]]) -> None:
         """Write a main-model step, given as the host lists the runner builds (per token: id and
-        position; per sequence: context length after the step and block table), into the static
-        inputs: through pinned staging, in one copy of the part this bucket reads."""
+        position; per sequence: context length after the step, block table, and its draw's
+        temperature (0: greedy), min_p and seed), into the static inputs: through pinned staging,
+        in one copy."""
         _, q_len, bucket = key
         n, batch, bs = len(ids), len(ctx_lens), self.block_size
-        host_ids, host_positions, slots, context_lens, block_tables = self.staged.host()
+        host_ids, host_positions, slots, context_lens, block_tables, host_draw = self.staged.host()
+        b = self.max_batch
+        temperature, min_p, seeds = host_draw[:b].view(np.float32), host_draw[b:2 * b].view(np.float32), \
+            host_draw[2 * b:].view(np.uint32)
+        temperature[:batch] = [t for t, _, _ in draw]
+        temperature[batch:bucket] = 0.0
+        min_p[:batch] = [m for _, m, _ in draw]
+        seeds[0:2 * batch:2] = [seed & 0xFFFFFFFF for _, _, seed in draw]
+        seeds[1:2 * batch:2] = [seed >> 32 for _, _, seed in draw]
         host_ids[:n] = ids
         host_positions[:n] = positions
         slots[:n] = slot_mapping(tables, ctx_lens, [q_len] * batch, bs)

@@ -20,7 +20,7 @@ from jetserve.engine.cuda_graphs import CUDAGraphs, MixedStepGraphs
 from jetserve.engine.model.attention import MAX_UNIFORM_Q, AttentionMetadata, prefill_split_items, to_device
 from jetserve.engine.model.loader import load_model, torch_dtype
 from jetserve.engine.outputs import LogprobsLists
-from jetserve.engine.sampler import History, process_logits, sample, token_logprobs
+from jetserve.engine.sampler import History, drawn_in_graph, process_logits, sample, token_logprobs
 from jetserve.engine.scheduler import ScheduledBatch
 from jetserve.engine.sequence import Sequence
 from jetserve.engine.spec_decode import (MTPProposer, device_acceptance, host_acceptance, speculative_step,
@@ -275,7 +275,8 @@ class ModelRunner:
 
     def _speculative(self, batch: ScheduledBatch, num_drafts: int) -> tuple[list[list[int]], list[list[int]]]:
         """A decode step with the same drafts count a sequence as one `speculative_step`: staged
-        in one copy, replayed as one graph when all are greedy, read back in one copy."""
+        in one copy, replayed as one graph when every draw can run inside it (`drawn_in_graph`),
+        read back in one copy."""
         seqs, q = batch.seqs, batch.num_tokens[0]
         ids, positions, ctx_lens, tables = [], [], [], []
         for seq in seqs:
@@ -284,12 +285,11 @@ class ModelRunner:
             positions += range(start, start + q)
             ctx_lens.append(start + q)
             tables.append(seq.block_table)
-        greedy = all(seq.params.greedy and not seq.params.processes_logits for seq in seqs)
         key = self.graphs.key(num_drafts, q, len(seqs), max(map(len, tables))) if self.graphs else None
         if key is not None:
             graphs, n = self.graphs, len(ids)
-            graphs.stage(key, ids, positions, ctx_lens, tables)
-            if greedy:
+            graphs.stage(key, ids, positions, ctx_lens, tables, _draws(seqs))
+            if all(drawn_in_graph(seq.params) for seq in seqs):
                 packed = graphs.replay(key, len(seqs))[0]
             else:  # the same step, eagerly over the same static inputs
                 packed = speculative_step(self.model, self.kv_cache, graphs.ids[:n], graphs.positions[:n],
@@ -371,13 +371,15 @@ class ModelRunner:
             return _Step(None, self.mixed.positions[:len(ids)], None, sample_at, sampled, logits, greedy)
         if key is not None:
             graphs = self.graphs
-            graphs.stage(key, ids, positions, ctx_lens, tables)
+            drawn = isinstance(graphs, CUDAGraphs)  # the draw is in the graph (compiled CPU steps: the argmax)
+            graphs.stage(key, ids, positions, ctx_lens, tables, *([_draws(batch.seqs)] if drawn else []))
             if pending:  # after the copy into the static ids, before the replay: stream order
                 self._fill_pending(graphs.ids, pending)
-            hidden, logits, greedy = graphs.replay(key, len(ids))
+            hidden, logits, tokens = graphs.replay(key, len(ids))
             step = _Step(hidden, graphs.positions[:len(ids)], graphs.meta(key[1], len(q_lens)), sample_at, sampled)
             if sample_at == list(range(len(ids))):  # every row sampled: the graph's logits are the sampled ones
-                step.logits, step.greedy = logits, greedy
+                step.logits, step.greedy = logits, tokens
+                step.drawn = drawn
             return step
         meta = AttentionMetadata.build(q_lens, ctx_lens, tables, self.block_size, self.device,
                                        self.config.fused_kernels, self.split_items)
@@ -442,8 +444,10 @@ class ModelRunner:
         return out
 
     def _sample_tensor(self, step: _Step, seqs: list[Sequence]) -> torch.Tensor:
-        """One token per sequence, left on the device: the graph's argmax when all are greedy."""
-        if step.greedy is not None and all(s.params.greedy and not s.params.processes_logits for s in seqs):
+        """One token per sequence, left on the device: the graph's when it drew them all (or all
+        are greedy and it took the argmax)."""
+        if step.greedy is not None and all(drawn_in_graph(s.params) if step.drawn
+                                           else s.params.greedy and not s.params.processes_logits for s in seqs):
             return step.greedy
         logits, _, params, seeds, positions = self._logits(step, seqs, [1] * len(seqs))
         return sample(logits, params, seeds, positions, _histories(seqs))
@@ -459,6 +463,12 @@ class ModelRunner:
         params = [s.params for s, n in zip(seqs, rows_per_seq) for _ in range(n)]
         seeds = to_device(torch.tensor([s.seed for s, n in zip(seqs, rows_per_seq) for _ in range(n)]), self.device)
         return logits, [s.spec_token_ids for s in seqs], params, seeds, step.positions[rows].long() + 1
+
+
+def _draws(seqs: list[Sequence]) -> list[tuple[float, float, int]]:
+    """Per sequence, what a graph's draw reads: temperature (0: greedy), min_p, seed."""
+    return [(0.0, 0.0, seq.seed) if seq.params.greedy else (seq.params.temperature, seq.params.min_p, seq.seed)
+            for seq in seqs]
 
 
 def _histories(seqs: list[Sequence]) -> list[History]:
@@ -491,7 +501,8 @@ class _Step:
     sample_at: list[int]  # the rows to sample
     sampled: list[bool]  # per sequence: whether this step samples it
     logits: torch.Tensor | None = None  # [len(sample_at), vocab] fp32, when the graph computed them
-    greedy: torch.Tensor | None = None  # their argmax
+    greedy: torch.Tensor | None = None  # their argmax, or with `drawn` the graph's draw (sampler.race)
+    drawn: bool = False
 
 
 @dataclass

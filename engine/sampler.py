@@ -1,14 +1,16 @@
 """Batched sampling: the logits processors (vLLM's order: allowed tokens, bad words,
-min_tokens, logit bias, penalties), then greedy rows take the argmax; the rest go through
-temperature, top-k, top-p and min-p, then draw with the exponential-race trick (argmax p/E, E ~ Exp(1)).
+min_tokens, logit bias, penalties), then greedy rows take the argmax; the rest draw with the
+exponential race (argmax p/E, E ~ Exp(1); in logs, Gumbel-max) among the tokens top-k, top-p and
+min-p keep, at their temperature. On CUDA the draw is one kernel, captured in the decode and
+speculative graphs with per-row parameters as static inputs.
 
 The noise is counter-based: E for vocabulary entry v of the token at position t of a request
 with seed s is a hash of (s, t, v), not the next draw of a stateful generator. So a token's
 randomness depends on nothing but its request's seed and its position: the same seed gives the
 same tokens whatever else is in the batch, however many drafts were verified before it and
 whether drafting is on at all (MTP verification accepts a draft exactly when it wins this same
-race, see spec_decode.py). Plain torch integer ops, so it runs inside a CUDA graph and gives the
-same bits on a CPU and a GPU.
+race, see spec_decode.py). 32-bit integer mixing: the same bits in torch on a CPU and in the
+Triton kernel on a GPU.
 """
 
 from __future__ import annotations
@@ -114,36 +116,55 @@ def noise_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return _mix32(key ^ (positions & _MASK32))
 
 
-def exponential_noise(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Exp(1) noise [rows, V] for the tokens at `positions` of requests with `seeds` (one each a row)."""
-    vocab = torch.arange(probs.shape[-1], device=probs.device)
-    bits = _mix32(_mix32(noise_keys(seeds, positions)[:, None] ^ vocab[None, :]) + vocab[None, :] & _MASK32)
+def exponential_noise(vocab: int, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Exp(1) noise [rows, vocab] fp32 for the tokens at `positions` of requests with `seeds` (one each a row)."""
+    ids = torch.arange(vocab, device=seeds.device)
+    bits = _mix32(_mix32(noise_keys(seeds, positions)[:, None] ^ ids[None, :]) + ids[None, :] & _MASK32)
     uniform = ((bits >> 8).float() + 0.5) * 2.0**-24  # (0, 1): 24 bits, exactly representable
-    return -torch.log(uniform).to(probs.dtype)
+    return -torch.log(uniform)
 
 
-def processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Probabilities after temperature, top-k, top-p and min-p (rows: sampled requests)."""
-    device = logits.device
-    temperature = torch.tensor([p.temperature for p in params], device=device, dtype=logits.dtype)
-    logits = logits / temperature[:, None]
-    top_k = [p.top_k for p in params]
-    if any(top_k):
-        vocab = logits.shape[-1]
-        k = torch.tensor([min(k, vocab) if k else vocab for k in top_k], device=device)
-        kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = logits.softmax(dim=-1)
-    top_p = torch.tensor([p.top_p for p in params], device=device, dtype=probs.dtype)
-    if (top_p < 1).any():
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        # Keep the smallest set whose mass reaches top_p (the first token is always kept).
-        drop = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p[:, None]
-        probs = probs.scatter(1, order, sorted_probs.masked_fill(drop, 0.0))
-    min_p = torch.tensor([p.min_p for p in params], device=device, dtype=probs.dtype)
-    if (min_p > 0).any():
-        probs = probs.masked_fill(probs < min_p[:, None] * probs.max(-1, keepdim=True).values, 0.0)
-    return probs / probs.sum(-1, keepdim=True)
+def race(logits: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor, floor: torch.Tensor | None,
+         seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The draw, row by row: greedy rows (temperature 0) take the argmax; the others the Gumbel
+    race argmax_v (l_v / T - log E_v) among the tokens min-p keeps (l_v >= max + T log min_p,
+    i.e. p_v >= min_p p_max) and at or above `floor` (top-k/top-p). The winner of that race is
+    distributed as softmax(l / T) over the kept tokens. One Triton kernel on CUDA
+    (model/sampling_kernels.py: the same bits, and graph-capturable); plain torch elsewhere.
+    temperature, min_p: float32 [rows]; seeds int64, positions (of the sampled tokens) [rows]."""
+    if logits.is_cuda:
+        from jetserve.engine.model.sampling_kernels import race as race_kernel  # needs Triton
+
+        return race_kernel(logits.float().contiguous(), temperature, min_p, floor, seeds.long().contiguous().view(torch.int32),
+                           positions)
+    greedy = temperature == 0
+    t = torch.where(greedy, 1.0, temperature)[:, None]
+    cut = torch.where(min_p > 0, logits.amax(-1) + t[:, 0] * torch.log(min_p), float("-inf"))
+    if floor is not None:
+        cut = torch.maximum(cut, floor)
+    score = logits / t - torch.log(exponential_noise(logits.shape[-1], seeds, positions))
+    score = score.masked_fill(logits < cut[:, None], float("-inf"))
+    return torch.where(greedy, logits.argmax(-1), score.argmax(-1))
+
+
+def top_k_top_p_floor(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor | None:
+    """Per row, the smallest raw logit that top-k and then top-p (over the top-k renormalised)
+    keep; None when no row asks for either. A row that asks for neither keeps everything."""
+    if not any(p.top_k or p.top_p < 1 for p in params if not p.greedy):
+        return None
+    device, vocab = logits.device, logits.shape[-1]
+    top_k = torch.tensor([min(p.top_k, vocab) if p.top_k and not p.greedy else vocab for p in params], device=device)
+    top_p = torch.tensor([p.top_p if not p.greedy else 1.0 for p in params], device=device)
+    temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
+    ordered = logits.sort(dim=-1, descending=True).values
+    ranks = torch.arange(vocab, device=device)
+    in_top_k = ranks[None, :] < top_k[:, None]
+    probs = ((ordered - ordered[:, :1]) / temperature[:, None]).exp().masked_fill(~in_top_k, 0.0)
+    probs = probs / probs.sum(-1, keepdim=True)
+    # The smallest set whose mass reaches top_p: a rank stays while the mass before it is below top_p.
+    kept = (((probs.cumsum(-1) - probs) < top_p[:, None]) & in_top_k).sum(-1)
+    kept = torch.where(top_p < 1, kept, top_k)
+    return ordered.gather(1, (kept - 1)[:, None]).squeeze(1)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: torch.Tensor,
@@ -153,15 +174,23 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: torch.Tens
     logits processors run first (without, the caller has run them)."""
     if histories is not None:
         logits = process_logits(logits, params, histories)
-    tokens = logits.argmax(dim=-1)
-    rows = [i for i, p in enumerate(params) if not p.greedy]
-    if rows:
-        probs = processed_probs(logits[rows], [params[i] for i in rows])
-        if len(rows) < len(params):
-            index = torch.tensor(rows, device=logits.device)
-            seeds, positions = seeds[index], positions[index]
-        tokens[rows] = (probs / exponential_noise(probs, seeds, positions)).argmax(dim=-1)
-    return tokens
+    temperature, min_p = sampling_rows(params, logits.device)
+    return race(logits, temperature, min_p, top_k_top_p_floor(logits, params), seeds, positions)
+
+
+def sampling_rows(params: list[SamplingParams], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, what the race reads: temperature (0: greedy) and min_p, float32."""
+    temperature = [0.0 if p.greedy else float(p.temperature) for p in params]
+    min_p = [0.0 if p.greedy else float(p.min_p) for p in params]
+    return (torch.tensor(temperature, dtype=torch.float32, device=device),
+            torch.tensor(min_p, dtype=torch.float32, device=device))
+
+
+def drawn_in_graph(params: SamplingParams) -> bool:
+    """Whether a request's tokens can be drawn inside a captured step: everything but the logits
+    processors (Python over each row's history) and top-k/top-p (a sort; eager, from the
+    graph's logits); logprobs are read on the host after."""
+    return not params.processes_logits and (params.greedy or (not params.top_k and params.top_p >= 1))
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num: int) -> LogprobsLists:

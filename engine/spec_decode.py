@@ -36,6 +36,7 @@ import torch
 
 from jetserve.engine.config import SpeculativeConfig
 from jetserve.engine.model.attention import AttentionMetadata
+from jetserve.engine.model.qwen3 import runs_triton
 from jetserve.engine.sampler import sample
 from jetserve.engine.sampling_params import SamplingParams
 from jetserve.engine.sequence import Sequence
@@ -100,7 +101,7 @@ def speculative_step(model, kv_cache: torch.Tensor, ids: torch.Tensor, positions
         logits, total = model.draft_logits(step, x, residual)
         column = packed[:, q + 1 + step]
         if step == num_drafts - 1:
-            if model.lm_head._skinny(total):
+            if model.lm_head._skinny(total) and runs_triton(total):
                 from jetserve.engine.model.spec_kernels import argmax_into  # needs Triton
 
                 argmax_into(logits, column)

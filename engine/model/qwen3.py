@@ -12,12 +12,20 @@ is plain torch and exact.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from jetserve.engine.config import ModelConfig
 from jetserve.engine.model.attention import AttentionMetadata, causal_attention, paged_attention
+
+
+def runs_triton(x: torch.Tensor) -> bool:
+    """Whether a speculative step's own Triton kernels (spec_kernels.py) take x: CUDA tensors, or
+    CPU ones under Triton's interpreter (tests); not the compiled CPU steps' kernels."""
+    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 class _KernelUser(nn.Module):
@@ -259,7 +267,7 @@ class Qwen3ForCausalLM(nn.Module):
         `hidden_norm`: `hidden` is the previous MTP layer's output before its final norm (x +
         residual), normed here. One kernel on CUDA (spec_kernels.draft_input)."""
         layer = self.mtp[step % len(self.mtp)]
-        if layer.fc._skinny(hidden):
+        if layer.fc._skinny(hidden) and runs_triton(hidden):
             from jetserve.engine.model.spec_kernels import draft_input  # needs Triton
 
             return draft_input(tokens, hidden, self.embed_tokens.weight, layer.pre_fc_norm_embedding,

@@ -218,3 +218,43 @@ def test_speculative_verify_and_drafts_graphed(tmp_path):
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == plain  # lossless, graphed
     assert (2, 3, 4) in {key for key, _ in calls} and llm.engine.stats().num_accepted_tokens > 0
+
+
+@gpu
+@pytest.mark.gpu
+def test_sampling_is_drawn_inside_the_graphs_as_eagerly(tmp_path):
+    """Temperature and min-p draws run inside the decode and speculative graphs (no eager
+    speculative step, no eager draw after a replay); a seeded request gets the same tokens
+    there as eagerly, for k = 0..3, alone or beside greedy, top-p and logprobs requests (those
+    take the eager path for their batch). fp32, so that graph and eager logits agree bit for bit."""
+    from jetserve.engine import runner as runner_module
+
+    path = build_drafting_model(tmp_path, mtp_layers=1)
+    prompts = [[t % 64 for t in p] for p in PROMPTS[:4]]
+    seeded = [SamplingParams(temperature=0.8, min_p=0.02 * i, max_tokens=16, ignore_eos=True, seed=7 + i)
+              for i in range(2)]
+    others = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+              SamplingParams(temperature=0.9, top_p=0.8, max_tokens=16, ignore_eos=True, seed=3, logprobs=2)]
+
+    def run(k, params, **kwargs):
+        spec = {"method": "mtp", "num_speculative_tokens": k, "adaptive": False} if k else None
+        llm = LLM(path, device="cuda", max_num_seqs=8, dtype="float32", speculative_config=spec, **kwargs)
+        out = llm.generate([{"prompt_token_ids": p} for p in prompts[:len(params)]], params, use_tqdm=False)
+        return llm, [o.outputs[0].token_ids for o in out]
+
+    _, eager = run(0, seeded, enforce_eager=True)
+    eager_samples = []
+    sample = runner_module.sample
+    runner_module.sample = lambda *a, **kw: eager_samples.append(1) or sample(*a, **kw)
+    try:
+        for k in (0, 1, 3):
+            llm, graphed = run(k, seeded)
+            assert graphed == eager, k
+            assert not eager_samples, k  # every draw of these batches ran inside a graph
+            if k:
+                assert llm.engine.stats().num_accepted_tokens > 0
+    finally:
+        runner_module.sample = sample
+    for k in (0, 3):
+        _, mixed = run(k, seeded + others)
+        assert mixed[:2] == eager, k

@@ -2,7 +2,7 @@
 
 import torch
 
-from jetserve.engine.sampler import exponential_noise, processed_probs, sample
+from jetserve.engine.sampler import exponential_noise, race, sample, sampling_rows, top_k_top_p_floor
 from jetserve.engine.sampling_params import SamplingParams
 
 
@@ -23,13 +23,21 @@ def reference_probs(logits, p: SamplingParams):
     return out / out.sum()
 
 
+def kept_distribution(logits, params):
+    """What the race draws from: softmax(l / T) over the tokens at or above the top-k/top-p floor
+    and the min-p cut (sampler.race)."""
+    temperature, min_p = sampling_rows(params, logits.device)
+    cut = torch.maximum(top_k_top_p_floor(logits, params), logits.amax(-1) + temperature * torch.log(min_p))
+    return (logits / temperature[:, None]).masked_fill(logits < cut[:, None], float("-inf")).softmax(-1)
+
+
 def test_filters_match_the_reference():
     torch.manual_seed(0)
     logits = torch.randn(5, 50) * 3
     params = [SamplingParams(temperature=0.7, top_k=5), SamplingParams(top_p=0.5),
               SamplingParams(temperature=1.3, min_p=0.1), SamplingParams(top_k=10, top_p=0.8, min_p=0.05),
               SamplingParams(top_k=10_000)]  # top_k beyond the vocabulary keeps everything
-    got = processed_probs(logits, params)
+    got = kept_distribution(logits, params)
     for row, p in enumerate(params):
         torch.testing.assert_close(got[row], reference_probs(logits[row], p), rtol=1e-5, atol=1e-6)
 
@@ -57,9 +65,8 @@ def test_greedy_rows_take_the_argmax_and_seeds_repeat():
 def test_noise_is_exponential_and_keyed_by_seed_and_position():
     """Exp(1) per entry (mean, variance, and uniform deciles of exp(-E)); entries of rows with
     neighbouring seeds or positions uncorrelated; the same key gives the same noise."""
-    probs = torch.zeros(512, 4096)
-    by_seed = exponential_noise(probs, torch.arange(512), torch.full((512,), 7))
-    by_position = exponential_noise(probs, torch.full((512,), 7), torch.arange(512))
+    by_seed = exponential_noise(4096, torch.arange(512), torch.full((512,), 7))
+    by_position = exponential_noise(4096, torch.full((512,), 7), torch.arange(512))
     for noise in (by_seed, by_position):
         assert abs(noise.mean() - 1) < 0.01 and abs(noise.var() - 1) < 0.02
         deciles = torch.histc(torch.exp(-noise), 10, 0, 1) / noise.numel()
@@ -69,3 +76,28 @@ def test_noise_is_exponential_and_keyed_by_seed_and_position():
         assert abs((centred[:, 1:] * centred[:, :-1]).mean()) < 0.01  # neighbouring vocabulary entries
     assert torch.equal(by_seed[7], by_position[7])  # seed 7 at position 7 in both
     assert not torch.equal(by_seed[6], by_position[6])
+
+
+def test_race_kernel_draws_the_same_tokens_as_torch():
+    """The Triton draw (in the CUDA graphs; here in Triton's interpreter) against the torch one:
+    greedy rows, temperatures, min-p, a top-k/top-p floor, 63-bit seeds, parameters shared by a
+    sequence's verify rows, positions offset by one as a graph reads them."""
+    from jetserve.engine.model.sampling_kernels import race as race_kernel
+
+    gen = torch.Generator().manual_seed(11)
+    rows, vocab, q = 12, 3000, 3
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.7, seed=2**62 + 5),
+              SamplingParams(temperature=1.3, min_p=0.05, seed=3), SamplingParams(temperature=0.7, top_p=0.9)]
+    per_row = [p for p in params for _ in range(q)]
+    seeds = torch.tensor([(p.seed or 0) for p in per_row])
+    positions = torch.randint(0, 4000, (rows,), generator=gen)
+    temperature, min_p = sampling_rows(per_row, logits.device)
+    floor = top_k_top_p_floor(logits, per_row)
+    want = race(logits, temperature, min_p, floor, seeds, positions)
+    on = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    got = race_kernel(logits.to(on), temperature[::q].contiguous().to(on), min_p[::q].contiguous().to(on), floor.to(on),
+                      seeds[::q].contiguous().to(on).view(torch.int32), (positions - 1).int().to(on), position_offset=1,
+                      rows_per_param=q)
+    assert torch.equal(got.cpu(), want)
+    assert torch.equal(want[:q], logits[:q].argmax(-1))

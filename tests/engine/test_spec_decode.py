@@ -307,6 +307,60 @@ def test_draft_input_and_argmax_kernels_match_torch():
     assert torch.equal(out[:, 2], tokens)
 
 
+@torch.inference_mode()
+def test_graphed_speculative_step_on_static_inputs_equals_the_general_path(tmp_path):
+    """What a speculative graph records (the fused model, the one-kernel acceptance, the MTP
+    layers' fused inputs and heads, the draw from the staged temperatures, min-p and seeds),
+    run here over the static inputs in Triton's interpreter, against the general path (plain
+    torch model, host acceptance, sampler.sample): the same tokens, accepted counts and drafts
+    for greedy and sampled sequences, through two MTP layers in turn; the padded sequence
+    touches no real one."""
+    pytest.importorskip("triton")
+    from jetserve.engine.config import CUDAGraphConfig
+    from jetserve.engine.cuda_graphs import CUDAGraphs
+    from jetserve.engine.model.attention import AttentionMetadata
+    from jetserve.engine.model.kernels import FusedKernels
+    from jetserve.engine.model.loader import load_model
+    from jetserve.engine.sampler import sample
+    from jetserve.engine.spec_decode import host_acceptance, speculative_step
+
+    path = build_drafting_model(tmp_path, mtp_layers=2)
+    block_size, num_blocks, q, k = 16, 12, 4, 3
+    fused, plain = load_model(path, torch.float32, torch.device("cpu"), 256), load_model(path, torch.float32,
+                                                                                        torch.device("cpu"), 256)
+    fused.use_kernels(FusedKernels(tile_timing=False))
+    gen = torch.Generator().manual_seed(5)
+    cache = torch.randn(fused.num_kv_layers, 2, (num_blocks + 1) * block_size, 2, 16, generator=gen)
+    graphs = CUDAGraphs(fused, cache, CUDAGraphConfig((4,), ((k, q),), 0), 128, block_size, num_blocks)
+    tables, ctx_lens = [[0, 1], [2], [3, 4, 5]], [20, 9, 40]
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.8, seed=5),
+              SamplingParams(temperature=1.2, min_p=0.1, seed=2**40 + 9)]
+    positions = [p for c in ctx_lens for p in range(c - q, c)]
+    draws = [(0.0, 0.0, 1), (0.8, 0.0, 5), (1.2, 0.1, 2**40 + 9)]
+    meta = AttentionMetadata.build([q] * 3, ctx_lens, tables, block_size, torch.device("cpu"), False)
+    positions_t = torch.tensor(positions)
+    rows = [p for p in params for _ in range(q)]
+    seeds = torch.tensor([seed for _, _, seed in draws for _ in range(q)])
+
+    def general(ids):
+        return speculative_step(plain, cache.clone(), ids.flatten(), positions_t, meta, q, k,
+                                lambda logits: sample(logits.float(), rows, seeds, positions_t + 1),
+                                host_acceptance(tables, block_size, torch.device("cpu"), plain.rotary))
+
+    ids = torch.randint(0, 64, (3, q), generator=gen)
+    for j in range(1, q):  # drafts the model accepts: each the token its row samples
+        ids[:, j] = general(ids)[:, j - 1]
+    ids[2, 2] = (ids[2, 2] + 1) % 64  # the third sequence's second draft is rejected
+    want = general(ids)
+    assert want[:, q].tolist() == [q - 1, q - 1, 1]
+    graphs.stage((k, q, 4), ids.flatten().tolist(), positions, ctx_lens, tables, draws)
+    before = cache.clone()
+    packed = graphs._step(k, q, 4)[0]
+    touched = (cache != before).any(dim=(0, 1, 3, 4))
+    assert not touched[6 * block_size:num_blocks * block_size].any()  # blocks no sequence holds stay as they were
+    assert torch.equal(packed[:3], want), (packed, want)
+
+
 # -- cost-aware draft length ---------------------------------------------------------------------
 
 ADAPTIVE = {"adaptive": True, "acceptance_window": 128, "min_samples": 8, "probe_interval": 4}
