@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-_GOLDEN = 0x9E3779B9 - 2**32  # sampler.noise_keys' constant, as an int32
+_GOLDEN = tl.constexpr(0x9E3779B9 - 2**32)  # sampler.noise_keys' constant, as an int32
 
 
 @triton.jit
