@@ -1,0 +1,53 @@
+"""Compile the speculative step's and the draw's Triton kernels for Hopper (sm_90) with Triton's
+own compiler and ptxas, no GPU needed: Triton's interpreter (the CPU tests) accepts code the
+compiler refuses, e.g. a plain global read inside a kernel. Run as a script (the interpreter
+must be off): python -m tests.engine.hopper_compile."""
+
+import inspect
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from jetserve.engine.model import sampling_kernels, spec_kernels
+
+
+def compile_for_hopper(fn, types: dict, constants: dict) -> None:
+    signature, constexprs = {}, {}
+    for i, name in enumerate(inspect.signature(fn.fn).parameters):
+        if name in constants:
+            signature[name], constexprs[(i,)] = "constexpr", constants[name]
+        else:
+            signature[name] = types.get(name, "i32")  # unnamed: an int32 scalar
+    triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32))
+
+
+def main() -> None:
+    for logits in ("*fp32", "*bf16"):  # decode graphs draw from fp32 logits, speculative ones from bf16
+        for positions in ("*i32", "*i64"):  # a graph's static positions, an eager step's
+            for floor in (False, True):
+                compile_for_hopper(sampling_kernels._race_kernel,
+                                   dict(logits_ptr=logits, temperature_ptr="*fp32", min_p_ptr="*fp32", floor_ptr="*fp32",
+                                        seed_ptr="*i32", position_ptr=positions, out_ptr="*i64"),
+                                   dict(HAS_FLOOR=floor, V_BLOCK=2048))
+    for q, steps in ((4, 2), (2, 0)):
+        compile_for_hopper(spec_kernels._accept_chain_kernel,
+                           dict(ids_ptr="*i32", target_ptr="*i64", positions_ptr="*i32", tables_ptr="*i32",
+                                ctx_ptr="*i32", x_ptr="*bf16", res_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16",
+                                packed_ptr="*i64", x_out_ptr="*bf16", res_out_ptr="*bf16", chain_slot_ptr="*i32",
+                                chain_ctx_ptr="*i32", chain_cos_ptr="*bf16", chain_sin_ptr="*bf16"),
+                           dict(Q=q, Q_PAD=q, STEPS=steps, HIDDEN=256, HIDDEN_PAD=256, HEAD_DIM=64, HEAD_PAD=64))
+    for from_logits in (True, False):
+        compile_for_hopper(spec_kernels._draft_input_kernel,
+                           dict(tokens_ptr="*bf16" if from_logits else "*i64", hidden_ptr="*bf16", embed_ptr="*bf16",
+                                enorm_ptr="*bf16", hnorm_ptr="*bf16", prev_norm_ptr="*bf16", out_ptr="*bf16",
+                                tokens_out_ptr="*i64" if from_logits else "*bf16", eps_e="fp32", eps_h="fp32",
+                                eps_prev="fp32"),
+                           dict(HIDDEN=256, HIDDEN_PAD=256, FROM_LOGITS=from_logits, NORM_HIDDEN=from_logits,
+                                V_BLOCK=4096 if from_logits else 16))
+    compile_for_hopper(spec_kernels._argmax_into_kernel, dict(logits_ptr="*bf16", out_ptr="*i64"), dict(V_BLOCK=4096))
+    print("compiled")
+
+
+if __name__ == "__main__":
+    main()
