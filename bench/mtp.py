@@ -175,51 +175,61 @@ def _profile_step(llm, k: int, batch: int, prompts: list, args) -> dict:
     from jetserve.engine.model.kernels import graph_time
 
     runner = llm.engine.runner
-    graphs, model, kv = runner.graphs, runner.model, runner.kv_cache
+    graphs = runner.graphs
     _step_times(llm, k, batch, prompts, type(args)(**{**vars(args), "steps": 6}))  # stage a real step
-    q = k + 1
-    bucket = graphs.key(k, q, batch, 1)[2]
-    n, meta = bucket * q, graphs.meta(q, bucket)
-    ids, positions = graphs.ids[:n], graphs.positions[:n]
-    accept = graphs.acceptance(q, bucket)
+    bucket = graphs.key(k, k + 1, batch, 1)[2]
     with torch.inference_mode():
-        rope = model.rotary(positions, model.embed_tokens.weight.dtype)
-        hidden = model(ids, positions, kv, meta, rope)
-        target = model.compute_logits(hidden).argmax(-1).view(-1, q)
-        mtp_in = model.draft_input(0, target.flatten(), hidden)
-        x, res = model.mtp_layer(0, mtp_in, rope, kv, meta)
-        packed = torch.zeros(bucket, q + 1 + k, dtype=torch.long, device=ids.device)
-        xl, rl, chain = accept(ids, target, positions, x, res, k - 1, packed)
-        logits, total = model.draft_logits(0, xl, rl)
-        pieces = {
-            "RoPE rows": lambda: model.rotary(positions, model.embed_tokens.weight.dtype),
-            "verify forward": lambda: model(ids, positions, kv, meta, rope),
-            "vocab projection + argmax (verify rows)": lambda: model.compute_logits(hidden).argmax(-1),
-            "MTP pass (input + layer)": lambda: model.mtp_layer(0, model.draft_input(0, target.flatten(), hidden),
-                                                                rope, kv, meta),
-            "acceptance + drafting inputs": lambda: accept(ids, target, positions, x, res, k - 1, packed),
-            "draft head (final norm + vocab projection), each": lambda: model.draft_logits(0, xl, rl),
-        }
-        if chain:
-            norm = model.mtp[0].norm
-            pieces["drafting step (argmax + input + MTP layer), each"] = lambda: model.mtp_layer(
-                1, model.draft_input(1, logits, total, norm, packed[:, q + 1]), chain[0][0], kv, chain[0][1])
+        pieces = step_pieces(graphs, k, bucket)
         times = {name: graph_time([fn]) * 1e3 for name, fn in pieces.items()}
-        times["whole step graph"] = _replay_us(graphs.graphs[k, q, bucket])
+        times["whole step graph"] = _replay_us(graphs.graphs[k, k + 1, bucket])
         times["plain decode graph"] = _replay_us(graphs.graphs[None, 1, bucket])
     times["sum of pieces"] = (sum(v for name, v in times.items() if "graph" not in name)
                               + (k - 1) * times["draft head (final norm + vocab projection), each"]
                               + max(k - 2, 0) * times.get("drafting step (argmax + input + MTP layer), each", 0.0))
     result = {name: round(v, 1) for name, v in times.items()}
-    result["kernels, whole step graph"] = _kernel_list(graphs.graphs[k, q, bucket])
+    result["kernels, whole step graph"] = _kernel_list(graphs.graphs[k, k + 1, bucket])
     result["kernels, plain decode graph"] = _kernel_list(graphs.graphs[None, 1, bucket])
     return result
+
+
+def step_pieces(graphs, k: int, bucket: int) -> dict:
+    """The pieces of spec_decode.speculative_step for `bucket` sequences verifying and proposing
+    k drafts, as functions over the graphs' static inputs (as staged by the last step), each
+    to be captured and timed alone (under inference mode)."""
+    import torch
+
+    model, kv, q = graphs.model, graphs.kv_cache, k + 1
+    n, meta = bucket * q, graphs.meta(q, bucket)
+    ids, positions = graphs.ids[:n], graphs.positions[:n]
+    accept = graphs.acceptance(q, bucket)
+    rope = model.rotary(positions, model.embed_tokens.weight.dtype)
+    hidden = model(ids, positions, kv, meta, rope)
+    target = graphs.draw(model.compute_logits(hidden), q, bucket).view(-1, q)
+    x, res = model.mtp_layer(0, model.draft_input(0, target.flatten(), hidden), rope, kv, meta)
+    packed = torch.zeros(bucket, q + 1 + k, dtype=torch.long, device=ids.device)
+    xl, rl, chain = accept(ids, target, positions, x, res, k - 1, packed)
+    logits, total = model.draft_logits(0, xl, rl)
+    pieces = {
+        "RoPE rows": lambda: model.rotary(positions, model.embed_tokens.weight.dtype),
+        "verify forward": lambda: model(ids, positions, kv, meta, rope),
+        "vocab projection + draw (verify rows)": lambda: graphs.draw(model.compute_logits(hidden), q, bucket),
+        "MTP pass (input + layer)": lambda: model.mtp_layer(0, model.draft_input(0, target.flatten(), hidden), rope,
+                                                            kv, meta),
+        "acceptance + drafting inputs": lambda: accept(ids, target, positions, x, res, k - 1, packed),
+        "draft head (final norm + vocab projection), each": lambda: model.draft_logits(0, xl, rl),
+    }
+    if chain:
+        norm = model.mtp[0].norm
+        pieces["drafting step (argmax + input + MTP layer), each"] = lambda: model.mtp_layer(
+            1, model.draft_input(1, logits, total, norm, packed[:, q + 1]), chain[0][0], kv, chain[0][1])
+    return pieces
 
 
 def _kernel_list(graph) -> dict:
     """One replay under torch.profiler: the kernels it ran, in order, with their µs on the device,
     and their count and total (launch gaps are the rest of the replay's time)."""
     import torch
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     graph.replay()
@@ -227,7 +237,8 @@ def _kernel_list(graph) -> dict:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         graph.replay()
         torch.cuda.synchronize()
-    kernels = [(e.name, e.device_time) for e in prof.events() if e.device_time > 0 and not e.name.startswith("Memcpy")]
+    kernels = [(e.name, e.time_range.elapsed_us()) for e in prof.events()
+               if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))]
     return {"count": len(kernels), "device_us": round(sum(t for _, t in kernels), 1),
             "kernels": [[name[:60], round(t, 2)] for name, t in kernels]}
 

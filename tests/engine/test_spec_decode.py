@@ -569,3 +569,28 @@ def test_mtp_fit_raises_acceptance_above_random_heads(tmp_path):
     assert main(common + ["--steps", "400", "--lr", "3e-3", "--out", str(tmp_path / "fitted")]) == 0
     before, after = greedy_acceptance(str(tmp_path / "untrained")), greedy_acceptance(str(tmp_path / "fitted"))
     assert after > before + 0.25 and after > 2 * before, (before, after)  # seen: 0.15 -> 0.59
+
+
+@torch.inference_mode()
+def test_bench_profile_pieces_run_over_static_inputs(tmp_path):
+    """`jetserve bench mtp`'s per-piece profile (each piece of a speculative step, captured and
+    timed alone on the GPU) builds and runs its pieces over a graph family's static inputs (here
+    eagerly, Triton's interpreter)."""
+    pytest.importorskip("triton")
+    from jetserve.bench.mtp import step_pieces
+    from jetserve.engine.config import CUDAGraphConfig
+    from jetserve.engine.cuda_graphs import CUDAGraphs
+    from jetserve.engine.model.kernels import FusedKernels
+    from jetserve.engine.model.loader import load_model
+
+    model = load_model(build_drafting_model(tmp_path, mtp_layers=1), torch.float32, torch.device("cpu"), 256)
+    model.use_kernels(FusedKernels(tile_timing=False))
+    cache = torch.zeros(model.num_kv_layers, 2, 5 * 16, 2, 16)
+    k = 2
+    graphs = CUDAGraphs(model, cache, CUDAGraphConfig((2,), ((k, k + 1),), 0), 48, 16, 4)
+    graphs.stage((k, k + 1, 2), list(range(2 * (k + 1))), [*range(5, 6 + k), *range(9, 10 + k)], [6 + k, 10 + k],
+                 [[0], [1]], [(0.0, 0.0, 1), (0.7, 0.1, 2)])
+    pieces = step_pieces(graphs, k, 2)
+    assert "drafting step (argmax + input + MTP layer), each" in pieces
+    for fn in pieces.values():
+        fn()
