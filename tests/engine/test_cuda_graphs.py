@@ -224,7 +224,7 @@ def test_speculative_verify_and_drafts_graphed(tmp_path):
 @pytest.mark.gpu
 def test_sampling_is_drawn_inside_the_graphs_as_eagerly(tmp_path):
     """Temperature and min-p draws run inside the decode and speculative graphs (no eager
-    speculative step, no eager draw after a replay); a seeded request gets the same tokens
+    speculative step, no eager draw after a decode replay); a seeded request gets the same tokens
     there as eagerly, for k = 0..3, alone or beside greedy, top-p and logprobs requests (those
     take the eager path for their batch). fp32, so that graph and eager logits agree bit for bit."""
     from jetserve.engine import runner as runner_module
@@ -250,7 +250,8 @@ def test_sampling_is_drawn_inside_the_graphs_as_eagerly(tmp_path):
         for k in (0, 1, 3):
             llm, graphed = run(k, seeded)
             assert graphed == eager, k
-            assert not eager_samples, k  # every draw of these batches ran inside a graph
+            assert len(eager_samples) <= 2, k  # the first tokens (after the prefill); every decode draw in a graph
+            eager_samples.clear()
             if k:
                 assert llm.engine.stats().num_accepted_tokens > 0
     finally:
