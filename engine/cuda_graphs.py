@@ -127,7 +127,8 @@ class CUDAGraphs:
         self.inputs = self.staged.device  # static inputs, shared by every graph (one step runs at a time)
         self.ids, self.positions, self.slots, self.context_lens, self.block_tables, draw = self.staged.views
         # Per sequence, what the draw reads (sampler.race): temperature and min_p (float32 bits), seed (lo, hi).
-        self.temperature, self.min_p = draw[:self.max_batch].view(torch.float32), draw[self.max_batch:2 * self.max_batch].view(torch.float32)
+        self.temperature = draw[:self.max_batch].view(torch.float32)
+        self.min_p = draw[self.max_batch:2 * self.max_batch].view(torch.float32)
         self.seeds = draw[2 * self.max_batch:]
         # Outside the pool and shared by the main-model graphs: one graph's own output would pin
         # its logits in the pool, one such copy per captured graph.

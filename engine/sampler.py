@@ -135,8 +135,8 @@ def race(logits: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor, f
     if logits.is_cuda:
         from jetserve.engine.model.sampling_kernels import race as race_kernel  # needs Triton
 
-        return race_kernel(logits.float().contiguous(), temperature, min_p, floor, seeds.long().contiguous().view(torch.int32),
-                           positions)
+        seed_words = seeds.long().contiguous().view(torch.int32)  # (lo, hi) pairs
+        return race_kernel(logits.float().contiguous(), temperature, min_p, floor, seed_words, positions)
     greedy = temperature == 0
     t = torch.where(greedy, 1.0, temperature)[:, None]
     cut = torch.where(min_p > 0, logits.amax(-1) + t[:, 0] * torch.log(min_p), float("-inf"))
