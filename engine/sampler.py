@@ -137,14 +137,16 @@ def race(logits: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor, f
 
         seed_words = seeds.long().contiguous().view(torch.int32)  # (lo, hi) pairs
         return race_kernel(logits.float().contiguous(), temperature, min_p, floor, seed_words, positions)
-    greedy = temperature == 0
-    t = torch.where(greedy, 1.0, temperature)[:, None]
-    cut = torch.where(min_p > 0, logits.amax(-1) + t[:, 0] * torch.log(min_p), float("-inf"))
-    if floor is not None:
-        cut = torch.maximum(cut, floor)
-    score = logits / t - torch.log(exponential_noise(logits.shape[-1], seeds, positions))
-    score = score.masked_fill(logits < cut[:, None], float("-inf"))
-    return torch.where(greedy, logits.argmax(-1), score.argmax(-1))
+    tokens = logits.argmax(dim=-1)
+    rows = (temperature > 0).nonzero().flatten()  # the noise only where it is drawn (a host read: CPU)
+    if len(rows):
+        logits, t, min_p = logits[rows], temperature[rows, None], min_p[rows]
+        cut = torch.where(min_p > 0, logits.amax(-1) + t[:, 0] * torch.log(min_p), float("-inf"))
+        if floor is not None:
+            cut = torch.maximum(cut, floor[rows])
+        score = logits / t - torch.log(exponential_noise(logits.shape[-1], seeds[rows], positions[rows]))
+        tokens[rows] = score.masked_fill(logits < cut[:, None], float("-inf")).argmax(-1)
+    return tokens
 
 
 def top_k_top_p_floor(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor | None:
