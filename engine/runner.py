@@ -73,8 +73,9 @@ def tune_kernels(model, kv_cache: torch.Tensor, block_size: int, scratch_block: 
         hidden = model(ids, ids, kv_cache, meta)  # position 0 for all: only the shapes matter
         if rows:
             model.compute_logits(hidden)
-            model.draft_tokens(hidden)  # a draft vocabulary is its own shape
-            model.draft_logits(0, hidden, hidden)  # ... and with the MTP layer's final norm fused in
+            if model.mtp:  # a model without MTP layers has no draft head
+                model.draft_tokens(hidden)  # a draft vocabulary is its own shape
+                model.draft_logits(0, hidden, hidden)  # ... and with the MTP layer's final norm fused in
             for step in range(len(model.mtp)):
                 model.mtp_forward(step, ids, ids, hidden, kv_cache, meta)
     if device.type == "cuda":

@@ -102,6 +102,16 @@ def test_start_up_tuning_leaves_no_untuned_shape(tmp_path):
     assert kernels.untuned == set() and kernels.chosen
 
 
+@torch.inference_mode()
+def test_start_up_tuning_of_a_model_without_mtp_layers(tmp_path):
+    """Every engine on a GPU tunes at start-up, most of them for models with no MTP layer: no
+    draft head to tune there (a draft-head dry run once made every such engine fail to start)."""
+    build_qwen3(tmp_path, **SMALL)
+    model, cache = fused_model(tmp_path, FusedKernels(tile_timing=False))
+    assert not model.mtp
+    tune_kernels(model, cache, BLOCK_SIZE, NUM_BLOCKS, prefill=5, row_counts=[1])
+
+
 def run_rows(model, cache, rows):
     """A decode step of `rows` sequences, its vocab projection and its MTP draft."""
     meta = AttentionMetadata.build([1] * rows, [2] * rows, [[NUM_BLOCKS]] * rows, BLOCK_SIZE, DEVICE, True)
