@@ -1,12 +1,13 @@
-"""The seeded draw as one Triton kernel, so that sampling runs inside the CUDA graphs.
+"""The seeded draw as Triton kernels, so that sampling runs inside the CUDA graphs.
 
 Per row: greedy (temperature 0) takes the first argmax; otherwise the Gumbel race
 argmax_v (l_v / T - log E_v) over the tokens kept by min-p (l_v >= max + T log min_p) and by a
 floor from top-k/top-p (computed by sampler.py where a row asks for them), with
 E_v = -log(u_v), u_v from the counter-based hash of (seed, position, v) — the same bits as
-`sampler.exponential_noise`. One program a row; the parameters may be a sequence's, shared by
-its `rows_per_param` verify rows. In torch this was ~40 launches over [rows, vocab] int64
-tensors, eagerly after the graph.
+`sampler.exponential_noise`. A row is raced by several programs, each over a chunk of the
+vocabulary (one program scanning a 151,936-entry row alone would take tens of µs), then the best
+chunk is picked; the parameters may be a sequence's, shared by its `rows_per_param` verify
+rows. In torch this was ~40 launches over [rows, vocab] int64 tensors, eagerly after the graph.
 """
 
 from __future__ import annotations
@@ -27,32 +28,27 @@ def _mix32(x):
 
 
 @triton.jit
-def _race_kernel(logits_ptr, temperature_ptr, min_p_ptr, floor_ptr, seed_ptr, position_ptr, position_offset,
-                 out_ptr, vocab, rows_per_param, HAS_FLOOR: tl.constexpr, V_BLOCK: tl.constexpr):
+def _race_kernel(logits_ptr, top_ptr, greedy_ptr, temperature_ptr, min_p_ptr, floor_ptr, seed_ptr, position_ptr,
+                 position_offset, score_ptr, index_ptr, vocab, splits, rows_per_param, HAS_FLOOR: tl.constexpr,
+                 V_BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+    """Program (row r, split s): the best (score, index) of the race over vocabulary entries
+    [s·CHUNK, (s+1)·CHUNK) into score/index[r, s]; a greedy row's split 0 holds its argmax."""
     r = tl.program_id(0)
+    s = tl.program_id(1)
     p = r // rows_per_param
     row = logits_ptr + r.to(tl.int64) * vocab
     temperature = tl.load(temperature_ptr + p)
     best_score = tl.full([], float("-inf"), tl.float32)
     best_index = tl.full([], 0, tl.int32)
     if temperature == 0:
-        for start in range(0, vocab, V_BLOCK):
-            v = start + tl.arange(0, V_BLOCK)
-            x = tl.load(row + v, mask=v < vocab, other=float("-inf"))
-            value = tl.max(x, axis=0)
-            index = tl.min(tl.where(x == value, v, vocab), axis=0)
-            take = value > best_score
-            best_index = tl.where(take, index, best_index)
-            best_score = tl.where(take, value, best_score)
+        if s == 0:
+            best_score = tl.full([], float("inf"), tl.float32)
+            best_index = tl.load(greedy_ptr + r).to(tl.int32)
     else:
         cut = tl.full([], float("-inf"), tl.float32)
         min_p = tl.load(min_p_ptr + p)
         if min_p > 0:
-            top = tl.full([], float("-inf"), tl.float32)
-            for start in range(0, vocab, V_BLOCK):
-                v = start + tl.arange(0, V_BLOCK)
-                top = tl.maximum(top, tl.max(tl.load(row + v, mask=v < vocab, other=float("-inf")), axis=0))
-            cut = top + temperature * tl.log(min_p)
+            cut = tl.load(top_ptr + r).to(tl.float32) + temperature * tl.log(min_p)
         if HAS_FLOOR:
             cut = tl.maximum(cut, tl.load(floor_ptr + r))
         seed_lo = tl.load(seed_ptr + 2 * p)
@@ -61,8 +57,8 @@ def _race_kernel(logits_ptr, temperature_ptr, min_p_ptr, floor_ptr, seed_ptr, po
         key = _mix32(key ^ seed_hi)
         position = (tl.load(position_ptr + r) + position_offset).to(tl.uint32)
         key = _mix32(key ^ position)
-        for start in range(0, vocab, V_BLOCK):
-            v = start + tl.arange(0, V_BLOCK)
+        for offset in range(0, CHUNK, V_BLOCK):
+            v = s * CHUNK + offset + tl.arange(0, V_BLOCK)
             x = tl.load(row + v, mask=v < vocab, other=float("-inf"))
             vu = v.to(tl.uint32)
             bits = _mix32(_mix32(key ^ vu) + vu)
@@ -74,7 +70,22 @@ def _race_kernel(logits_ptr, temperature_ptr, min_p_ptr, floor_ptr, seed_ptr, po
             take = value > best_score
             best_index = tl.where(take, index, best_index)
             best_score = tl.where(take, value, best_score)
-    tl.store(out_ptr + r, best_index.to(tl.int64))
+    tl.store(score_ptr + r * splits + s, best_score)
+    tl.store(index_ptr + r * splits + s, best_index)
+
+
+@triton.jit
+def _race_final_kernel(score_ptr, index_ptr, out_ptr, splits, S_BLOCK: tl.constexpr):
+    """A row's token: the index of its first split with the best score (the first argmax overall)."""
+    r = tl.program_id(0)
+    i = tl.arange(0, S_BLOCK)
+    score = tl.load(score_ptr + r * splits + i, mask=i < splits, other=float("-inf"))
+    index = tl.load(index_ptr + r * splits + i, mask=i < splits, other=0)
+    first = tl.min(tl.where(score == tl.max(score, axis=0), i, S_BLOCK), axis=0)
+    tl.store(out_ptr + r, tl.sum(tl.where(i == first, index, 0), axis=0).to(tl.int64))
+
+
+CHUNK = 4096  # vocabulary entries one program races: a row of 151,936 (Qwen3) over 38 programs, not one
 
 
 def race(logits: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor, floor: torch.Tensor | None,
@@ -83,10 +94,19 @@ def race(logits: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor, f
     """Token ids [rows] int64. logits [rows, V] fp32; per parameter row (a row's is row //
     rows_per_param): temperature and min_p float32, seeds as int32 pairs (lo, hi: an int64
     tensor viewed as int32); per row: floor (raw-logit lower bound from top-k/top-p, or None)
-    and the sampled token's position minus `position_offset`."""
+    and the sampled token's position minus `position_offset`. Three launches: torch's max (the
+    greedy rows' first argmax and min-p's top, a reduction over many blocks), the race split over
+    the vocabulary, the pick among the splits."""
     rows, vocab = logits.shape
+    top, greedy = logits.max(dim=-1)
+    v_block = min(2048, triton.next_power_of_2(vocab))
+    chunk = max(v_block, min(CHUNK, triton.next_power_of_2(vocab)))
+    splits = triton.cdiv(vocab, chunk)
+    score = torch.empty(rows, splits, dtype=torch.float32, device=logits.device)
+    index = torch.empty(rows, splits, dtype=torch.int32, device=logits.device)
+    _race_kernel[(rows, splits)](logits, top, greedy, temperature, min_p, floor if floor is not None else logits,
+                                 seeds, positions, position_offset, score, index, vocab, splits, rows_per_param,
+                                 HAS_FLOOR=floor is not None, V_BLOCK=v_block, CHUNK=chunk)
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    _race_kernel[(rows,)](logits, temperature, min_p, floor if floor is not None else logits, seeds, positions,
-                          position_offset, out, vocab, rows_per_param, HAS_FLOOR=floor is not None,
-                          V_BLOCK=min(2048, triton.next_power_of_2(vocab)))
+    _race_final_kernel[(rows,)](score, index, out, splits, S_BLOCK=triton.next_power_of_2(splits))
     return out

@@ -27,9 +27,13 @@ def main() -> None:
         for positions in ("*i32", "*i64"):  # a graph's static positions, an eager step's
             for floor in (False, True):
                 compile_for_hopper(sampling_kernels._race_kernel,
-                                   dict(logits_ptr=logits, temperature_ptr="*fp32", min_p_ptr="*fp32", floor_ptr="*fp32",
-                                        seed_ptr="*i32", position_ptr=positions, out_ptr="*i64"),
-                                   dict(HAS_FLOOR=floor, V_BLOCK=2048))
+                                   dict(logits_ptr=logits, top_ptr=logits, greedy_ptr="*i64",
+                                        temperature_ptr="*fp32", min_p_ptr="*fp32", floor_ptr="*fp32",
+                                        seed_ptr="*i32", position_ptr=positions, score_ptr="*fp32",
+                                        index_ptr="*i32"),
+                                   dict(HAS_FLOOR=floor, V_BLOCK=2048, CHUNK=4096))
+    compile_for_hopper(sampling_kernels._race_final_kernel, dict(score_ptr="*fp32", index_ptr="*i32", out_ptr="*i64"),
+                       dict(S_BLOCK=64))
     for q, steps in ((4, 2), (2, 0)):
         compile_for_hopper(spec_kernels._accept_chain_kernel,
                            dict(ids_ptr="*i32", target_ptr="*i64", positions_ptr="*i32", tables_ptr="*i32",

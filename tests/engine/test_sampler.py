@@ -1,5 +1,6 @@
 """Sampling filters against a plain reference, and the seeded (counter-based) draw."""
 
+import pytest
 import torch
 
 from jetserve.engine.sampler import exponential_noise, race, sample, sampling_rows, top_k_top_p_floor
@@ -78,14 +79,16 @@ def test_noise_is_exponential_and_keyed_by_seed_and_position():
     assert not torch.equal(by_seed[6], by_position[6])
 
 
-def test_race_kernel_draws_the_same_tokens_as_torch():
+@pytest.mark.parametrize("vocab", [3000, 9000])
+def test_race_kernel_draws_the_same_tokens_as_torch(vocab):
     """The Triton draw (in the CUDA graphs; here in Triton's interpreter) against the torch one:
     greedy rows, temperatures, min-p, a top-k/top-p floor, 63-bit seeds, parameters shared by a
-    sequence's verify rows, positions offset by one as a graph reads them."""
+    sequence's verify rows, positions offset by one as a graph reads them; a vocabulary in one
+    chunk and in three (the race split over programs, then the best chunk picked)."""
     from jetserve.engine.model.sampling_kernels import race as race_kernel
 
     gen = torch.Generator().manual_seed(11)
-    rows, vocab, q = 12, 3000, 3
+    rows, q = 12, 3
     logits = torch.randn(rows, vocab, generator=gen) * 3
     params = [SamplingParams(temperature=0), SamplingParams(temperature=0.7, seed=2**62 + 5),
               SamplingParams(temperature=1.3, min_p=0.05, seed=3), SamplingParams(temperature=0.7, top_p=0.9)]
