@@ -15,6 +15,11 @@ shape is captured once — (model part, tokens per sequence, batch bucket) — a
   whole of `spec_decode.speculative_step`) is one graph, its drafting
   steps' slots computed on the device from the static block tables; it returns one small
   int tensor (tokens, accepted counts, next drafts), the only thing the host reads back;
+- with async scheduling, consecutive speculative steps of the same sequences chain on the
+  device: a step's graph starts with one kernel that, where the host flags it, writes its ids,
+  positions, slots and context lengths from the previous step's result (which the host has not
+  read yet), so the host sends only block tables and flags (`stage_chained`) and reads step N's
+  tokens while step N+1 runs;
 - graphs are captured largest first into one shared memory pool, each after warm-up runs
   (Triton compiles, cuBLAS handles, allocator state);
 - the draw is inside the decode and speculative graphs too (`draw`: sampler.race's kernel,
@@ -79,10 +84,10 @@ class StagedInputs:
             self._copied[self._turn].synchronize()
         return self._host[self._turn]
 
-    def send(self, end: int) -> None:
-        """Copy the first `end` entries of the buffer just written to the device."""
+    def send(self, end: int, start: int = 0) -> None:
+        """Copy entries [start, end) of the buffer just written to the device."""
         turn, self._turn = self._turn, 1 - self._turn
-        self.device[:end].copy_(self._staging[turn][:end], non_blocking=True)
+        self.device[start:end].copy_(self._staging[turn][start:end], non_blocking=True)
         if self._copied is not None:
             self._copied[turn].record()
 
@@ -122,10 +127,12 @@ class CUDAGraphs:
         self.max_rows, self.max_batch = max(self.sizes) * max_q, max(self.sizes)
         # Wide enough for max_model_len plus the KV slots reserved for drafts.
         self.width = -(-(max_model_len + max_q) // block_size)
-        size = 3 * self.max_rows + self.max_batch * (5 + self.width)
+        size = 3 * self.max_rows + self.max_batch * (6 + self.width)
         self.staged = StagedInputs(size, kv_cache.device, self._split, self._pad)
         self.inputs = self.staged.device  # static inputs, shared by every graph (one step runs at a time)
-        self.ids, self.positions, self.slots, self.context_lens, self.block_tables, draw = self.staged.views
+        self.ids, self.positions, self.slots, self.context_lens, self.chain, self.block_tables, draw = \
+            self.staged.views
+        self.chained_from = 3 * self.max_rows + self.max_batch  # where what a chained step sends begins
         # Per sequence, what the draw reads (sampler.race): temperature and min_p (float32 bits), seed (lo, hi).
         self.temperature = draw[:self.max_batch].view(torch.float32)
         self.min_p = draw[self.max_batch:2 * self.max_batch].view(torch.float32)
@@ -133,23 +140,29 @@ class CUDAGraphs:
         # Outside the pool and shared by the main-model graphs: one graph's own output would pin
         # its logits in the pool, one such copy per captured graph.
         self.logits = torch.zeros(self.max_rows, model.config.vocab_size, dtype=torch.float32, device=kv_cache.device)
+        # Every speculative graph's packed result, flat (a step's rows q + 1 + k wide): where the
+        # next chained step reads it, whichever graph wrote it.
+        max_drafts = max((d for d, _ in self.shapes if d is not None), default=0)
+        self.packed = torch.zeros(self.max_batch * (max_q + 1 + max_drafts), dtype=torch.int64,
+                                  device=kv_cache.device)
         self.graphs: dict[tuple[int | None, int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int | None, int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
 
-    def _pad(self, ids, positions, slots, context_lens, block_tables, draw) -> None:
+    def _pad(self, ids, positions, slots, context_lens, chain, block_tables, draw) -> None:
         """Padding that touches no real sequence: the scratch slot, a context of one key, a greedy draw."""
         slots.fill(self.scratch_slot)
         context_lens.fill(1)
         block_tables.fill(self.scratch_block)
 
     def _split(self, flat):
-        """Views of one buffer, laid out [ids n | positions n | slots n | context_lens b | draw 4b |
-        block_tables b×W] (n: rows of the largest step, b: the largest bucket, W: the table width;
-        draw: per sequence temperature, min_p, then seeds as (lo, hi) pairs)."""
+        """Views of one buffer, laid out [ids n | positions n | slots n | context_lens b | chain b |
+        draw 4b | block_tables b×W] (n: rows of the largest step, b: the largest bucket, W: the
+        table width; chain: per sequence the flag of `chain_inputs`; draw: per sequence
+        temperature, min_p, then seeds as (lo, hi) pairs)."""
         n, b = self.max_rows, self.max_batch
-        tables = 3 * n + 5 * b
-        return (flat[:n], flat[n:2 * n], flat[2 * n:3 * n], flat[3 * n:3 * n + b],
-                flat[tables:].reshape(b, self.width), flat[3 * n + b:tables])
+        tables = 3 * n + 6 * b
+        return (flat[:n], flat[n:2 * n], flat[2 * n:3 * n], flat[3 * n:3 * n + b], flat[3 * n + b:3 * n + 2 * b],
+                flat[tables:].reshape(b, self.width), flat[3 * n + 2 * b:tables])
 
     def key(self, num_drafts: int | None, q_len: int, batch: int, width: int) -> tuple[int | None, int, int] | None:
         """The captured graph for `batch` sequences of `q_len` tokens with block tables `width`
@@ -177,15 +190,25 @@ class CUDAGraphs:
         return race(logits, self.temperature[:bucket], self.min_p[:bucket], None, self.seeds[:2 * bucket],
                     self.positions[:bucket * q_len], position_offset=1, rows_per_param=q_len)
 
+    def packed_result(self, q_len: int, num_drafts: int, bucket: int) -> torch.Tensor:
+        """A speculative step's packed result [bucket, q + 1 + k], in the shared buffer."""
+        return self.packed[:bucket * (q_len + 1 + num_drafts)].view(bucket, q_len + 1 + num_drafts)
+
     def _step(self, num_drafts: int | None, q_len: int, bucket: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The captured work: hidden states, and for the main model the tokens drawn from the
-        fp32 logits it writes into `self.logits`; a speculative step's packed result."""
+        fp32 logits it writes into `self.logits`; a speculative step's packed result, its inputs
+        first chained from the previous step's where the host flagged it."""
         n = bucket * q_len
         meta = self.meta(q_len, bucket)
         if num_drafts is not None:
+            from jetserve.engine.model.spec_kernels import chain_inputs  # needs Triton
+
+            chain_inputs(self.chain[:bucket], self.packed, self.ids[:n], self.positions[:n], self.slots[:n],
+                         self.context_lens[:bucket], self.block_tables[:bucket], self.block_size, q_len,
+                         self.scratch_slot)
             return speculative_step(self.model, self.kv_cache, self.ids[:n], self.positions[:n], meta, q_len, num_drafts,
-                                    lambda logits: self.draw(logits, q_len, bucket),
-                                    self.acceptance(q_len, bucket)), None
+                                    lambda logits: self.draw(logits, q_len, bucket), self.acceptance(q_len, bucket),
+                                    self.packed_result(q_len, num_drafts, bucket)), None
         hidden = self.model(self.ids[:n], self.positions[:n], self.kv_cache, meta)
         logits = self.logits[:n]
         logits.copy_(self.model.compute_logits(hidden))  # the cast to fp32 rides on the copy
@@ -212,15 +235,9 @@ class CUDAGraphs:
         in one copy."""
         _, q_len, bucket = key
         n, batch, bs = len(ids), len(ctx_lens), self.block_size
-        host_ids, host_positions, slots, context_lens, block_tables, host_draw = self.staged.host()
-        b = self.max_batch
-        temperature, min_p, seeds = host_draw[:b].view(np.float32), host_draw[b:2 * b].view(np.float32), \
-            host_draw[2 * b:].view(np.uint32)
-        temperature[:batch] = [t for t, _, _ in draw]
-        temperature[batch:bucket] = 0.0
-        min_p[:batch] = [m for _, m, _ in draw]
-        seeds[0:2 * batch:2] = [seed & 0xFFFFFFFF for _, _, seed in draw]
-        seeds[1:2 * batch:2] = [seed >> 32 for _, _, seed in draw]
+        host_ids, host_positions, slots, context_lens, chain, block_tables, host_draw = self.staged.host()
+        chain[:bucket] = 0
+        self._stage_draws(host_draw, draw, bucket)
         host_ids[:n] = ids
         host_positions[:n] = positions
         slots[:n] = slot_mapping(tables, ctx_lens, [q_len] * batch, bs)
@@ -232,6 +249,35 @@ class CUDAGraphs:
             row[:len(table)] = table
         block_tables[batch:bucket, 0] = self.scratch_block
         self.staged.send(self.inputs.shape[0] - (self.max_batch - bucket) * self.width)
+
+    def stage_chained(self, key: tuple[int, int, int], prev_q: int, tables: list[list[int]],
+                      draw: list[tuple[float, float, int]]) -> None:
+        """Stage a speculative step that verifies what the step before it (of the same
+        sequences, in the same order, `prev_q` tokens a sequence) proposed: its ids, positions,
+        slots and context lengths come from that step's result on the device (`chain_inputs`,
+        the graph's first kernel); the host sends the flags, the draws and the block tables,
+        which must already reach the positions the previous step may have advanced to."""
+        _, q_len, bucket = key
+        batch = len(tables)
+        _, _, _, _, chain, block_tables, host_draw = self.staged.host()
+        chain[:batch] = prev_q
+        chain[batch:bucket] = -1
+        self._stage_draws(host_draw, draw, bucket)
+        for row, table in zip(block_tables, tables):
+            row[:len(table)] = table
+        block_tables[batch:bucket, 0] = self.scratch_block
+        self.staged.send(self.inputs.shape[0] - (self.max_batch - bucket) * self.width, self.chained_from)
+
+    def _stage_draws(self, host_draw, draw: list[tuple[float, float, int]], bucket: int) -> None:
+        """Each sequence's temperature (padding: greedy), min_p and seed, into the staging buffer."""
+        batch, b = len(draw), self.max_batch
+        temperature, min_p, seeds = host_draw[:b].view(np.float32), host_draw[b:2 * b].view(np.float32), \
+            host_draw[2 * b:].view(np.uint32)
+        temperature[:batch] = [t for t, _, _ in draw]
+        temperature[batch:bucket] = 0.0
+        min_p[:batch] = [m for _, m, _ in draw]
+        seeds[0:2 * batch:2] = [seed & 0xFFFFFFFF for _, _, seed in draw]
+        seeds[1:2 * batch:2] = [seed >> 32 for _, _, seed in draw]
 
     def replay(self, key: tuple[int | None, int, int], n: int
                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:

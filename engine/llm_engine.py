@@ -19,10 +19,10 @@ from jetserve.engine.config import EngineConfig
 from jetserve.engine.outputs import CompletionOutput, LogprobsLists, RequestMetrics, RequestOutput
 from jetserve.engine.prompts import check_prompt
 from jetserve.engine.protocol import ITERATION_TOKENS_BUCKETS, EngineStats, ModelInfo
-from jetserve.engine.runner import Launch, ModelRunner
+from jetserve.engine.runner import Launch, ModelRunner, SpeculativeLaunch
 from jetserve.engine.sampling_params import SamplingParams
-from jetserve.engine.scheduler import Scheduler
-from jetserve.engine.sequence import Sequence
+from jetserve.engine.scheduler import ScheduledBatch, Scheduler
+from jetserve.engine.sequence import Sequence, SequenceStatus
 from jetserve.engine.spec_decode import DraftLength, SpecCounters
 from jetserve.engine.tokenizer import Detokenizer, StopStrings, Tokenizer
 
@@ -68,7 +68,9 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}  # by sequence id
         self.families: dict[str, list[str]] = {}  # request id → its unfinished sequences' ids
         self.num_requests_finished = 0
-        self._in_flight: Launch | None = None  # async scheduling: the step whose tokens are still out
+        self._in_flight: Launch | SpeculativeLaunch | None = None  # async scheduling: the step whose tokens are out
+        self._received_at = 0.0  # perf_counter when the last launched step's tokens arrived
+        self._next_drafts: int | None = None  # drafts decided for the next launched step
         self.num_reading_host = 0  # unfinished sequences whose steps read tokens or logits on the host
         self._seeds = random.Random(config.seed)  # noise keys of requests without a seed
         # Tokens computed per step, as counts per ITERATION_TOKENS_BUCKETS bucket (+Inf last) and a sum.
@@ -125,19 +127,21 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One step: request → scheduler → runner (forward, sampling, drafting) → scheduler
         update → detokenizer and stop checks → output deltas."""
-        if self.config.async_scheduling and not self.draft_length:
-            # With drafting, a step's inputs depend on how many drafts the last one accepted:
-            # steps run one at a time, each one graph with one read back (runner._speculative).
-            if not self.num_reading_host:
-                return self._step_async()
-            if self._in_flight is not None:  # a sequence reads the host's tokens: catch up, then step in turn
-                previous, self._in_flight = self._in_flight, None
-                return self._receive(previous)
-        num_drafts = self.draft_length.next() if self.draft_length else 0
+        if self.config.async_scheduling and not self.num_reading_host:
+            return self._step_drafting_async() if self.draft_length else self._step_async()
+        if self._in_flight is not None:  # a sequence reads the host's tokens: catch up, then step in turn
+            previous, self._in_flight = self._in_flight, None
+            return self._receive(previous)
+        num_drafts = self._draft_length_next()
+        self._next_drafts = None
         batch = self.scheduler.schedule(num_lookahead_slots=num_drafts)
         if not batch:
             return []
         self._mark_scheduled(batch)
+        return self._execute(batch, num_drafts)
+
+    def _execute(self, batch: ScheduledBatch, num_drafts: int) -> list[RequestOutput]:
+        """Run a scheduled step and wait for its tokens."""
         verified = self.runner.speculative_shape(batch, num_drafts) if self.draft_length else None
         start = time.perf_counter()
         sampled, drafts, logprobs, prompt_logprobs = self.runner.execute(batch, num_drafts)
@@ -146,6 +150,12 @@ class LLMEngine:
                 self._gather_prompt_logprobs(self.requests[seq.request_id], lists)
         if verified is not None:  # a decode step: its time tells the draft length what k costs
             self.draft_length.record_step(verified, num_drafts, len(batch), time.perf_counter() - start)
+        return self._complete(batch, sampled, drafts, logprobs)
+
+    def _complete(self, batch: ScheduledBatch, sampled: list[list[int] | None], drafts: list[list[int]],
+                  logprobs: list | None = None) -> list[RequestOutput]:
+        """Record what a step did (acceptance, the scheduler's update, the draft length), then
+        each sampled sequence's delta."""
         for seq, new in zip(batch.seqs, sampled):
             if new is not None and seq.spec_token_ids:
                 self.spec_counters.record(len(seq.spec_token_ids), len(new) - 1)
@@ -155,7 +165,16 @@ class LLMEngine:
             self.draft_length.update()
         now = time.monotonic()
         return [self._process(self.requests[seq.request_id], new, now, lp)
-                for seq, new, lp in zip(batch.seqs, sampled, logprobs) if new is not None]
+                for seq, new, lp in zip(batch.seqs, sampled, logprobs or [None] * len(batch)) if new is not None]
+
+    def _draft_length_next(self) -> int:
+        """Drafts the next launched step proposes: decided once (DraftLength.next), kept until a
+        step is launched (a step() that only catches up launches none)."""
+        if self.draft_length is None:
+            return 0
+        if self._next_drafts is None:
+            self._next_drafts = self.draft_length.next()
+        return self._next_drafts
 
     def _step_async(self) -> list[RequestOutput]:
         """Launch step N+1, then read step N's tokens: the host's bookkeeping for N overlaps the
@@ -170,13 +189,71 @@ class LLMEngine:
         previous, self._in_flight = self._in_flight, launch
         return self._receive(previous) if previous is not None else []
 
-    def _receive(self, launch: Launch) -> list[RequestOutput]:
+    def _step_drafting_async(self) -> list[RequestOutput]:
+        """Async scheduling with drafting. Consecutive speculative steps of the same sequences
+        chain on the device: step N+1 is launched before step N's tokens are read, its inputs
+        taken from N's result there (`_chain`); plain decode steps, drafting off, overlap as
+        without drafting. Any other step (prefill chunks, a batch that changes, a limit within
+        reach) first catches up, then runs as in sync mode."""
+        num_drafts = self._draft_length_next()
+        previous = self._in_flight
+        if not num_drafts and not isinstance(previous, SpeculativeLaunch) and self.scheduler.decoding_only():
+            self._next_drafts = None
+            return self._step_async()
+        if previous is not None:
+            self._in_flight = self._chain(previous, num_drafts) if isinstance(previous, SpeculativeLaunch) else None
+            return self._receive(previous)
+        self._next_drafts = None
+        batch = self.scheduler.schedule(num_lookahead_slots=num_drafts)
+        if not batch:
+            return []
+        self._mark_scheduled(batch)
+        if self.runner.plain_step(batch, num_drafts) or self.runner.speculative_shape(batch, num_drafts) is None:
+            return self._execute(batch, num_drafts)
+        self._in_flight = self.runner.launch_speculative(batch, num_drafts)
+        return []
+
+    def _chain(self, previous: SpeculativeLaunch, num_drafts: int) -> SpeculativeLaunch | None:
+        """Launch the step after `previous` before its tokens are read: the same sequences, in
+        the same order, verify the drafts it proposed and propose `num_drafts`. None where that
+        step is not known without them: `previous` proposed nothing, a sequence finished or
+        another waits to join, max_tokens or max_model_len is within reach, KV runs short."""
+        q = previous.num_drafts + 1
+        seqs = previous.batch.seqs
+        # Tokens past the host's view the two steps may cover: previous's accepted run, this
+        # step's rows, and the KV of the drafting chain after them.
+        if not previous.num_drafts or not self.scheduler.reserve_chained(seqs, previous.q + q + num_drafts):
+            return None
+        batch = ScheduledBatch(list(seqs), [q] * len(seqs))
+        launch = self.runner.launch_speculative(batch, num_drafts, after=previous)
+        if launch is not None:
+            self._next_drafts = None
+            self._mark_scheduled(batch)
+        return launch
+
+    def _receive(self, launch: Launch | SpeculativeLaunch) -> list[RequestOutput]:
         """Async scheduling: the deltas of a launched step, once its tokens are on the host."""
+        if isinstance(launch, SpeculativeLaunch):
+            emitted, drafts = self.runner.speculative_result(launch)
+            self._record_step_time(launch, launch.q - 1, launch.num_drafts, len(launch.batch))
+            live = [i for i, seq in enumerate(launch.batch.seqs) if seq.status is not SequenceStatus.FINISHED]
+            batch = ScheduledBatch([launch.batch.seqs[i] for i in live], [launch.q] * len(live))
+            return self._complete(batch, [emitted[i] for i in live], [drafts[i] for i in live])
         outputs, now = [], time.monotonic()
         for seq, token in launch.tokens():
             if self.scheduler.receive(seq, token):
                 outputs.append(self._process(self.requests[seq.request_id], [token], now))
+        if self.draft_length and launch.seqs:  # a plain decode with drafting off: T_0 for the draft length
+            self._record_step_time(launch, 0, 0, len(launch.seqs))
+            self.draft_length.update()
         return outputs
+
+    def _record_step_time(self, launch: Launch | SpeculativeLaunch, verified: int, proposed: int, batch: int) -> None:
+        """A launched step's time for the draft length: from the previous step's tokens to its own
+        (the pipeline's period: what a token costs when steps overlap), or from its launch."""
+        now = time.perf_counter()
+        self.draft_length.record_step(verified, proposed, batch, now - max(launch.launched_at, self._received_at))
+        self._received_at = now
 
     def _gather_prompt_logprobs(self, request: _Request, lists: LogprobsLists) -> None:
         """Add a chunk's prompt logprobs (those of the tokens after its rows' positions, computed
@@ -287,6 +364,7 @@ class LLMEngine:
             raise ValueError(f"num_speculative_tokens must be at most {limit}, the draft length the engine "
                              f"was started with (its CUDA graphs and KV lookahead are sized for it), got {k}")
         self.draft_length.set_max(k)
+        self._next_drafts = None
 
     def stats(self) -> EngineStats:
         blocks = self.scheduler.blocks

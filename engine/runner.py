@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
@@ -23,8 +24,8 @@ from jetserve.engine.outputs import LogprobsLists
 from jetserve.engine.sampler import History, drawn_in_graph, process_logits, sample, token_logprobs
 from jetserve.engine.scheduler import ScheduledBatch
 from jetserve.engine.sequence import Sequence
-from jetserve.engine.spec_decode import (MTPProposer, device_acceptance, host_acceptance, speculative_step,
-                                         verify)
+from jetserve.engine.spec_decode import (MTPProposer, chained_inputs, device_acceptance, host_acceptance,
+                                         speculative_step, verify)
 
 log = logging.getLogger(__name__)
 
@@ -216,7 +217,8 @@ class ModelRunner:
         if (self.proposer is not None and not self.plain_step(batch, num_drafts)
                 and self.speculative_shape(batch, num_drafts) is not None
                 and not any(seq.params.logprobs is not None for seq in batch.seqs)):
-            return (*self._speculative(batch, num_drafts), [None] * len(batch))  # decodes: no prompt rows
+            none = [None] * len(batch)  # no logprobs asked, no prompt rows
+            return *self.speculative_result(self.launch_speculative(batch, num_drafts)), none, none
         step = self._run(batch)
         prompt_logprobs = self._prompt_logprobs(batch, step)
         sampled = [seq for seq, d in zip(batch.seqs, step.sampled) if d]
@@ -274,42 +276,64 @@ class ModelRunner:
             return None
         return q - 1
 
-    def _speculative(self, batch: ScheduledBatch, num_drafts: int) -> tuple[list[list[int]], list[list[int]]]:
-        """A decode step with the same drafts count a sequence as one `speculative_step`: staged
-        in one copy, replayed as one graph when every draw can run inside it (`drawn_in_graph`),
-        read back in one copy."""
+    @torch.inference_mode()
+    def launch_speculative(self, batch: ScheduledBatch, num_drafts: int,
+                           after: SpeculativeLaunch | None = None) -> SpeculativeLaunch | None:
+        """A uniform decode step (`speculative_shape`) as one `speculative_step`, launched without
+        waiting for its result: staged in one copy and replayed as one graph where one is
+        captured and every draw runs inside it, else eagerly. `after`: the step before it, of the
+        same sequences in the same order, still in flight; this step verifies that step's drafts
+        and takes its inputs from that step's result on the device (async scheduling). None:
+        `after` cannot be chained here (an eager step on a GPU would wait for its result)."""
         seqs, q = batch.seqs, batch.num_tokens[0]
-        ids, positions, ctx_lens, tables = [], [], [], []
+        tables = [seq.block_table for seq in seqs]
+        graphs = self.graphs if isinstance(self.graphs, CUDAGraphs) else None
+        key = graphs.key(num_drafts, q, len(seqs), max(map(len, tables))) if graphs else None
+        if key is not None and all(drawn_in_graph(seq.params) for seq in seqs):
+            if after is None:
+                graphs.stage(key, *self._uniform_inputs(seqs, q), tables, _draws(seqs))
+            else:
+                graphs.stage_chained(key, after.q, tables, _draws(seqs))
+            return SpeculativeLaunch(batch, num_drafts, *_copy_to_host(graphs.replay(key, len(seqs))[0]))
+        if after is None:
+            ids, positions, ctx_lens = self._uniform_inputs(seqs, q)
+            ids_t, positions_t = (to_device(torch.tensor(x), self.device) for x in (ids, positions))
+        elif self.device.type == "cpu":
+            width = max(map(len, tables))
+            table_t = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+            ids_t, positions_t, _, ctx_t = chained_inputs(after.packed, after.context_lens, after.q, q, table_t,
+                                                          self.block_size)
+            ctx_lens = ctx_t.tolist()
+        else:
+            return None
+        meta = AttentionMetadata.build([q] * len(seqs), ctx_lens, tables, self.block_size, self.device,
+                                       self.config.fused_kernels)
+        accept = (device_acceptance(meta, q, self.model.rotary) if meta.block_tables is not None
+                  else host_acceptance(tables, self.block_size, self.device, self.model.rotary))
+        packed = speculative_step(self.model, self.kv_cache, ids_t, positions_t, meta, q, num_drafts,
+                                  self._sample_rows(seqs, q, positions_t), accept)
+        return SpeculativeLaunch(batch, num_drafts, *_copy_to_host(packed), context_lens=torch.tensor(ctx_lens))
+
+    @staticmethod
+    def _uniform_inputs(seqs: list[Sequence], q: int) -> tuple[list[int], list[int], list[int]]:
+        """ids, positions (per token: the last token then the drafts) and context lengths of a
+        uniform decode step of q tokens a sequence."""
+        ids, positions, ctx_lens = [], [], []
         for seq in seqs:
             start = seq.num_computed_tokens
             ids += [seq.token_ids[start], *seq.spec_token_ids]
             positions += range(start, start + q)
             ctx_lens.append(start + q)
-            tables.append(seq.block_table)
-        key = self.graphs.key(num_drafts, q, len(seqs), max(map(len, tables))) if self.graphs else None
-        if key is not None:
-            graphs, n = self.graphs, len(ids)
-            graphs.stage(key, ids, positions, ctx_lens, tables, _draws(seqs))
-            if all(drawn_in_graph(seq.params) for seq in seqs):
-                packed = graphs.replay(key, len(seqs))[0]
-            else:  # the same step, eagerly over the same static inputs
-                packed = speculative_step(self.model, self.kv_cache, graphs.ids[:n], graphs.positions[:n],
-                                          graphs.meta(q, len(seqs)), q, num_drafts,
-                                          self._sample_rows(seqs, q, graphs.positions[:n]),
-                                          graphs.acceptance(q, len(seqs)))
-        else:
-            meta = AttentionMetadata.build([q] * len(seqs), ctx_lens, tables, self.block_size, self.device,
-                                           self.config.fused_kernels)
-            accept = (device_acceptance(meta, q, self.model.rotary) if meta.block_tables is not None
-                      else host_acceptance(tables, self.block_size, self.device, self.model.rotary))
-            positions_t = to_device(torch.tensor(positions), self.device)
-            packed = speculative_step(self.model, self.kv_cache, to_device(torch.tensor(ids), self.device),
-                                      positions_t, meta, q, num_drafts, self._sample_rows(seqs, q, positions_t), accept)
-        rows = _to_host(packed).tolist()
+        return ids, positions, ctx_lens
+
+    def speculative_result(self, launch: SpeculativeLaunch) -> tuple[list[list[int]], list[list[int]]]:
+        """Wait for a speculative step: per sequence the tokens it gains (accepted drafts + one)
+        and its next drafts (as many as `MTPProposer.num_drafts` lets it keep)."""
+        rows, q = launch.rows(), launch.q
         emitted = [row[:row[q] + 1] for row in rows]
-        drafts = [row[q + 1:q + 1 + self.proposer.num_drafts(seq, new, num_drafts)]
-                  for seq, row, new in zip(seqs, rows, emitted)]
-        return emitted, drafts, [None] * len(seqs)
+        drafts = [row[q + 1:q + 1 + self.proposer.num_drafts(seq, new, launch.num_drafts)]
+                  for seq, row, new in zip(launch.batch.seqs, rows, emitted)]
+        return emitted, drafts
 
     def _sample_rows(self, seqs: list[Sequence], q: int, positions: torch.Tensor):
         """The token of each of a speculative step's rows (q a sequence): the argmax for greedy
@@ -331,13 +355,7 @@ class ModelRunner:
             return Launch(sampled, None, None)
         tokens = self._sample_tensor(step, sampled)
         self._last_sampled = tokens, {seq: row for row, seq in enumerate(sampled)}
-        if tokens.device.type != "cuda":
-            return Launch(sampled, tokens, None)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-        return Launch(sampled, host, ready)
+        return Launch(sampled, *_copy_to_host(tokens))
 
     def _run(self, batch: ScheduledBatch) -> _Step:
         """The forward of a step: a graph replay fed by one copy when a captured graph fits the
@@ -479,17 +497,17 @@ def _histories(seqs: list[Sequence]) -> list[History]:
             for s in seqs for j in range(len(s.spec_token_ids) + 1)]
 
 
-def _to_host(tensor: torch.Tensor) -> torch.Tensor:
-    """A step's small result on the host: through pinned memory, one non-blocking copy and one
-    wait for it (not a pageable copy's implicit sync of everything)."""
+def _copy_to_host(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """A step's small result on its way to the host: pinned memory filled by one non-blocking
+    copy, and the event that says it arrived (not a pageable copy's implicit sync of
+    everything); on a CPU the tensor itself, already there."""
     if tensor.device.type != "cuda":
-        return tensor
+        return tensor, None
     host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
     host.copy_(tensor, non_blocking=True)
     ready = torch.cuda.Event()
     ready.record()
-    ready.synchronize()
-    return host
+    return host, ready
 
 
 @dataclass
@@ -513,6 +531,7 @@ class Launch:
     seqs: list[Sequence]
     tokens_on_host: torch.Tensor | None  # pinned, filled by a non-blocking copy (CPU: the tokens)
     ready: torch.cuda.Event | None
+    launched_at: float = field(default_factory=time.perf_counter)
 
     def tokens(self) -> list[tuple[Sequence, int]]:
         """Wait for the step's tokens: (sequence, token) for each sequence it sampled."""
@@ -521,3 +540,27 @@ class Launch:
         if self.ready is not None:
             self.ready.synchronize()
         return list(zip(self.seqs, self.tokens_on_host.tolist()))
+
+
+@dataclass
+class SpeculativeLaunch:
+    """A speculative step in flight: its packed result [B, q + 1 + k] (the q sampled tokens,
+    the accepted count, the next drafts) reaches the host through one copy."""
+
+    batch: ScheduledBatch
+    num_drafts: int
+    packed: torch.Tensor  # pinned, filled by a non-blocking copy (CPU: the result)
+    ready: torch.cuda.Event | None
+    context_lens: torch.Tensor | None = None  # eager steps: what a step chained after this one starts from
+    launched_at: float = field(default_factory=time.perf_counter)
+
+    @property
+    def q(self) -> int:
+        """Tokens verified a sequence."""
+        return self.batch.num_tokens[0]
+
+    def rows(self) -> list[list[int]]:
+        """Wait for the result: a row a sequence."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.packed.tolist()

@@ -44,6 +44,7 @@ class Scheduler:
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = config.max_model_len
         self.chunked = config.enable_chunked_prefill
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is preempted first
@@ -88,6 +89,28 @@ class Scheduler:
             batch.add(seq, n)
             budget -= n
         return batch
+
+    def decoding_only(self) -> bool:
+        """Every running sequence decodes one token without drafts, and no waiting one could join:
+        the next step can be launched before the last one's tokens are read (async scheduling)."""
+        return (bool(self.running) and not (self.waiting and len(self.running) < self.max_num_seqs)
+                and all(seq.num_uncomputed_tokens == 1 and not seq.spec_token_ids for seq in self.running))
+
+    def reserve_chained(self, seqs: list[Sequence], reach: int) -> bool:
+        """Whether a speculative step may follow the unread one of `seqs` on the device alone
+        (async scheduling): they are all the running sequences, in order, none waits to join,
+        each stays `reach` tokens clear of max_tokens and max_model_len, and each gets the KV
+        blocks for `reach` more tokens here."""
+        if self.running != seqs or (self.waiting and len(self.running) < self.max_num_seqs):
+            return False
+        for seq in seqs:
+            max_tokens = seq.params.max_tokens
+            if (seq.num_tokens + reach > self.max_model_len
+                    or (max_tokens is not None and seq.num_output_tokens + reach >= max_tokens)
+                    or not self.blocks.can_allocate(seq, reach)):
+                return False
+            self.blocks.allocate(seq, reach)
+        return True
 
     def _is_prefilling(self, seq: Sequence) -> bool:
         return seq.num_uncomputed_tokens > 1 + len(seq.spec_token_ids)

@@ -68,13 +68,30 @@ def verify(logits: torch.Tensor, drafts: list[list[int]], params: list[SamplingP
     return out
 
 
+def chained_inputs(packed: torch.Tensor, context_lens: torch.Tensor, prev_q: int, q: int, block_tables: torch.Tensor,
+                   block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inputs of a speculative step that verifies what the step before it proposed, from
+    that step's result on the device, before the host reads it (async scheduling): per
+    sequence, the token after its accepted drafts and its q - 1 new drafts, at the positions
+    after the accepted ones. packed [B, prev_q + q]: the previous step's sampled tokens,
+    accepted count and drafts; context_lens [B]: the previous step's. Returns ids, positions,
+    slots [B*q] and context_lens [B], int32. The graphs run the same as one kernel
+    (spec_kernels.chain_inputs)."""
+    accepted = packed[:, prev_q]
+    ids = torch.cat([packed.gather(1, accepted[:, None]), packed[:, prev_q + 1:]], 1)
+    start = context_lens.long() - prev_q + accepted + 1
+    positions = start[:, None] + torch.arange(q, device=packed.device)
+    blocks = block_tables.long().gather(1, positions // block_size)
+    slots = blocks * block_size + positions % block_size
+    return tuple(t.flatten().to(torch.int32) for t in (ids, positions, slots, start + q))
+
 Acceptance = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor],
                       tuple[torch.Tensor, torch.Tensor, list[tuple[tuple[torch.Tensor, torch.Tensor], AttentionMetadata]]]]
 
 
 def speculative_step(model, kv_cache: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
                      meta: AttentionMetadata, q: int, num_drafts: int, sample_rows: Callable[[torch.Tensor], torch.Tensor],
-                     accept: Acceptance) -> torch.Tensor:
+                     accept: Acceptance, packed: torch.Tensor | None = None) -> torch.Tensor:
     """Steps 1-4 for B sequences of q rows each (last token, q-1 drafts), proposing
     `num_drafts` each, on device tensors with fixed shapes and no host read, so it can be
     captured in a CUDA graph.
@@ -83,8 +100,9 @@ def speculative_step(model, kv_cache: torch.Tensor, ids: torch.Tensor, positions
     residual, n, packed)` writes the sampled tokens and accepted counts into `packed` and gives
     the MTP pass's output (x, residual) at each sequence's last verified row and the inputs
     (RoPE, attention metadata) of n one-token drafting steps after it (the caller knows where
-    the KV slots are). Returns [B, q + 1 + num_drafts] int64: the q sampled tokens, the accepted
-    count n, then the next drafts; the sequence gains the first n+1 tokens.
+    the KV slots are). Returns [B, q + 1 + num_drafts] int64 (into `packed` when given): the q
+    sampled tokens, the accepted count n, then the next drafts; the sequence gains the first n+1
+    tokens.
 
     Launches are what a small model's step costs, so the MTP pass shares the verify's RoPE, each
     MTP layer's input is one kernel (`Qwen3ForCausalLM.draft_input`: the embedding, both norms,
@@ -95,7 +113,8 @@ def speculative_step(model, kv_cache: torch.Tensor, ids: torch.Tensor, positions
     target = sample_rows(model.compute_logits(hidden)).view(-1, q)
     # Row j's successor is target[j] for every row up to the first rejection: the shifted ids.
     x, residual = model.mtp_layer(0, model.draft_input(0, target.flatten(), hidden), rope, kv_cache, meta)
-    packed = torch.empty(target.shape[0], q + 1 + num_drafts, dtype=torch.int64, device=target.device)
+    if packed is None:
+        packed = torch.empty(target.shape[0], q + 1 + num_drafts, dtype=torch.int64, device=target.device)
     x, residual, chain = accept(ids, target, positions, x, residual, max(num_drafts - 1, 0), packed)
     for step in range(num_drafts):
         logits, total = model.draft_logits(step, x, residual)

@@ -165,3 +165,47 @@ def argmax_into(logits: torch.Tensor, out: torch.Tensor) -> None:
     logits = logits.contiguous()
     _argmax_into_kernel[(logits.shape[0],)](logits, out, out.stride(0), logits.shape[1],
                                             V_BLOCK=min(4096, triton.next_power_of_2(logits.shape[1])))
+
+
+@triton.jit
+def _chain_inputs_kernel(flags_ptr, packed_ptr, ids_ptr, positions_ptr, slots_ptr, ctx_ptr, tables_ptr, width,
+                         block_size, scratch_slot, Q: tl.constexpr, Q_PAD: tl.constexpr):
+    b = tl.program_id(0)
+    prev_q = tl.load(flags_ptr + b)
+    j = tl.arange(0, Q_PAD)
+    rows = b * Q + j
+    if prev_q > 0:
+        # The previous step's packed row (width prev_q + 1 + Q - 1): its q sampled tokens, the
+        # accepted count n, its Q - 1 drafts. This step verifies [token n, drafts] from the
+        # position after the last accepted one. Each program reads only its own context length
+        # (not the positions, which the programs rewrite in a new layout).
+        row = packed_ptr + b * (prev_q + Q)
+        accepted = tl.load(row + prev_q)
+        token = tl.load(row + accepted)
+        draft = tl.load(row + prev_q + j, mask=(j >= 1) & (j < Q), other=0)
+        start = tl.load(ctx_ptr + b) - prev_q + accepted.to(tl.int32) + 1
+        position = start + j
+        block = tl.load(tables_ptr + b * width + position // block_size, mask=j < Q, other=0)
+        tl.store(ids_ptr + rows, tl.where(j == 0, token, draft).to(tl.int32), mask=j < Q)
+        tl.store(positions_ptr + rows, position, mask=j < Q)
+        tl.store(slots_ptr + rows, block * block_size + position % block_size, mask=j < Q)
+        tl.store(ctx_ptr + b, start + Q)
+    elif prev_q < 0:  # a padded sequence: its rows touch only the scratch slot
+        tl.store(ids_ptr + rows, tl.zeros([Q_PAD], tl.int32), mask=j < Q)
+        tl.store(positions_ptr + rows, tl.zeros([Q_PAD], tl.int32), mask=j < Q)
+        tl.store(slots_ptr + rows, tl.full([Q_PAD], scratch_slot, tl.int32), mask=j < Q)
+        tl.store(ctx_ptr + b, 1)
+
+
+def chain_inputs(flags: torch.Tensor, packed: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
+                 slots: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int,
+                 q: int, scratch_slot: int) -> None:
+    """A speculative step's inputs written on the device from the step before it, which the
+    host has not read yet (async scheduling: spec_decode.chained_inputs says how). flags [B]
+    int32: the previous step's tokens a sequence (its q), or 0 to keep what the host staged,
+    or -1 for a padded sequence; packed: the previous step's result, flat, its rows
+    prev_q + q wide; ids, positions, slots [B*q], context_lens [B], block_tables [B, W]: int32,
+    rewritten in place."""
+    _chain_inputs_kernel[(flags.shape[0],)](flags, packed, ids, positions, slots, context_lens, block_tables,
+                                            block_tables.shape[1], block_size, scratch_slot, Q=q,
+                                            Q_PAD=triton.next_power_of_2(q))

@@ -50,6 +50,11 @@ def main() -> None:
                            dict(HIDDEN=256, HIDDEN_PAD=256, FROM_LOGITS=from_logits, NORM_HIDDEN=from_logits,
                                 V_BLOCK=4096 if from_logits else 16))
     compile_for_hopper(spec_kernels._argmax_into_kernel, dict(logits_ptr="*bf16", out_ptr="*i64"), dict(V_BLOCK=4096))
+    for q in (1, 4):
+        compile_for_hopper(spec_kernels._chain_inputs_kernel,
+                           dict(flags_ptr="*i32", packed_ptr="*i64", ids_ptr="*i32", positions_ptr="*i32",
+                                slots_ptr="*i32", ctx_ptr="*i32", tables_ptr="*i32"),
+                           dict(Q=q, Q_PAD=q))
     print("compiled")
 
 

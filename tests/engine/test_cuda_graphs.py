@@ -213,11 +213,15 @@ def test_speculative_verify_and_drafts_graphed(tmp_path):
     _, plain = generate(path, prompts, dtype="float32", enforce_eager=True)
     llm = LLM(path, device="cuda", max_num_seqs=8, dtype="float32", speculative_config=spec)
     calls = record_replays(llm)
+    runner, chained = llm.engine.runner, []
+    launch = runner.launch_speculative
+    runner.launch_speculative = lambda batch, k, after=None: chained.append(after is not None) or launch(batch, k, after)
     keys = llm.engine.runner.graphs.graphs
     assert (2, 3, 4) in keys and (1, 3, 4) in keys and (0, 3, 4) in keys and (0, 1, 4) not in keys  # (proposed, verified + 1, bucket)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outputs] == plain  # lossless, graphed
+    assert [o.outputs[0].token_ids for o in outputs] == plain  # lossless, graphed, steps chained on the device
     assert (2, 3, 4) in {key for key, _ in calls} and llm.engine.stats().num_accepted_tokens > 0
+    assert llm.engine.config.async_scheduling and sum(chained) > 0, chained
 
 
 @gpu

@@ -374,6 +374,22 @@ def test_graphed_speculative_step_on_static_inputs_equals_the_general_path(tmp_p
     touched = (cache != before).any(dim=(0, 1, 3, 4))
     assert not touched[6 * block_size:num_blocks * block_size].any()  # blocks no sequence holds stay as they were
     assert torch.equal(packed[:3], want), (packed, want)
+    # Chained (async scheduling): the next step verifies these drafts, its inputs written on the
+    # device from this result; the host sends only flags, draws and tables.
+    accepted = want[:, q]
+    next_ids = torch.cat([want.gather(1, accepted[:, None]), want[:, q + 1:]], 1)
+    ctx_lens = [c - q + n + 1 + q for c, n in zip(ctx_lens, accepted.tolist())]
+    positions_t = torch.tensor([p for c in ctx_lens for p in range(c - q, c)])
+    meta = AttentionMetadata.build([q] * 3, ctx_lens, tables, block_size, torch.device("cpu"), False)
+    after = cache.clone()
+    want = speculative_step(plain, after, next_ids.flatten(), positions_t, meta, q, k,
+                            lambda logits: sample(logits.float(), rows, seeds, positions_t + 1),
+                            host_acceptance(tables, block_size, torch.device("cpu"), plain.rotary))
+    graphs.stage_chained((k, q, 4), q, tables, draws)
+    packed = graphs._step(k, q, 4)[0]
+    assert torch.equal(packed[:3], want), (packed, want)
+    assert graphs.positions[:3 * q].tolist() == positions_t.tolist() and graphs.context_lens[:3].tolist() == ctx_lens
+    assert graphs.context_lens[3] == 1 and (graphs.slots[3 * q:4 * q] == graphs.scratch_slot).all()
 
 
 # -- cost-aware draft length ---------------------------------------------------------------------
@@ -635,8 +651,9 @@ class _Launches(TorchDispatchMode):
 def test_a_draft_costs_at_most_nine_launches(tmp_path):
     """A small model's speculative step costs launches, not arithmetic (the demo's MTP layer is a
     sixth of the model). Replayed as a graph, a step verifying and proposing k drafts launches
-    at most 9k + 1 kernels more than a plain decode step: per draft its MTP layer (one input
-    kernel, the fc, the block's six) and its head; plus acceptance and the last argmax, less the
+    at most 9k + 2 kernels more than a plain decode step: per draft its MTP layer (one input
+    kernel, the fc, the block's six) and its head; plus acceptance, the last argmax and the
+    kernel that chains the step's inputs from the step before (async scheduling), less the
     plain step's fp32 logits copy. (Before these kernels: about 19 a draft.)"""
     pytest.importorskip("triton")
     from jetserve.engine.config import CUDAGraphConfig
@@ -656,4 +673,111 @@ def test_a_draft_costs_at_most_nine_launches(tmp_path):
         with _Launches() as counter:
             graphs._step(k, q, 1)
         launches[k] = counter.kernels
-    assert len(launches[3]) <= len(launches[None]) + 9 * 3 + 1, (launches[3], launches[None])
+    assert len(launches[3]) <= len(launches[None]) + 9 * 3 + 2, (launches[3], launches[None])
+
+
+# -- async scheduling: speculative steps chained on the device ------------------------------------
+
+@pytest.mark.parametrize("prev_q, q", [(4, 4), (1, 4), (3, 2)])
+def test_chain_kernel_matches_torch(prev_q, q):
+    """The kernel that starts a chained speculative graph (Triton's interpreter on CPU) writes
+    the inputs `chained_inputs` computes from the previous step's result: the token after the
+    accepted run, the new drafts, the positions after it, their slots through the block tables
+    and the context lengths; a flag of 0 keeps the staged inputs, -1 pads into the scratch slot."""
+    from jetserve.engine.model.spec_kernels import chain_inputs
+    from jetserve.engine.spec_decode import chained_inputs
+
+    gen = torch.Generator().manual_seed(prev_q * 10 + q)
+    batch, block_size, width = 6, 4, 10
+    tables = torch.stack([torch.randperm(60, generator=gen)[:width] for _ in range(batch)]).int()
+    packed = torch.randint(0, 500, (batch, prev_q + q), generator=gen)
+    packed[:, prev_q] = torch.randint(0, prev_q, (batch,), generator=gen)  # accepted counts
+    prev_ctx = torch.randint(prev_q, 20, (batch,), generator=gen).int()
+    ids, positions, slots, ctx = chained_inputs(packed, prev_ctx, prev_q, q, tables, block_size)
+    start = prev_ctx.long() - prev_q + packed[:, prev_q] + 1
+    assert torch.equal(ids.view(batch, q)[:, 0].long(), packed.gather(1, packed[:, prev_q:prev_q + 1])[:, 0])
+    assert torch.equal(positions.view(batch, q)[:, 0].long(), start) and torch.equal(ctx.long(), start + q)
+    flags = torch.tensor([prev_q] * 4 + [0, -1], dtype=torch.int32)
+    staged = [torch.full((batch * q,), -5, dtype=torch.int32) for _ in range(3)] + [prev_ctx.clone()]
+    chain_inputs(flags, packed.flatten(), *staged, tables, block_size, q, scratch_slot=999)
+    rows = 4 * q
+    for got, want in zip(staged[:3], (ids, positions, slots)):
+        assert torch.equal(got[:rows], want[:rows]) and (got[rows:rows + q] == -5).all()
+    assert torch.equal(staged[3][:4], ctx[:4]) and staged[3][4] == prev_ctx[4] and staged[3][5] == 1
+    assert (staged[2][rows + q:] == 999).all() and (staged[1][rows + q:] == 0).all()
+
+
+class _ChainSpy:
+    """Counts the speculative steps an engine launched chained after an unread one (the runner's
+    own method, wrapped: the path under test still runs)."""
+
+    def __init__(self, llm):
+        runner, self.chained = llm.engine.runner, 0
+        launch = runner.launch_speculative
+
+        def spied(batch, num_drafts, after=None):
+            self.chained += after is not None
+            return launch(batch, num_drafts, after)
+        runner.launch_speculative = spied
+
+
+def test_async_drafting_chains_steps_and_gives_the_sync_outputs(model, reference):
+    """Async scheduling with drafting launches step N+1 before step N's tokens are read, its
+    inputs chained from N's result: greedy and seeded-sampled outputs (stops by max_tokens in
+    reach too) equal the synchronous engine's, the stats add up, and no KV block is left."""
+    sampled = [SamplingParams(temperature=0.8, top_p=0.9 if i == 2 else 1.0, max_tokens=10 + 3 * i, ignore_eos=True,
+                              seed=7 + i) for i in range(len(PROMPTS))]
+    want = token_ids(engine(model, 3).generate(PROMPTS, sampled, use_tqdm=False))
+    llm = engine(model, 3, async_scheduling=True)
+    spy = _ChainSpy(llm)
+    assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == reference
+    greedy_chained = spy.chained
+    assert token_ids(llm.generate(PROMPTS, sampled, use_tqdm=False)) == want
+    assert greedy_chained > 0 and spy.chained > greedy_chained, spy.chained
+    s = llm.engine.stats()
+    assert 0 < s.num_accepted_tokens < s.num_draft_tokens and sum(s.accepted_per_position) == s.num_accepted_tokens
+    assert s.kv_blocks_used == 0
+
+
+@pytest.mark.parametrize("temperature", [0, 0.8])
+def test_async_drafting_stops_inside_accepted_runs_as_sync(model_with_tokenizer, temperature):
+    """Stop strings and stop tokens that land inside an accepted run while the next step is
+    already on the device end the output where the synchronous engine without drafting ends
+    it; the step launched past the stop is dropped and frees its blocks."""
+    path = str(model_with_tokenizer)
+    free = engine(path).generate(STOP_PROMPTS, [SamplingParams(temperature=temperature, max_tokens=24,
+                                                               ignore_eos=True, seed=i) for i in range(4)],
+                                 use_tqdm=False)
+    params = [SamplingParams(temperature=temperature, max_tokens=24, ignore_eos=True, seed=i,
+                             stop_token_ids=[o.outputs[0].token_ids[9]], stop=[o.outputs[0].text[-3:]])
+              for i, o in enumerate(free)]
+    plain = engine(path).generate(STOP_PROMPTS, params, use_tqdm=False)
+    llm = engine(path, 3, async_scheduling=True)
+    spy = _ChainSpy(llm)
+    drafted = llm.generate(STOP_PROMPTS, params, use_tqdm=False)
+    assert spy.chained > 0
+    assert [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in drafted] == \
+        [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in plain]
+    assert all(o.outputs[0].finish_reason == "stop" for o in plain)
+    assert llm.engine.scheduler.blocks.num_used == 0
+
+
+def test_async_drafting_admits_new_requests_and_aborts_mid_chain(model, reference):
+    """A request that arrives while steps are chained joins at the next step (the chain waits
+    for it); one aborted mid-chain frees its blocks; the others' tokens are the plain greedy ones."""
+    llm = engine(model, 2, async_scheduling=True)
+    spy = _ChainSpy(llm)
+    core = llm.engine
+    core.add_request("a", PROMPTS[3], GREEDY)
+    core.add_request("gone", PROMPTS[4], GREEDY)
+    got = {}
+    steps = 0
+    while core.has_unfinished_requests():
+        for out in core.step():
+            got.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+        steps += 1
+        if steps == 8:
+            core.add_request("b", PROMPTS[5], GREEDY)
+            core.abort("gone")
+    assert got["a"] == reference[3] and got["b"] == reference[5] and spy.chained > 0
+    assert core.scheduler.blocks.num_used == 0
