@@ -251,7 +251,7 @@ class CPUCompileConfig:
     (batch 1, and any batch of 2 or more: see cpu_graphs.py)."""
 
     capture_sizes: tuple[int, ...]
-    cache_dir: str  # inductor's on-disk caches: $TORCHINDUCTOR_CACHE_DIR, else ~/.cache/jetserve/torchinductor
+    cache_dir: str  # inductor's on-disk caches: $TORCHINDUCTOR_CACHE_DIR, else cache_root()/torchinductor
 
 
 def cpu_capture_sizes(sizes: list[int] | None, max_size: int | None, max_num_seqs: int) -> list[int]:
@@ -310,6 +310,7 @@ class EngineConfig:
     fused_kernels: bool  # the Triton kernels (CUDA with Triton); else plain torch
     has_tokenizer: bool
     engine_core_process: bool  # AsyncLLM runs the step loop in its own process (else in a thread)
+    tile_cache_dir: str | None  # where timed tile choices are kept; None: off, or no tile is timed (CPU, eager)
     quantization: QuantizationConfig | None = None  # weight-only; None: every weight in `dtype`
     cpu_compile: CPUCompileConfig | None = None  # compiled CPU decode steps; None: every CPU step eager
 
@@ -352,6 +353,7 @@ class EngineArgs:
     cudagraph_mode: str = "full"  # vLLM's: "full" graphs every step (mixed ones by token count); "full_decode_only"
     engine_core_process: bool = True  # False: in a thread; a process on CPUs too (bench/results/serve-cpu)
     quantization: str | None = None  # weight-only: int8/int4 on the fly; awq/gptq come from the checkpoint
+    tile_cache_dir: str | None = None  # None: cache_root()/tiles; "none": time every tile, keep nothing
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -404,6 +406,11 @@ class EngineArgs:
         g.add_argument("--engine-core-process", action=argparse.BooleanOptionalAction, default=d.engine_core_process,
                        help="run the step loop in its own process (default); --no-engine-core-process: "
                             "in a thread of the server")
+        g.add_argument("--tile-cache-dir", default=d.tile_cache_dir,
+                       help="where the matmul tiles timed at start-up are kept, so that the next start on this "
+                            "GPU and software times only new shapes (default: $JETSERVE_CACHE_DIR/tiles, else "
+                            "$XDG_CACHE_HOME/jetserve/tiles, else ~/.cache/jetserve/tiles); 'none': time every "
+                            "shape and keep nothing. Delete the file the start log names to time again")
         return parser
 
     @classmethod
@@ -471,7 +478,10 @@ class EngineArgs:
             cpu_compile = CPUCompileConfig(
                 tuple(cpu_capture_sizes(self.cudagraph_capture_sizes, self.max_cudagraph_capture_size,
                                         self.max_num_seqs)),
-                os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(Path.home() / ".cache" / "jetserve" / "torchinductor"))
+                os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(cache_root() / "torchinductor"))
+        tile_cache_dir = None
+        if graphs and fused and (self.tile_cache_dir or "").lower() != "none":
+            tile_cache_dir = self.tile_cache_dir or str(cache_root() / "tiles")
         return EngineConfig(
             model=model, served_model_name=self.served_model_name or str(self.model),  # as given: "demo", not its path
             model_config=model_config, backend=self.backend, device=device,
@@ -482,7 +492,7 @@ class EngineArgs:
             seed=self.seed, speculative=spec, cuda_graphs=graphs,
             async_scheduling=device.startswith("cuda") if self.async_scheduling is None else self.async_scheduling,
             fused_kernels=fused, has_tokenizer=(Path(model) / "tokenizer.json").exists(),
-            engine_core_process=self.engine_core_process,
+            engine_core_process=self.engine_core_process, tile_cache_dir=tile_cache_dir,
             quantization=quantization, cpu_compile=cpu_compile)
 
     def _device(self) -> str:
@@ -495,6 +505,14 @@ class EngineArgs:
             return DTYPE_ALIASES.get(self.dtype, self.dtype)
         # CPUs rarely do half precision fast; GPUs run the checkpoint's own dtype.
         return "float32" if device == "cpu" else model_config.dtype
+
+
+def cache_root() -> Path:
+    """jetserve's own caches: $JETSERVE_CACHE_DIR, else $XDG_CACHE_HOME/jetserve, else
+    ~/.cache/jetserve (the systemd unit points it at its CacheDirectory=)."""
+    if os.environ.get("JETSERVE_CACHE_DIR"):
+        return Path(os.environ["JETSERVE_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jetserve"
 
 
 def resolve_device(name: str) -> str:

@@ -107,8 +107,10 @@ class ModelRunner:
             # Chosen here, once, and handed down: two engines in one process (tests, benchmarks)
             # each keep their own tile choices; tiles are timed only where graphs are captured.
             from jetserve.engine.model.quant_kernels import QuantFusedKernels  # needs Triton
+            from jetserve.engine.model.tile_cache import TileCache
 
-            self.kernels = QuantFusedKernels(tile_timing=config.cuda_graphs is not None)
+            tile_cache = TileCache.for_device(config.tile_cache_dir, self.device) if config.tile_cache_dir else None
+            self.kernels = QuantFusedKernels(tile_timing=config.cuda_graphs is not None, tile_cache=tile_cache)
             self.model.use_kernels(self.kernels)
         if config.speculative and config.speculative.draft_vocab_size:
             self.model.draft_vocab_size = min(config.speculative.draft_vocab_size, self.model.config.vocab_size)
@@ -132,6 +134,7 @@ class ModelRunner:
             prefill = min(config.max_num_batched_tokens, 1024, self.num_blocks * self.block_size)
             tune_kernels(self.model, self.kv_cache, self.block_size, self.num_blocks, prefill, self._row_counts(),
                          progress, self.split_items)
+            log.info("kernel tiles: %s", self.kernels.tuning_summary())
             self.graphs = CUDAGraphs(self.model, self.kv_cache, config.cuda_graphs, config.max_model_len,
                                      self.block_size, scratch_block=self.num_blocks)
             pool = torch.cuda.graph_pool_handle()  # one for all: captured largest first, the mixed steps'

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import triton
@@ -27,6 +27,9 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from jetserve.engine.model.flash_prefill import prefill_attention
+
+if TYPE_CHECKING:
+    from jetserve.engine.model.tile_cache import TileCache
 
 log = logging.getLogger(__name__)
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's interpreter runs the kernels on CPU tensors
@@ -586,7 +589,8 @@ class FusedKernels:
     """The Triton kernels as one engine uses them. The runner makes one and hands it to the model:
     the tile chosen for each skinny-matmul shape is this object's state, so two engines in one
     process (tests, benchmarks) never share or clobber it. Tiles are timed at start-up, for every
-    row count a step may bring (the runner's `tune_kernels`), then `freeze()` ends timing: a shape
+    row count a step may bring (the runner's `tune_kernels`), unless an earlier start on this GPU
+    and software timed that shape (`tile_cache`), then `freeze()` ends timing: a shape
     first seen later takes the first tile that fits, untimed, and is recorded in `untuned` (a
     request never pays for timing). Timing a tile captures CUDA graphs; where the engine runs
     without them (--enforce-eager, a JetPack too old for them) `tile_timing` is off and the first
@@ -599,16 +603,24 @@ class FusedKernels:
     paged_attention = staticmethod(paged_attention)
     prefill_attention = staticmethod(prefill_attention)
 
-    def __init__(self, tile_timing: bool):
+    def __init__(self, tile_timing: bool, tile_cache: TileCache | None = None):
         self.tile_timing = tile_timing
+        self.tile_cache = tile_cache  # choices timed by earlier starts: a shape found there is not timed
         self.frozen = False
         self.untuned: set[tuple] = set()  # shapes first seen after freeze()
+        self.cached: set[tuple] = set()  # shapes whose tile came from the tile cache
         self.chosen: dict[tuple, tuple[int, int, int] | None] = {}
         self.tuning_times: dict[tuple, dict[tuple[int, int, int] | None, float]] = {}  # ms per candidate tile
 
     def runs_on(self, x: torch.Tensor) -> bool:
         """Whether x takes these kernels: CUDA tensors, or any under Triton's interpreter (tests)."""
         return x.is_cuda or INTERPRETED
+
+    def tuning_summary(self) -> str:
+        """For the start log: how many shapes the tile cache gave and how many were timed."""
+        timed = len(self.tuning_times) - len(self.cached)
+        where = f"kept in {self.tile_cache.path}" if self.tile_cache else "tile cache off"
+        return f"{len(self.cached)} shapes from the tile cache, {timed} timed ({where})"
 
     def freeze(self) -> None:
         """Start-up tuning is over: no shape is timed from now on."""
@@ -641,25 +653,40 @@ class FusedKernels:
         return _run(tile, prologue, x, weight, residual, norm_weight, eps)
 
     def _choose_tile(self, key, prologue, x, weight, residual, norm_weight, eps):
-        """A new shape's tile (None: cuBLAS), remembered: timed when this engine times tiles and
-        start-up tuning is still on, else the first tile that fits."""
+        """A new shape's tile (None: cuBLAS), remembered: when this engine times tiles and start-up
+        tuning is still on, the tile cache's or else timed, otherwise the first tile that fits."""
         tiles = candidate_tiles(key[1], prologue, pdl_supported(x.device))
         if self.frozen:
             self.untuned.add(key)
             log.warning("skinny matmul %s first seen after start-up tuning: untimed tile %s", key, tiles[1])
-        timed = (self.tile_timing and not self.frozen and weight.numel() * weight.element_size() >= _UNTUNED_BYTES
-                 and not torch.cuda.is_current_stream_capturing())
-        if not timed:
+        tuned = self.tile_timing and not self.frozen and weight.numel() * weight.element_size() >= _UNTUNED_BYTES
+        if tuned and self._from_cache(key, tiles):
+            return self.chosen[key]
+        if not tuned or torch.cuda.is_current_stream_capturing():
             self.chosen[key] = tiles[1]
             return tiles[1]
         weights = _cold_copies(weight)
         times = [self._time([lambda w=w, t=t: _run(t, prologue, x, w, residual, norm_weight, eps) for w in weights])
                  for t in tiles]
-        self.chosen[key] = tiles[times.index(min(times))]
-        self.tuning_times[key] = dict(zip(tiles, times))
+        self._record(key, tiles, times)
         log.debug("skinny matmul %s: %s (%.2f µs; cuBLAS %.2f µs)", key, self.chosen[key] or "cuBLAS",
                   min(times) * 1e3, times[0] * 1e3)
         return self.chosen[key]
+
+    def _from_cache(self, key, tiles) -> bool:
+        """Take the tile cache's choice for this shape, if it was made among these candidates."""
+        entry = self.tile_cache.lookup(key, tiles) if self.tile_cache else None
+        if entry:
+            self.chosen[key], self.tuning_times[key] = entry.tile, dict(zip(tiles, entry.times_ms))
+            self.cached.add(key)
+        return entry is not None
+
+    def _record(self, key, tiles, times) -> None:
+        """Keep the fastest of the timed tiles, here and in the tile cache."""
+        self.chosen[key] = tiles[times.index(min(times))]
+        self.tuning_times[key] = dict(zip(tiles, times))
+        if self.tile_cache:
+            self.tile_cache.store(key, tiles, times, self.chosen[key])
 
     @staticmethod
     def _time(calls) -> float:

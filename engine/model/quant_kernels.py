@@ -219,18 +219,20 @@ class QuantFusedKernels(FusedKernels):
         return quant_matmul(tile, prologue, x, weight, residual, norm_weight, eps)
 
     def _choose_quant_tile(self, key, prologue, x, weight, residual, norm_weight, eps):
-        """As `FusedKernels._choose_tile`: timed while start-up tuning is on and this engine times
-        tiles, else the first tile that fits (recorded in `untuned` after `freeze()`); None where
-        none fits: dequantize and take the float path."""
+        """As `FusedKernels._choose_tile`: while start-up tuning is on and this engine times tiles,
+        the tile cache's or else timed, otherwise the first tile that fits (recorded in `untuned`
+        after `freeze()`); None where none fits: dequantize and take the float path."""
         tiles = fitting_tiles(x.shape[0], weight, prologue, pdl_supported(x.device))
         if self.frozen:
             self.untuned.add(key)
-        if not (tiles and self.tile_timing and not self.frozen and not torch.cuda.is_current_stream_capturing()):
+        tuned = tiles and self.tile_timing and not self.frozen
+        if tuned and self._from_cache(key, tiles):
+            return self.chosen[key]
+        if not tuned or torch.cuda.is_current_stream_capturing():
             self.chosen[key] = tiles[0] if tiles else None
             return self.chosen[key]
         copies = [weight._replace(qweight=q) for q in _cold_copies(weight.qweight)]
         times = [self._time([lambda w=w, t=t: quant_matmul(t, prologue, x, w, residual, norm_weight, eps)
                              for w in copies]) for t in tiles]
-        self.chosen[key] = tiles[times.index(min(times))]
-        self.tuning_times[key] = dict(zip(tiles, times))
+        self._record(key, tiles, times)
         return self.chosen[key]

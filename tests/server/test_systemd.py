@@ -36,12 +36,17 @@ def test_verify_reports_a_broken_setting(tmp_path):
     assert returncode != 0 or "jetserve.service" in output
 
 
-def test_the_unit_is_a_sandboxed_notify_service_that_still_reaches_the_gpu():
+def unit_settings():
     settings = {}
     for line in UNIT.read_text().splitlines():
         if "=" in line and not line.startswith("#"):
             key, value = line.split("=", 1)
             settings.setdefault(key, []).append(value)
+    return settings
+
+
+def test_the_unit_is_a_sandboxed_notify_service_that_still_reaches_the_gpu():
+    settings = unit_settings()
     expected = {"Type": "notify", "Restart": "on-failure", "WatchdogSec": "30", "User": "jetserve",
                 "ProtectSystem": "strict", "NoNewPrivileges": "yes", "PrivateTmp": "yes", "ProtectHome": "yes",
                 "RuntimeDirectory": "jetserve", "StateDirectory": "jetserve", "DevicePolicy": "closed"}
@@ -51,6 +56,18 @@ def test_the_unit_is_a_sandboxed_notify_service_that_still_reaches_the_gpu():
     assert {"/dev/nvmap", "char-nvhost*", "char-nvidia*"} <= allowed
     assert "PrivateDevices" not in settings  # it would hide the GPU nodes
     assert "--unix-socket /run/jetserve/" in settings["ExecStart"][0]
+
+
+def test_the_tile_cache_lives_in_the_units_cache_directory(monkeypatch):
+    """Timed tiles outlive restarts and reboots: under the unit's environment jetserve's cache
+    is its CacheDirectory= (not /tmp, which PrivateTmp= empties at every restart)."""
+    from jetserve.engine.config import cache_root
+
+    settings = unit_settings()
+    for line in settings["Environment"]:
+        for pair in line.split():
+            monkeypatch.setenv(*pair.split("=", 1))
+    assert cache_root() == Path("/var/cache") / settings["CacheDirectory"][0]
 
 
 @needs_analyze
