@@ -16,13 +16,16 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
+from jetserve.engine import LLM, SamplingParams  # noqa: E402
 from jetserve.engine.config import EngineArgs  # noqa: E402
 from jetserve.engine.model import kernels, quant  # noqa: E402
 from jetserve.engine.model.kernels import PLAIN, FusedKernels, Tile, candidate_tiles  # noqa: E402
 from jetserve.engine.model.quant_kernels import QuantFusedKernels, fitting_tiles  # noqa: E402
 from jetserve.engine.model.tile_cache import MAX_FILE_BYTES, TileCache, fingerprint  # noqa: E402
+from jetserve.engine.runner import tune_kernels  # noqa: E402
 
 from tests.engine.builders import build_qwen3  # noqa: E402
+from tests.engine.test_mixed_graphs import BLOCK_SIZE, NUM_BLOCKS, SMALL, fused_model  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 KEY = (kernels.NORM, 1, 6144, 2560, torch.bfloat16)
@@ -207,7 +210,6 @@ def test_fused_kernels_take_the_cached_tile_untimed(tmp_path, fp):
 
 
 def test_quantized_products_take_the_cached_tile_untimed(tmp_path, fp):
-    pytest.importorskip("triton")
     x = torch.randn(2, 384, device=DEVICE)
     w = quant.quantize(torch.randn(64, 384, device=DEVICE), 4, 128, sym=False)
     key = ("quant", PLAIN, 2, 64, 384, 4, 128, torch.float32, torch.float32)
@@ -224,9 +226,6 @@ def test_start_up_tuning_takes_every_timed_shape_from_a_warm_cache(tmp_path, fp)
     """A second start: `tune_kernels` over a model whose gate·up and vocab projections are big
     enough to be timed finds each in the cache an earlier start filled (here with the widest
     tile, the interpreter's fastest), so it times nothing."""
-    from tests.engine.test_mixed_graphs import BLOCK_SIZE, NUM_BLOCKS, SMALL, fused_model
-    from jetserve.engine.runner import tune_kernels
-
     build_qwen3(tmp_path / "model", **{**SMALL, "hidden_size": 256, "intermediate_size": 128})
     first = FusedKernels(tile_timing=False)  # the shapes a start brings (a GPU's first start times them)
     model, kv = fused_model(tmp_path / "model", first)
@@ -281,3 +280,23 @@ def test_the_setting_from_the_config_file_and_the_flag(tmp_path):
         args = parser.parse_args(argv)
         set_defaults_from_file(args.config_parser, args.config, args.config_table)
         assert EngineArgs.from_cli_args(parser.parse_args(argv)).tile_cache_dir == expected
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
+def test_a_second_engine_start_times_no_tile(tmp_path):
+    """On a GPU, end to end: the first engine times its tiles and keeps them; a second over the
+    same directory takes every one from the file, times none, and runs the same tiles. Small on
+    purpose (row counts 1 and 8, one projection big enough to be timed), every tile compiled."""
+    build_qwen3(tmp_path / "model", **{**SMALL, "hidden_size": 256, "intermediate_size": 256})
+    args = dict(device="cuda", dtype="bfloat16", max_num_seqs=1, cudagraph_capture_sizes=[1],
+                max_num_batched_tokens=8, tile_cache_dir=str(tmp_path / "tiles"))
+    first = LLM(str(tmp_path / "model"), **args).engine.runner.kernels
+    assert first.tuning_times and not first.cached
+    second_llm = LLM(str(tmp_path / "model"), **args)
+    second = second_llm.engine.runner.kernels
+    assert second.cached == set(second.tuning_times) == set(first.tuning_times)
+    assert {key: second.chosen[key] for key in second.cached} == {key: first.chosen[key] for key in second.cached}
+    out = second_llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=4),
+                              use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
