@@ -115,7 +115,10 @@ def _warm_lengths(llm, k: int | None, lengths: set[int], temperatures: list[floa
 
 
 def _step_times(llm, k: int, batch: int, prompts: list, args) -> float:
-    """Median seconds of a decode step for `batch` sequences drafting k (all decoding, none finishing)."""
+    """Seconds a decode step takes for `batch` sequences drafting k (all decoding, none
+    finishing): `args.steps` consecutive engine steps, past the prefill and the first drafts, over
+    their count. Not a median of calls: with async scheduling a call launches one step and returns
+    the one before, so only the period means anything."""
     from jetserve.engine import SamplingParams
 
     engine = llm.engine
@@ -124,29 +127,29 @@ def _step_times(llm, k: int, batch: int, prompts: list, args) -> float:
     ids = [f"t{time.monotonic_ns()}-{i}" for i in range(batch)]
     for request_id, prompt in zip(ids, prompts):
         engine.add_request(request_id, prompt, params)
-    times, steps = [], 0
-    while engine.has_unfinished_requests() and len(times) < args.steps:
-        start = time.perf_counter()
+    for _ in range(4):  # the prefill and the first drafts (the general path)
+        engine.step()
+    start, steps = time.perf_counter(), 0
+    while steps < args.steps:
         outputs = engine.step()
-        seconds = time.perf_counter() - start
         steps += 1
         if any(o.finished for o in outputs):
-            break
-        if steps > 3:  # past the prefill and the first drafts (the general path)
-            times.append(seconds)
+            raise RuntimeError(f"a request finished inside the timed steps (k={k}, batch {batch})")
+    seconds = (time.perf_counter() - start) / steps
     for request_id in ids:
         engine.abort(request_id)
-    return statistics.median(times)
+    return seconds
 
 
 def _generate(llm, k: int, temperature: float, prompts: list, args) -> dict:
-    """Single-stream decode over `prompts`, one request at a time: tok/s and acceptance."""
+    """Single-stream decode over `prompts`, one request at a time: tok/s, acceptance, and apart
+    the time to the first token (prefill, first drafts) and the tok/s after it."""
     from jetserve.engine import SamplingParams
 
     engine = llm.engine
     _set_k(llm, k)
     before = engine.stats()
-    tokens, seconds, outputs = 0, 0.0, []
+    tokens, seconds, outputs, ttfts, decode_tok_s = 0, 0.0, [], [], []
     for i, prompt in enumerate(prompts):
         params = SamplingParams(temperature=temperature, max_tokens=args.max_tokens, ignore_eos=True, seed=i)
         start = time.perf_counter()
@@ -154,13 +157,17 @@ def _generate(llm, k: int, temperature: float, prompts: list, args) -> dict:
         seconds += time.perf_counter() - start
         tokens += len(out.outputs[0].token_ids)
         outputs.append(out.outputs[0].token_ids)
+        metrics = out.metrics  # apart: a request's start (prefill, first drafts) and its decoding
+        ttfts.append(metrics.first_token_time - metrics.arrival_time)
+        decode_tok_s.append((len(out.outputs[0].token_ids) - 1) / (metrics.finished_time - metrics.first_token_time))
     after = engine.stats()
     drafts = after.num_drafts - before.num_drafts
     accepted = after.num_accepted_tokens - before.num_accepted_tokens
     per_position = [a - b for a, b in zip(after.accepted_per_position,
                                           before.accepted_per_position + [0] * len(after.accepted_per_position))]
     return {"tok_s": tokens / seconds, "drafts": drafts, "accepted": accepted, "per_position": per_position[:k],
-            "outputs": outputs}
+            "outputs": outputs, "ttft_ms": statistics.median(ttfts) * 1e3,
+            "decode_tok_s": statistics.median(decode_tok_s)}
 
 
 def _profile_step(llm, k: int, batch: int, prompts: list, args) -> dict:
@@ -356,6 +363,8 @@ def run(args) -> dict:
                 generation[f"{label} T={temperature:g}"] = entry = {
                     "k": "auto" if adaptive else k if engine_k else 0, "temperature": temperature,
                     "tok_s": _summary([r["tok_s"] for r in runs], 1),
+                    "ttft_ms": _summary([r["ttft_ms"] for r in runs], 3),  # a request's median, per repeat
+                    "decode_tok_s": _summary([r["decode_tok_s"] for r in runs], 1),  # after the first token
                     "acceptance_per_position": [round(a / drafts, 4) for a in per_position] if drafts else [],
                     "mean_accepted_length": round(1 + sum(r["accepted"] for r in runs) / drafts, 3) if drafts else 1.0,
                     "outputs": [o for r in runs for o in r["outputs"]],

@@ -75,7 +75,7 @@ def test_replay_equals_eager_logits(checkpoint, dtype):
         ids = torch.randint(0, 300, (batch,), device="cuda")
         pos = torch.tensor([c - 1 for c in ctx], device="cuda")
         key = runner.graphs.key(None, 1, batch, 2)
-        runner.graphs.stage(key, ids.tolist(), pos.tolist(), ctx, tables)
+        runner.graphs.stage(key, ids.tolist(), pos.tolist(), ctx, tables, [(0.0, 0.0, 0)] * batch)  # greedy draws
         graphed = runner.graphs.replay(key, batch)[0].clone()
         eager = runner.model(ids, pos, runner.kv_cache, meta)
         tol = 1e-5 if dtype == "float32" else 2e-2
@@ -109,7 +109,9 @@ def test_graph_logits_equal_eager(checkpoint, batch):
     prompts = PROMPTS[:batch]
     reference = [hf_greedy(hf_model, p, GREEDY.max_tokens) for p in prompts]
     assert generate(path, prompts, enforce_eager=True, dtype="float32")[1] == reference
-    llm = LLM(str(path), device="cuda", max_num_seqs=8, dtype="float32", cudagraph_capture_sizes=[1, 2, 4])
+    # Synchronous, for the exact count of decode replays (async scheduling launches one more past the end).
+    llm = LLM(str(path), device="cuda", max_num_seqs=8, dtype="float32", cudagraph_capture_sizes=[1, 2, 4],
+              async_scheduling=False)
     calls = record_replays(llm)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == reference
