@@ -251,7 +251,7 @@ class CPUCompileConfig:
     (batch 1, and any batch of 2 or more: see cpu_graphs.py)."""
 
     capture_sizes: tuple[int, ...]
-    cache_dir: str  # inductor's on-disk caches: $TORCHINDUCTOR_CACHE_DIR, else cache_root()/torchinductor
+    cache_dir: str  # jetserve's cache_root(): programs under cpu-steps/, inductor's build files under torchinductor/
 
 
 def cpu_capture_sizes(sizes: list[int] | None, max_size: int | None, max_num_seqs: int) -> list[int]:
@@ -478,7 +478,7 @@ class EngineArgs:
             cpu_compile = CPUCompileConfig(
                 tuple(cpu_capture_sizes(self.cudagraph_capture_sizes, self.max_cudagraph_capture_size,
                                         self.max_num_seqs)),
-                os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(cache_root() / "torchinductor"))
+                str(cache_root()))
         tile_cache_dir = None
         if graphs and fused and (self.tile_cache_dir or "").lower() != "none":
             tile_cache_dir = self.tile_cache_dir or str(cache_root() / "tiles")

@@ -2,49 +2,58 @@
 
 An eager CPU decode step of a small model is a few hundred aten calls from Python, and on a
 2-core board that interpreter work, not the arithmetic, sets the pace. So a decode step is made
-once into one program and then only run: the whole forward, the attention over the paged KV
-cache, the vocab projection and the greedy argmax go through `torch.compile` (inductor's C++
-backend), which fuses the norms, q/k norm + RoPE, the attention and SiLU·up into a few C++
-loops between the matrix products. With inductor's freezing the weights are constants of the
-program, packed once at compile time for MKL (batch 1) or oneDNN (more rows), which read them
-faster than the BLAS call on the plain matrix (bench/results/decode-cpu-compiled).
+once into one program and then only run: the forward over the paged KV cache (`DecodeStep`) is
+exported (`torch.export`) and compiled ahead of time by AOTInductor, whose C++ loops fuse the
+norms, q/k norm + RoPE, the attention and SiLU·up between the matrix products, and whose C++
+wrapper is called straight from the runner: no guards, no Python wrapper, no per-op dispatch.
+With inductor's freezing the weights are constants of the program, packed at compile time for
+oneDNN, which reads them faster than the BLAS call on the plain matrix
+(bench/results/decode-cpu-r4).
 
-Two programs serve every batch bucket: batch 1, and one whose batch size is symbolic (so
-oneDNN's product, 2-3x MKL's at 8 rows of a wide projection); in both the context read is the
-other symbolic size, the batch's longest context rounded up to `CONTEXT_ALIGN`, so a step never
-reads the whole block table nor recompiles as contexts grow. The static inputs are the CUDA
-graphs' (token ids, positions, slots, context lengths) plus each context position's cache slot
-in place of block tables, written in place by the host (`stage`). A step's new keys and values
-leave the program as outputs and are stored with one indexed copy after it: stored inside,
-into a view of the cache, they make inductor copy the whole cache every step.
+Two programs serve every batch bucket: batch 1, and one whose batch size is symbolic; in both
+the block tables' width (the context read, a multiple of the block size) and the cache's size are
+symbolic too, so a step never reads the whole cache nor recompiles as contexts grow, and one
+program serves any `max_model_len`, `max_num_seqs` or cache size. The vocab projection and the
+argmax run after the program (`VocabHead`), on weights packed when the engine starts: MKL's
+packed product is the fastest at one row and cannot be saved in a package (it must not move).
+A step's new keys and values leave the program as outputs and are stored with one index_copy
+after it: stored inside, into the cache (an input), they make inductor copy the whole cache.
 
-Packed weights (oneDNN tensors) cannot be pickled, so inductor's on-disk cache (`cache_dir`)
-passes these programs by and each start compiles both (progress bar; 30 s and 47 s on the
-2-core box at load 6, whatever the number of buckets). The frozen weights are copies: each
-program holds the model's weights once more. Steps with prefill chunks, batches above the
-largest bucket and buckets whose compile failed run eagerly; so does every step with
-`--enforce-eager`.
+Programs are cached on disk (compile_cache.py: keyed by the weights, the traced source, torch,
+the CPU's ISA and the thread count), so only the first start compiles (a minute on a 2-core
+box) and later ones load (seconds). Every program, compiled or loaded, is checked against the
+eager step on a probe before use: a cache entry that does not load or disagrees is removed and
+compiled again. The frozen weights are copies: each program holds the model's weights once more.
+Steps with prefill chunks, batches above the largest bucket and programs that failed to compile
+run eagerly; so does every step with `--enforce-eager`.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
 from tqdm import tqdm
 
+from jetserve.engine import compile_cache
 from jetserve.engine.config import CPUCompileConfig
+from jetserve.engine.model import attention, qwen3
 from jetserve.engine.model.attention import AttentionMetadata, slot_mapping
 from jetserve.engine.model.qwen3 import apply_rope
 
 log = logging.getLogger(__name__)
 
-CONTEXT_ALIGN = 16  # the attention reads the batch's longest context rounded up to this
+# Greatest difference from the eager step a program may show on the probe, relative to the
+# largest value: fp32 (reordered sums differ by ~1e-6), half precision (rounds at ~4e-3).
+PROBE_TOLERANCE, HALF_PROBE_TOLERANCE = 1e-3, 3e-2
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context_slots: torch.Tensor,
@@ -76,15 +85,19 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 class CPUKernels:
     """The model's kernel interface (model/kernels.py's `FusedKernels`) in plain torch, for the
     compiled step: the model's own computation, with the paged attention of a decode step
-    (`decode_attention`). Eagerly (prefill steps, buckets that did not compile, MTP drafts over
-    a compiled step's metadata) the same methods run as plain torch ops."""
+    (`decode_attention`). Eagerly (prefill steps, buckets that did not compile) the same methods
+    run as plain torch ops."""
 
-    SKINNY_MAX_ROWS = 64  # rows the model hands to `linear` (all of them: it is F.linear)
+    # Rows the model hands to these methods rather than to its plain torch path (the same ops on a
+    # CPU): the most rows a compiled batch program takes (export turns this test into its bound).
+    SKINNY_MAX_ROWS = 1024
 
     def __init__(self):
-        # Compiling: each layer's new key and value, which the step returns for one store after
-        # the program (a store into the cache, a view of a graph input, makes inductor copy the
-        # whole cache); the layer's attention reads its own from here.
+        # While `tracing` (a DecodeStep being exported or checked): each layer's new key and value,
+        # which the step returns for one store after the program (a store into the cache, an input
+        # of the program, makes inductor copy the whole cache); the layer's attention reads its
+        # own from here.
+        self.tracing = False
         self.fresh: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     @staticmethod
@@ -127,7 +140,7 @@ class CPUKernels:
         q = apply_rope(_rms_norm(q.view(-1, num_heads, head_dim), q_weight, eps), cos, sin)
         k = apply_rope(_rms_norm(k.view(-1, num_kv_heads, head_dim), k_weight, eps), cos, sin)
         v = v.view(-1, num_kv_heads, head_dim)
-        if torch.compiler.is_compiling():
+        if self.tracing:
             self.fresh.append((k, v))
         else:
             index = slot_mapping.long()
@@ -137,16 +150,63 @@ class CPUKernels:
 
     def paged_attention(self, q, k_cache, v_cache, block_tables, context_lens, q_len: int, block_size: int,
                         scale: float) -> torch.Tensor:
-        """The compiled step's tables are per token (block_size 1): see `CPUGraphs.meta`."""
-        if torch.compiler.is_compiling():
-            return decode_attention(q, k_cache, v_cache, block_tables, context_lens - 1, scale, self.fresh[-1])
-        return decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+        """A decode step's attention (q_len 1) through block tables: each block's slots are
+        block * block_size + 0..block_size-1 (a broadcast, no division)."""
+        batch, blocks = block_tables.shape
+        offsets = torch.arange(block_size, device=block_tables.device)
+        context_slots = (block_tables.long()[:, :, None] * block_size + offsets).view(batch, blocks * block_size)
+        if self.tracing:
+            return decode_attention(q, k_cache, v_cache, context_slots, context_lens - 1, scale, self.fresh[-1])
+        return decode_attention(q, k_cache, v_cache, context_slots, context_lens, scale)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' RMSNorm numerics: in fp32, then cast."""
     y = x.float()
     return weight * (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class DecodeStep(nn.Module):
+    """What a program computes: the model over one new token a sequence, attention through
+    `block_tables` [B, blocks]; returns the final-normed hidden states [B, hidden] and each
+    layer's new key and value [layers, 2, B, KVH, D] (stored by the caller)."""
+
+    def __init__(self, model: nn.Module, kernels: CPUKernels, block_size: int):
+        super().__init__()
+        self.model, self.kernels, self.block_size = model, kernels, block_size
+
+    def forward(self, kv_cache, ids, positions, block_tables, context_lens):
+        meta = AttentionMetadata(slot_mapping=None, block_tables=block_tables, context_lens=context_lens, q_len=1,
+                                 block_size=self.block_size)
+        self.kernels.tracing, self.kernels.fresh = True, []
+        try:
+            hidden = self.model(ids, positions, kv_cache, meta)
+            fresh = torch.stack([torch.stack(kv) for kv in self.kernels.fresh])
+        finally:
+            self.kernels.tracing, self.kernels.fresh = False, []
+        return hidden, fresh
+
+
+class VocabHead:
+    """The vocab projection after a program, fp32 logits: MKL's packed product at one row (1.5-2x
+    the plain product on this model's vocab), oneDNN's at more (2-3x), both packed once here."""
+
+    def __init__(self, weight: torch.Tensor, rows: int):
+        self.weight = weight
+        fp32 = weight.dtype == torch.float32
+        self.mkl = torch.ops.mkl._mkl_reorder_linear_weight(weight, 1) if fp32 and torch._C.has_mkl else None
+        self.onednn = (torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+                       if rows > 1 and torch.backends.mkldnn.is_available() else None)
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        rows = hidden.shape[0]
+        if rows == 1 and self.mkl is not None:
+            logits = torch.ops.mkl._mkl_linear(hidden, self.mkl, self.weight, None, 1)
+        elif rows > 1 and self.onednn is not None:
+            logits = torch.ops.mkldnn._linear_pointwise(hidden, self.onednn, None, "none", [], "")
+        else:
+            logits = F.linear(hidden, self.weight)
+        return logits.float()
 
 
 class CPUGraphs:
@@ -162,19 +222,19 @@ class CPUGraphs:
         self.max_batch = max(self.sizes)
         self.width = -(-(max_model_len + 1) // block_size)  # blocks of a sequence's table
         b = self.max_batch
-        self.inputs = torch.zeros(4 * b, dtype=torch.int32)
-        self.ids, self.positions, self.slots, self.context_lens = self.inputs.view(4, b)
-        # The attention reads each context position's slot from here (a table of one-token blocks:
-        # no division in the step); padded rows see the scratch slot only.
-        self.context_slots = torch.full((b, self.width * block_size), self.scratch_slot, dtype=torch.int64)
-        self._host = [t.numpy() for t in (self.ids, self.positions, self.slots, self.context_lens,
-                                          self.context_slots)]
-        self._offsets = np.arange(block_size)
-        self.slots.fill_(self.scratch_slot)
+        self.inputs = torch.zeros(3 * b, dtype=torch.int32)
+        self.ids, self.positions, self.context_lens = self.inputs.view(3, b)
         self.context_lens.fill_(1)
-        self.span = CONTEXT_ALIGN  # context positions the next step reads (set by `stage`)
+        self.slots = torch.full((b,), self.scratch_slot, dtype=torch.int64)  # where each new key and value go
+        # Block tables, seen as [bucket, blocks] (contiguous: a program reads its inputs as laid
+        # out when exported). Holds block ids only, so stale entries past a table are in bounds.
+        self.tables = torch.full((b * self.width,), scratch_block, dtype=torch.int32)
+        self.blocks = 2  # table columns the next step reads (set by `stage`; a program takes 2 or more)
+        self._host = [t.numpy() for t in (self.ids, self.positions, self.context_lens, self.slots, self.tables)]
         self.graphs: dict[tuple[None, int, int], Callable] = {}
-        self.compile_seconds: dict[int, float] = {}
+        self.compile_seconds: dict[int, float] = {}  # per program (1: batch 1, 2: batch 2 or more)
+        self.load_seconds: dict[int, float] = {}  # per program taken from the on-disk cache
+        self.entries: dict[int, Path] = {}  # per program in use, its cache entry
 
     def key(self, num_drafts: int | None, q_len: int, batch: int, width: int) -> tuple[None, int, int] | None:
         """The compiled step for `batch` single-token decodes (num_drafts None, q_len 1) with block
@@ -183,86 +243,137 @@ class CPUGraphs:
         key = (num_drafts, q_len, bucket)
         return key if key in self.graphs and width <= self.width else None
 
+    def _tables(self, batch: int) -> torch.Tensor:
+        return self.tables[:batch * self.blocks].view(batch, self.blocks)
+
     def meta(self, q_len: int, batch: int) -> AttentionMetadata:
-        """Attention metadata over the static inputs of `batch` decodes (tables per token: block size 1)."""
-        return AttentionMetadata(slot_mapping=self.slots[:batch], block_tables=self.context_slots[:batch, :self.span],
-                                 context_lens=self.context_lens[:batch], q_len=q_len, block_size=1)
+        """Attention metadata over the static inputs of `batch` decodes."""
+        return AttentionMetadata(slot_mapping=self.slots[:batch], block_tables=self._tables(batch),
+                                 context_lens=self.context_lens[:batch], q_len=q_len, block_size=self.block_size)
 
-    def _step(self, ids, positions, slots, context_slots, context_lens):
-        meta = AttentionMetadata(slot_mapping=slots, block_tables=context_slots, context_lens=context_lens, q_len=1,
-                                 block_size=1)
-        hidden = self.model(ids, positions, self.kv_cache, meta)
-        logits = self.model.compute_logits(hidden).float()
-        fresh = torch.stack([torch.stack(kv) for kv in self.kernels.fresh])  # [layers, 2, B, KVH, D]
-        self.kernels.fresh = []
-        return hidden, logits, logits.argmax(-1), fresh
+    def _inputs(self, batch: int) -> list[torch.Tensor]:
+        return [self.kv_cache, self.ids[:batch], self.positions[:batch], self._tables(batch),
+                self.context_lens[:batch]]
 
-    def _inputs(self, bucket: int) -> tuple[torch.Tensor, ...]:
-        return (self.ids[:bucket], self.positions[:bucket], self.slots[:bucket],
-                self.context_slots[:bucket, :self.span], self.context_lens[:bucket])
-
-    def _run(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        # Only the guards that tell the two programs apart: the others (the model's weights and
-        # modules, the cache) cannot change after `capture` (0.2 ms a step otherwise, on this box).
-        with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-            hidden, logits, greedy, fresh = self._compiled(*self._inputs(bucket))
-        self.kv_cache[:fresh.shape[0], :, self.slots[:bucket].long()] = fresh
-        return hidden, logits, greedy
+    def _run(self, program, bucket: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        hidden, fresh = program(self._inputs(bucket))
+        self.kv_cache[:fresh.shape[0]].index_copy_(2, self.slots[:bucket], fresh)
+        logits = self.head(hidden[:n])
+        return hidden[:n], logits, logits.argmax(-1)
 
     @torch.inference_mode()
     def capture(self, progress: Callable[[str], None] | None = None) -> None:
-        """Compile the programs (or load them from the on-disk caches) and run each bucket once."""
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = self.config.cache_dir  # inductor reads it at each lookup
+        """Load the programs from the on-disk cache, or compile (and cache) them; check each
+        against the eager step and run each bucket once."""
+        root = Path(self.config.cache_dir)
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "torchinductor"))  # inductor's build files
         self.kernels = CPUKernels()
         self.model.use_kernels(self.kernels)
-        self._compiled = torch.compile(self._step, fullgraph=True)
+        self.step = DecodeStep(self.model, self.kernels, self.block_size)
+        self.head = VocabHead(self.model.lm_head.weight, self.max_batch)
+        cache = compile_cache.ProgramCache(root / "cpu-steps")
+        c = self.kv_cache
+        described = dict(
+            weights=compile_cache.weights_digest([*self.model.named_parameters(), *self.model.named_buffers()]),
+            source=compile_cache.source_digest([__file__, inspect.getfile(qwen3), inspect.getfile(attention)]),
+            cache=[c.shape[0], c.shape[1], c.shape[3], c.shape[4], str(c.dtype)], block_size=self.block_size)
+        programs = sorted({min(s, 2) for s in self.sizes})  # 1: batch 1; 2: batch 2 or more
         start = time.perf_counter()
-        for i, bucket in enumerate(tqdm(self.sizes, desc="compiling CPU decode steps", unit="step", leave=False)):
+        for i, program in enumerate(tqdm(programs, desc="CPU decode steps (load or compile)", unit="program",
+                                         leave=False)):
             if progress:
-                progress(f"compiling CPU decode steps {i + 1}/{len(self.sizes)}")
+                progress(f"CPU decode steps {i + 1}/{len(programs)}")
+            key = compile_cache.program_key(program=program, **described)
             began = time.perf_counter()
-            self.kernels.fresh, self.span = [], 2 * CONTEXT_ALIGN
-            inputs = self._inputs(bucket)
-            torch._dynamo.maybe_mark_dynamic(inputs[3], 1)  # the context read
-            if bucket > 1:  # one program for every batch of 2 or more
-                for t in inputs:
-                    torch._dynamo.maybe_mark_dynamic(t, 0)
-            try:
-                # Freezing is read while dynamo traces, so it is set around the call, not in options.
-                with torch._dynamo.config.patch(automatic_dynamic_shapes=False), \
-                        torch._inductor.config.patch(freezing=True):
-                    *_, fresh = self._compiled(*inputs)
-                self.kv_cache[:fresh.shape[0], :, self.slots[:bucket].long()] = fresh
-            except Exception as exc:  # that bucket runs eagerly; the engine still starts
-                log.warning("compiling the CPU decode step at batch size %d failed (%s: %s); it runs eagerly", bucket,
-                            type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+            if cache.load(key, self._loader(program)) is not None:
+                self.load_seconds[program] = round(time.perf_counter() - began, 2)
+                self.entries[program] = cache.path(key)
                 continue
-            self.graphs[(None, 1, bucket)] = lambda b=bucket: self._run(b)
-            self.compile_seconds[bucket] = round(time.perf_counter() - began, 2)
-        log.info("CPU decode steps: %d of %d compiled in %.1f s (batch sizes %s; cache %s)", len(self.graphs),
-                 len(self.sizes), time.perf_counter() - start, ",".join(map(str, self.sizes)),
-                 self.config.cache_dir)
+            try:
+                path = cache.store(key, lambda tmp: self._compile(program, tmp))
+                self._loader(program)(str(path))
+            except Exception as exc:  # those buckets run eagerly; the engine still starts
+                cache.remove(key)
+                log.warning("compiling the CPU decode step for batch size %s failed (%s: %s); it runs eagerly",
+                            "1" if program == 1 else "2 or more", type(exc).__name__,
+                            str(exc).splitlines()[0] if str(exc) else "")
+                continue
+            self.entries[program] = path
+            self.compile_seconds[program] = round(time.perf_counter() - began, 2)
+        log.info("CPU decode steps: programs %s loaded, %s compiled, in %.1f s (batch sizes %s; cache %s)",
+                 list(self.load_seconds), list(self.compile_seconds), time.perf_counter() - start,
+                 ",".join(map(str, self.sizes)), cache.directory)
+
+    def _loader(self, program: int) -> Callable[[str], Callable]:
+        """Loads a package, checks it on the probe, runs its buckets once and puts them in
+        `graphs` (raises when the check fails: `ProgramCache.load` then removes the entry)."""
+
+        def load(path: str) -> Callable:
+            run = torch._inductor.aoti_load_package(path).loader.run  # the C++ runner: no pytree round trip
+            self._check(run, program)
+            for bucket in self.sizes:
+                if min(bucket, 2) == program and bucket <= CPUKernels.SKINNY_MAX_ROWS:
+                    self._run(run, bucket, bucket)  # rows past a batch store into the scratch slot
+                    self.graphs[(None, 1, bucket)] = lambda n, b=bucket: self._run(run, b, n)
+            return run
+
+        return load
+
+    def _compile(self, program: int, path: str) -> None:
+        """Export the step at a batch of `program` rows and compile it into the package `path`."""
+        # Example sizes apart from each other and from every fixed size (export would take equal
+        # sizes for the same symbol).
+        batch, blocks = (1 if program == 1 else 5), 3
+        rows = torch.export.Dim("batch", min=2, max=CPUKernels.SKINNY_MAX_ROWS) if batch > 1 else None
+        width, slots = torch.export.Dim("blocks", min=2), torch.export.Dim("slots", min=2)
+        dynamic = ({2: slots}, {0: rows} if rows else None, {0: rows} if rows else None,
+                   {0: rows, 1: width} if rows else {1: width}, {0: rows} if rows else None)
+        with torch.inference_mode(False), torch.no_grad():
+            example = (self.kv_cache, torch.zeros(batch, dtype=torch.int32), torch.zeros(batch, dtype=torch.int32),
+                       torch.full((batch, blocks), self.scratch_block, dtype=torch.int32),
+                       torch.ones(batch, dtype=torch.int32))
+            exported = torch.export.export(self.step, example, dynamic_shapes=dynamic, strict=False)
+            torch._inductor.aoti_compile_and_package(exported, package_path=path, inductor_configs={"freezing": True})
+
+    @torch.no_grad()
+    def _check(self, run: Callable, program: int) -> None:
+        """Raise unless the program computes what the eager step computes on a probe: a small
+        random cache, three sequences (one for batch 1) of different context lengths."""
+        rng = torch.Generator().manual_seed(0)
+        batch, bs, blocks = 1 if program == 1 else 3, self.block_size, 3
+        c = self.kv_cache
+        slots = (batch * blocks + 1) * bs
+        cache = torch.randn((c.shape[0], c.shape[1], slots, *c.shape[3:]), generator=rng).to(c.dtype)
+        tables = torch.randperm(batch * blocks, generator=rng).view(batch, blocks).to(torch.int32)
+        lens = torch.randint(2, blocks * bs + 1, (batch,), generator=rng, dtype=torch.int32)
+        inputs = [cache, torch.randint(0, self.model.config.vocab_size, (batch,), generator=rng, dtype=torch.int32),
+                  lens - 1, tables, lens]
+        want = self.step(*inputs)
+        got = run(inputs)
+        tolerance = PROBE_TOLERANCE if c.dtype == torch.float32 else HALF_PROBE_TOLERANCE
+        for name, w, g in zip(("hidden states", "new keys and values"), want, got):
+            error = (w.float() - g.float()).abs().max().item() if w.shape == g.shape else float("inf")
+            if not error <= tolerance * w.float().abs().max().item():
+                raise ValueError(f"its {name} differ from the eager step's by {error:.3g}")
 
     def stage(self, key: tuple[None, int, int], ids: list[int], positions: list[int], ctx_lens: list[int],
               tables: list[list[int]]) -> None:
         """Write a decode step (host lists, as the runner builds them) into the static inputs."""
         _, q_len, bucket = key
         n = len(ids)
-        host_ids, host_positions, slots, context_lens, context_slots = self._host
+        host_ids, host_positions, context_lens, slots, host_tables = self._host
         host_ids[:n] = ids
         host_positions[:n] = positions
+        context_lens[:n] = ctx_lens
+        context_lens[n:bucket] = 1  # padding rows read nothing from the cache
         slots[:n] = slot_mapping(tables, ctx_lens, [q_len] * n, self.block_size)
         slots[n:bucket] = self.scratch_slot
-        context_lens[:n] = ctx_lens
-        context_lens[n:bucket] = 1
-        # Entries past a sequence's context stay stale: the attention masks positions >= its length.
-        for row, table in zip(context_slots, tables):
-            row[:len(table) * self.block_size] = (np.asarray(table)[:, None] * self.block_size + self._offsets).ravel()
-        context_slots[n:bucket, 0] = self.scratch_slot
-        self.span = min(-(-max(ctx_lens) // CONTEXT_ALIGN) * CONTEXT_ALIGN, context_slots.shape[1])
+        self.blocks = max(2, *map(len, tables))
+        view = host_tables[:bucket * self.blocks].reshape(bucket, self.blocks)
+        for row, table in zip(view, tables):  # entries past a table stay stale: masked by its length
+            row[:len(table)] = table
 
     def replay(self, key: tuple[None, int, int], n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Run a compiled step over the static inputs: the first n rows of its hidden states, fp32
         logits and greedy tokens."""
-        hidden, logits, greedy = self.graphs[key]()
-        return hidden[:n], logits[:n], greedy[:n]
+        return self.graphs[key](n)

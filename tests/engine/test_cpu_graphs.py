@@ -1,13 +1,21 @@
-"""The compiled CPU decode step (engine/cpu_graphs.py) against transformers and the eager step.
+"""The compiled CPU decode step (engine/cpu_graphs.py) against transformers and the eager step,
+and its on-disk cache (engine/compile_cache.py).
 
 One engine compiles the tiny model's two programs (batch 1, and batches of 2 or more serving the
-bucket of 4), about 20-40 s on a busy 2-core box; the suite otherwise runs CPU engines eagerly
-(tests/conftest.py sets TORCH_COMPILE_DISABLE)."""
+bucket of 4) into a cache of this module's own, 30-60 s on a busy 2-core box; the second start
+loads them; a corrupt entry costs one more compile of the batch-1 program. The suite otherwise runs
+CPU engines eagerly (tests/conftest.py sets TORCH_COMPILE_DISABLE)."""
+
+import logging
+import os
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from jetserve.engine import LLM, SamplingParams
+from jetserve.engine.compile_cache import MAX_ENTRIES, ProgramCache, program_key
 from jetserve.engine.config import EngineArgs
 from jetserve.engine.cpu_graphs import CPUGraphs
 
@@ -18,35 +26,52 @@ LENGTHS = [12, 3, 9, 6]  # sequences finish apart: the batch shrinks from 4 to 1
 
 
 @pytest.fixture(scope="module")
-def compiled(tiny):
-    """An engine with the compiled step, and the (key, rows) of each compiled step it runs."""
-    with pytest.MonkeyPatch.context() as mp:  # torch.compile on while this module's tests run
+def compile_env(tmp_path_factory):
+    """torch.compile on, and a cache directory of this module's own, while its tests run."""
+    with pytest.MonkeyPatch.context() as mp:
         mp.delenv("TORCH_COMPILE_DISABLE", raising=False)
         mp.setattr(torch._dynamo.config, "disable", False)
-        llm = LLM(str(tiny[0]), max_num_seqs=4, cudagraph_capture_sizes=[1, 4], block_size=8)
-        replays = []
-        graphs = llm.engine.runner.graphs
-        run = graphs.replay
+        root = tmp_path_factory.mktemp("xdg")
+        mp.setenv("XDG_CACHE_HOME", str(root))
+        mp.setenv("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor"))
+        yield root / "jetserve" / "cpu-steps"
+
+
+def _engine(tiny, **kwargs):
+    return LLM(str(tiny[0]), max_num_seqs=4, block_size=8, **{"cudagraph_capture_sizes": [1, 4], **kwargs})
+
+
+@pytest.fixture(scope="module")
+def compiled(tiny, compile_env):
+    """An engine that compiled its programs, and the (key, rows) of each compiled step it runs."""
+    llm = _engine(tiny)
+    replays = []
+    graphs = llm.engine.runner.graphs
+    run = graphs.replay
+    with pytest.MonkeyPatch.context() as mp:
         mp.setattr(graphs, "replay", lambda key, n: replays.append((key, n)) or run(key, n))
         yield llm, replays
 
 
-def test_greedy_tokens_equal_transformers(tiny, compiled):
+def _greedy_equals_transformers(llm, hf_model, prompts=PROMPTS, lengths=LENGTHS):
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf_model, p, n) for p, n in zip(prompts, lengths)]
+
+
+def test_greedy_tokens_equal_transformers(tiny, compiled, compile_env):
     path, hf_model = tiny
     llm, replays = compiled
-    assert isinstance(llm.engine.runner.graphs, CPUGraphs)
-    assert list(llm.engine.runner.graphs.graphs) == [(None, 1, 1), (None, 1, 4)]
+    graphs = llm.engine.runner.graphs
+    assert isinstance(graphs, CPUGraphs)
+    assert list(graphs.graphs) == [(None, 1, 1), (None, 1, 4)]
+    assert list(graphs.compile_seconds) == [1, 2] and not graphs.load_seconds  # an empty cache: both compiled
+    assert sorted(p.name for p in compile_env.iterdir()) == sorted(p.name for p in graphs.entries.values())
     assert not llm.engine.model_info.cuda_graphs  # compiled CPU steps are not CUDA graphs to a client
     replays.clear()
-    compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    assert compiled >= 2  # the two programs (the counter counts what dynamo traced)
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in LENGTHS]
-    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf_model, p, n) for p, n in zip(PROMPTS, LENGTHS)]
+    _greedy_equals_transformers(llm, hf_model)
     # every decode step ran compiled: 11 steps after the prefill, batches 4, 3 and 2 padded to 4, then 1
     assert len(replays) == max(LENGTHS) - 1 and {(key[2], n) for key, n in replays} == {(4, 4), (4, 3), (4, 2), (1, 1)}
-    # contexts grew past several spans (16, 32) and the batch shrank: nothing was compiled again
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiled
     assert llm.engine.scheduler.blocks.num_used == 0
 
 
@@ -63,12 +88,84 @@ def test_sampled_tokens_equal_the_eager_step(tiny, compiled):
     assert got == [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
 
 
+def test_a_second_start_loads_the_cached_programs(tiny, compiled, compile_env):
+    """Another engine of the same model (another cache size, other buckets): nothing compiled."""
+    first = compiled[0].engine.runner.graphs
+    llm = _engine(tiny, cudagraph_capture_sizes=[1, 2, 3], num_kv_blocks=40)
+    graphs = llm.engine.runner.graphs
+    assert list(graphs.load_seconds) == [1, 2] and not graphs.compile_seconds
+    assert graphs.entries == first.entries
+    assert list(graphs.graphs) == [(None, 1, 1), (None, 1, 2), (None, 1, 3)]
+    _greedy_equals_transformers(llm, tiny[1], PROMPTS[:3], LENGTHS[:3])
+
+
+def test_a_program_that_disagrees_with_the_eager_step_is_refused(compiled):
+    """The probe check every program passes before use (a stale or foreign entry that loads)."""
+    graphs = compiled[0].engine.runner.graphs
+    run = torch._inductor.aoti_load_package(str(graphs.entries[2])).loader.run
+    graphs._check(run, 2)  # the true program passes
+    with pytest.raises(ValueError, match="hidden states differ"):
+        graphs._check(lambda inputs: [t * 1.01 if i == 0 else t for i, t in enumerate(run(inputs))], 2)
+    with pytest.raises(ValueError, match="differ"):  # outputs of other shapes
+        graphs._check(lambda inputs: [t[:, :-1] for t in run(inputs)], 2)
+
+
+def test_a_corrupt_cache_entry_is_compiled_again(tiny, compiled, compile_env, caplog):
+    entry = compiled[0].engine.runner.graphs.entries[1]
+    data = bytearray(entry.read_bytes())
+    data[len(data) // 3:len(data) // 3 + 4096] = os.urandom(4096)  # inside the program's code or constants
+    entry.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="jetserve.engine.compile_cache"):
+        llm = _engine(tiny, cudagraph_capture_sizes=[1])
+    graphs = llm.engine.runner.graphs
+    assert any("unusable" in r.getMessage() and entry.name in r.getMessage() for r in caplog.records)
+    assert list(graphs.compile_seconds) == [1] and list(graphs.graphs) == [(None, 1, 1)]
+    rebuilt = graphs.entries[1]  # the same key, a new file (named by its bytes' digest)
+    assert rebuilt.name.split(".")[0] == entry.name.split(".")[0] and rebuilt != entry and not entry.exists()
+    _greedy_equals_transformers(llm, tiny[1], PROMPTS[:1], LENGTHS[:1])
+
+
+def test_cache_entries_are_written_whole_checked_and_pruned(tmp_path, caplog):
+    cache = ProgramCache(tmp_path / "steps")
+
+    def fails(path):
+        Path(path).write_bytes(b"half a package")
+        raise RuntimeError("compiler killed")
+
+    with pytest.raises(RuntimeError):
+        cache.store("k0", fails)
+    assert list(cache.directory.iterdir()) == []  # neither the entry nor its temporary file
+    for i in range(MAX_ENTRIES + 2):
+        cache.store(f"k{i}", lambda path, i=i: Path(path).write_bytes(b"x" * i))
+        os.utime(cache.path(f"k{i}"), (time.time() - 100 + i, time.time() - 100 + i))
+    assert sorted(p.name.split(".")[0] for p in cache.directory.iterdir()) == sorted(
+        f"k{i}" for i in range(2, MAX_ENTRIES + 2))  # the oldest two pruned
+    assert cache.load("k5", lambda path: Path(path).read_bytes()) == b"x" * 5
+    with caplog.at_level(logging.WARNING, logger="jetserve.engine.compile_cache"):
+        assert cache.load("k6", lambda path: torch._inductor.aoti_load_package(path)) is None  # not a package
+        assert "unusable" in caplog.text and cache.path("k6") is None
+        cache.path("k7").write_bytes(b"y" * 7)  # same size, other bytes
+        assert cache.load("k7", lambda path: pytest.fail("a damaged entry is never loaded")) is None
+        assert "do not match" in caplog.text and cache.path("k7") is None
+    assert cache.load("missing", lambda path: pytest.fail("no entry, nothing loaded")) is None
+
+
+def test_program_keys_name_what_a_program_depends_on(monkeypatch):
+    key = program_key(program=1, weights="w")
+    assert key == program_key(program=1, weights="w") and key != program_key(program=1, weights="v")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 64)  # loops compiled for another thread count
+    assert program_key(program=1, weights="w") != key
+
+
 def test_cpu_default_and_switches(tiny, monkeypatch):
     monkeypatch.delenv("TORCH_COMPILE_DISABLE", raising=False)
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/somewhere/inductor")
+    monkeypatch.setenv("XDG_CACHE_HOME", "/somewhere/cache")
     config = EngineArgs(model=str(tiny[0]), device="cpu", max_num_seqs=12).resolve()
     assert config.cpu_compile.capture_sizes == (1, 2, 4, 8, 12)
-    assert config.cpu_compile.cache_dir == "/somewhere/inductor"
+    assert config.cpu_compile.cache_dir == "/somewhere/cache/jetserve"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    config = EngineArgs(model=str(tiny[0]), device="cpu").resolve()
+    assert config.cpu_compile.cache_dir == str(Path.home() / ".cache" / "jetserve")
     assert config.cuda_graphs is None
     assert EngineArgs(model=str(tiny[0]), device="cpu", enforce_eager=True).resolve().cpu_compile is None
     monkeypatch.setenv("TORCH_COMPILE_DISABLE", "1")
