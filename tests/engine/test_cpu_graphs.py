@@ -32,6 +32,7 @@ def compile_env(tmp_path_factory):
         mp.delenv("TORCH_COMPILE_DISABLE", raising=False)
         mp.setattr(torch._dynamo.config, "disable", False)
         root = tmp_path_factory.mktemp("xdg")
+        mp.delenv("JETSERVE_CACHE_DIR", raising=False)
         mp.setenv("XDG_CACHE_HOME", str(root))
         mp.setenv("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor"))
         yield root / "jetserve" / "cpu-steps"
@@ -159,6 +160,7 @@ def test_program_keys_name_what_a_program_depends_on(monkeypatch):
 
 def test_cpu_default_and_switches(tiny, monkeypatch):
     monkeypatch.delenv("TORCH_COMPILE_DISABLE", raising=False)
+    monkeypatch.delenv("JETSERVE_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", "/somewhere/cache")
     config = EngineArgs(model=str(tiny[0]), device="cpu", max_num_seqs=12).resolve()
     assert config.cpu_compile.capture_sizes == (1, 2, 4, 8, 12)
@@ -166,6 +168,8 @@ def test_cpu_default_and_switches(tiny, monkeypatch):
     monkeypatch.delenv("XDG_CACHE_HOME")
     config = EngineArgs(model=str(tiny[0]), device="cpu").resolve()
     assert config.cpu_compile.cache_dir == str(Path.home() / ".cache" / "jetserve")
+    monkeypatch.setenv("JETSERVE_CACHE_DIR", "/var/cache/jetserve")  # the systemd unit's CacheDirectory=
+    assert EngineArgs(model=str(tiny[0]), device="cpu").resolve().cpu_compile.cache_dir == "/var/cache/jetserve"
     assert config.cuda_graphs is None
     assert EngineArgs(model=str(tiny[0]), device="cpu", enforce_eager=True).resolve().cpu_compile is None
     monkeypatch.setenv("TORCH_COMPILE_DISABLE", "1")
