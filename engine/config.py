@@ -463,9 +463,9 @@ class EngineArgs:
         graphs = None
         if not self.enforce_eager and (fused or self.backend == "tensorrt-llm"):
             k = spec.num_speculative_tokens if spec else 0
-            # Steps with prefill chunks are graphed without speculation only: with it, their MTP pass
-            # reads every row's hidden state (spec_decode), which a bucketed graph does not keep.
-            mixed = self.cudagraph_mode == "full" and not spec and self.backend == "torch"
+            # Steps with prefill chunks replay bucketed graphs; with drafting, those whose sequences
+            # verify no drafts (their graph keeps every row's hidden state for the MTP pass after it).
+            mixed = self.cudagraph_mode == "full" and self.backend == "torch"
             graphs = CUDAGraphConfig(
                 tuple(capture_sizes(self.cudagraph_capture_sizes, self.max_cudagraph_capture_size, self.max_num_seqs)),
                 tuple(step_shapes(k)), self.cuda_graph_num_warmup_steps,

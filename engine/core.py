@@ -10,6 +10,7 @@ socket, steps, and pushes the step's deltas with a stats snapshot to another (ms
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import pickle
@@ -174,6 +175,10 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         send(Failed(f"{type(exc).__name__}: {exc}"))
         outbox.close(linger=5000)
         raise SystemExit(1) from None
+    # The model, graphs and buffers live as long as the process: out of the collector's scans, a
+    # collection in the busy loop costs the requests' objects, not the whole heap (as vLLM's core).
+    gc.collect()
+    gc.freeze()
     send(Ready(core.engine.model_info, core.stats()))
     try:
         while True:

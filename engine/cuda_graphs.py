@@ -319,7 +319,8 @@ class MixedStepGraphs:
     activations share one pool whatever their number: it grows to the largest step's."""
 
     def __init__(self, model, kv_cache: torch.Tensor, sizes: tuple[int, ...], max_seqs: int, width: int,
-                 block_size: int, scratch_block: int, num_warmup: int, split_items: int = 1):
+                 block_size: int, scratch_block: int, num_warmup: int, split_items: int = 1,
+                 keep_hidden: bool = False):
         self.model, self.kv_cache, self.sizes, self.num_warmup = model, kv_cache, sorted(sizes), num_warmup
         self.split_items = split_items
         self.max_seqs, self.width, self.block_size = max_seqs, width, block_size
@@ -331,6 +332,10 @@ class MixedStepGraphs:
         self.ids, self.positions, self.slots, self.context_lens, self.starts, self.sample_rows, self.items, \
             self.merges, self.block_tables = self.staged.views
         self.logits = torch.zeros(max_seqs, model.config.vocab_size, dtype=torch.float32, device=kv_cache.device)
+        # Every row's final hidden state, outside the pool, where MTP drafting asks for it: its
+        # MTP pass runs over all of a prefill's rows after the replay.
+        self.hidden = torch.zeros(self.max_tokens, model.config.hidden_size, dtype=model.embed_tokens.weight.dtype,
+                                  device=kv_cache.device) if keep_hidden else None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.greedy: dict[int, torch.Tensor] = {}
 
@@ -368,10 +373,12 @@ class MixedStepGraphs:
                                  block_size=self.block_size)
 
     def step(self, tokens: int) -> torch.Tensor:
-        """The captured work of a bucket: the forward, the sampled rows' fp32 logits (into
-        `self.logits`) and their argmax. Eager on the same static inputs where graphs are
-        unavailable (the CPU tests)."""
+        """The captured work of a bucket: the forward (its hidden states into `self.hidden`
+        when kept), the sampled rows' fp32 logits (into `self.logits`) and their argmax. Eager on
+        the same static inputs where graphs are unavailable (the CPU tests)."""
         hidden = self.model(self.ids[:tokens], self.positions[:tokens], self.kv_cache, self.meta(tokens))
+        if self.hidden is not None:
+            self.hidden[:tokens].copy_(hidden)
         self.logits.copy_(self.model.compute_logits(hidden.index_select(0, self.sample_rows)))
         return self.logits.argmax(-1)
 

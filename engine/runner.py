@@ -142,7 +142,7 @@ class ModelRunner:
                 self.mixed = MixedStepGraphs(self.model, self.kv_cache, config.cuda_graphs.token_sizes,
                                              config.max_num_seqs, self.graphs.width, self.block_size,
                                              scratch_block=self.num_blocks, num_warmup=config.cuda_graphs.num_warmup,
-                                             split_items=self.split_items)
+                                             split_items=self.split_items, keep_hidden=self.proposer is not None)
                 self.mixed.capture(pool, progress)
             self.graphs.capture(pool, progress)
             self.kernels.freeze()
@@ -380,17 +380,22 @@ class ModelRunner:
             if sampled[-1]:
                 sample_at.extend(range(len(ids) - 1 - len(seq.spec_token_ids), len(ids)))
         key = self._graph_key(q_lens, tables)
-        # Any other step of a captured token count replays a mixed-step graph (no speculation: one
-        # sampled row a sequence), unless prompt_logprobs need every row's hidden state.
+        # Any other step of a captured token count replays a mixed-step graph (one sampled row a
+        # sequence: no drafts to verify), unless prompt_logprobs need every row's logits.
         bucket = self.mixed.bucket(len(ids), len(q_lens), max(map(len, tables))) if (
-            key is None and self.mixed is not None
+            key is None and self.mixed is not None and not any(seq.spec_token_ids for seq in batch.seqs)
             and not any(seq.params.prompt_logprobs is not None for seq in batch.seqs)) else None
         if bucket is not None:
             self.mixed.stage(bucket, ids, positions, q_lens, ctx_lens, tables, sample_at)
             if pending:
                 self._fill_pending(self.mixed.ids, pending)
             logits, greedy = self.mixed.replay(bucket, len(sample_at))
-            return _Step(None, self.mixed.positions[:len(ids)], None, sample_at, sampled, logits, greedy)
+            hidden, meta = None, None
+            if self.mixed.hidden is not None:  # drafting: the MTP pass runs over every row, eagerly
+                hidden = self.mixed.hidden[:len(ids)]
+                meta = AttentionMetadata.build(q_lens, ctx_lens, tables, self.block_size, self.device,
+                                               self.config.fused_kernels, self.split_items)
+            return _Step(hidden, self.mixed.positions[:len(ids)], meta, sample_at, sampled, logits, greedy)
         if key is not None:
             graphs = self.graphs
             drawn = isinstance(graphs, CUDAGraphs)  # the draw is in the graph (compiled CPU steps: the argmax)

@@ -123,7 +123,7 @@ def run_rows(model, cache, rows):
 
 def test_token_buckets_and_modes(tmp_path):
     """Mixed-step buckets: powers of two to 512, then every 512, the budget, capped at 16384;
-    FULL_DECODE_ONLY and speculation capture none."""
+    FULL_DECODE_ONLY captures none; speculation the same buckets."""
     assert token_sizes(512) == [16, 32, 64, 128, 256, 512]
     assert token_sizes(100) == [16, 32, 64, 100]
     assert token_sizes(2048) == [16, 32, 64, 128, 256, 512, 1024, 1536, 2048]
@@ -136,4 +136,57 @@ def test_token_buckets_and_modes(tmp_path):
         EngineArgs(**args, cudagraph_mode="piecewise").resolve("cuda")
     spec = {"method": "mtp", "num_speculative_tokens": 2}
     drafting = build_drafting_model(tmp_path / "mtp", mtp_layers=1)
-    assert EngineArgs(model=drafting, speculative_config=spec).resolve("cuda").cuda_graphs.token_sizes == ()
+    drafting_args = dict(model=drafting, speculative_config=spec, max_num_batched_tokens=256)
+    assert EngineArgs(**drafting_args).resolve("cuda").cuda_graphs.token_sizes == (16, 32, 64, 128, 256)
+
+
+class _Replayed:
+    """Torch's CUDAGraph as a CPU stand-in: replay() runs the captured work again over the static
+    inputs, which is what a replay does."""
+
+    def __init__(self, work):
+        self.replay = work
+
+
+@torch.inference_mode()
+def test_drafting_prefill_replays_its_mixed_step_graph(tmp_path):
+    """With MTP drafting, a prefill step replays its mixed-step graph, which keeps every row's
+    hidden state; the MTP pass after it reads them: the first drafts are those an eager prefill
+    makes (random MTP heads, which read the hidden states), and the greedy tokens the plain
+    engine's."""
+    from jetserve.engine import LLM, SamplingParams
+
+    path = build_drafting_model(tmp_path, mtp_layers=1, agree=False)
+    common = dict(max_model_len=64, max_num_batched_tokens=32, block_size=BLOCK_SIZE, max_num_seqs=2)
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "adaptive": False}
+    prompts = [{"prompt_token_ids": [(5 * i + 3 * j) % 60 + 2 for j in range(n)]} for i, n in enumerate((5, 9))]
+    greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(str(path), **common).generate(prompts, greedy, use_tqdm=False)]
+
+    def run(llm):
+        """The first drafts (proposed by the prefill step) and the greedy tokens."""
+        engine, got = llm.engine, {}
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, greedy)
+        drafts = None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                got.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
+            drafts = drafts or [list(seq.spec_token_ids) for seq in engine.scheduler.running]
+        return drafts, [got[str(i)] for i in range(len(prompts))]
+
+    eager = LLM(str(path), speculative_config=spec, **common)
+    eager.engine.runner.model.use_kernels(FusedKernels(tile_timing=False))
+    llm = LLM(str(path), speculative_config=spec, **common)
+    runner = llm.engine.runner
+    runner.model.use_kernels(FusedKernels(tile_timing=False))
+    mixed = MixedStepGraphs(runner.model, runner.kv_cache, (16,), max_seqs=2, width=-(-(64 + 3) // BLOCK_SIZE),
+                            block_size=BLOCK_SIZE, scratch_block=runner.num_blocks, num_warmup=0, keep_hidden=True)
+    for size in mixed.sizes:
+        mixed.graphs[size] = _Replayed(lambda size=size: mixed.greedy.__setitem__(size, mixed.step(size)))
+    replays = []
+    replay = mixed.replay
+    mixed.replay = lambda bucket, n: replays.append(bucket) or replay(bucket, n)
+    runner.mixed = mixed
+    (want_drafts, _), (drafts, got) = run(eager), run(llm)
+    assert replays == [16] and got == want and drafts == want_drafts and all(map(len, drafts)), (drafts, want_drafts)
