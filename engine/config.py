@@ -21,6 +21,12 @@ from jetserve.engine.model.checkpoint import CheckpointError, num_mtp_layers, re
 
 DEFAULT_MAX_MODEL_LEN = 4096  # when the model allows more: KV for a longer default rarely fits a Jetson
 DEFAULT_CHUNK_BUDGET = 512  # tokens a step with chunked prefill computes at most: measured (README: chunked prefill)
+# With a step latency target, chunks are sized by predicted time (step_cost.py) under a hard cap of
+# this many tokens a step; the target's default on a discrete GPU is measured (README: chunked prefill).
+DEFAULT_STEP_LATENCY_MS = 7.0
+DEFAULT_TARGET_BUDGET = 2048
+MAX_STEP_LATENCY_MS = 1000.0  # a target beyond a second paces nothing a user would notice
+FINE_TOKEN_STEP = 128  # mixed-step buckets with a latency target: every flash prefill tile (PREFILL_BLOCK_M)
 HAS_TRITON = importlib.util.find_spec("triton") is not None  # the fused CUDA kernels and the graphs need it
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
@@ -236,12 +242,14 @@ CUDAGRAPH_MODES = ("full", "full_decode_only")  # vLLM's cudagraph_mode values t
 MAX_GRAPHED_TOKENS = 16384  # bigger steps run eagerly: compute-bound, and their graph would pin much memory
 
 
-def token_sizes(budget: int) -> list[int]:
-    """Token-count buckets of the mixed-step graphs: powers of two from 16 to 512, then every 512,
-    and the step budget itself, up to MAX_GRAPHED_TOKENS (a step pads up to the next bucket: at
-    most 2x below 512 tokens, where a step is launch-bound, and at most 512 tokens above)."""
+def token_sizes(budget: int, step: int = 512) -> list[int]:
+    """Token-count buckets of the mixed-step graphs: powers of two from 16 to 512, then every
+    `step`, and the step budget itself, up to MAX_GRAPHED_TOKENS (a step pads up to the next
+    bucket: at most 2x below 512 tokens, where a step is launch-bound, and at most `step` tokens
+    above). With a latency target the scheduler rounds steps to buckets, so there they are fine
+    (FINE_TOKEN_STEP): a coarse bucket would leave a step well under the target."""
     limit = min(budget, MAX_GRAPHED_TOKENS)
-    sizes = [16, 32, 64, 128, 256, 512, *range(1024, limit, 512), limit]
+    sizes = [16, 32, 64, 128, 256, 512, *range(step, limit, step), limit]
     return sorted({s for s in sizes if s <= limit})
 
 
@@ -313,6 +321,12 @@ class EngineConfig:
     tile_cache_dir: str | None  # where timed tile choices are kept; None: off, or no tile is timed (CPU, eager)
     quantization: QuantizationConfig | None = None  # weight-only; None: every weight in `dtype`
     cpu_compile: CPUCompileConfig | None = None  # compiled CPU decode steps; None: every CPU step eager
+    max_step_latency_ms: float | None = None  # prefill chunks sized to keep a step under it; None: by budget alone
+
+    @property
+    def step_token_sizes(self) -> list[int]:
+        """The step sizes a latency-sized chunk rounds a step to (the mixed-step graphs' buckets)."""
+        return token_sizes(self.max_num_batched_tokens, FINE_TOKEN_STEP)
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -336,7 +350,9 @@ class EngineArgs:
     device: str = "auto"  # auto: cuda when available, else cpu
     max_model_len: int | None = None  # default: the model's max_position_embeddings, capped at 4096
     max_num_seqs: int = 16
-    max_num_batched_tokens: int | None = None  # default: DEFAULT_CHUNK_BUDGET with chunking, max_model_len without
+    max_num_batched_tokens: int | None = None  # default: DEFAULT_CHUNK_BUDGET with chunking (DEFAULT_TARGET_BUDGET
+    # with a latency target), max_model_len without
+    max_step_latency_ms: float | None = None  # None: DEFAULT_STEP_LATENCY_MS on a discrete GPU, else off; 0: off
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True  # reuse the KV of prompt prefixes seen before
     gpu_memory_utilization: float = 0.9
@@ -374,6 +390,12 @@ class EngineArgs:
         g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
         g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                        default=d.enable_chunked_prefill)
+        g.add_argument("--max-step-latency-ms", type=float, default=d.max_step_latency_ms,
+                       help="size each prefill chunk so the step's predicted time (a model fitted to the steps "
+                            "observed) stays under this, so streams decoding beside a long prompt keep their "
+                            "pace (not a vLLM flag); --max-num-batched-tokens stays the hard cap. 0: off, "
+                            f"chunks by the token budget alone. Default: {DEFAULT_STEP_LATENCY_MS:g} on a "
+                            f"discrete GPU (cap {DEFAULT_TARGET_BUDGET}), off on a CPU and a Jetson")
         g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=d.enable_prefix_caching)
         g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
@@ -449,8 +471,11 @@ class EngineArgs:
         if self.max_model_len and self.max_model_len > limit:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings={limit}")
         max_model_len = self.max_model_len or min(limit, DEFAULT_MAX_MODEL_LEN)
+        device = device or self._device()
+        target = self._step_latency(device)
         budget = self.max_num_batched_tokens or (
-            DEFAULT_CHUNK_BUDGET if self.enable_chunked_prefill else max_model_len)
+            (DEFAULT_TARGET_BUDGET if target else DEFAULT_CHUNK_BUDGET) if self.enable_chunked_prefill
+            else max_model_len)
         if not self.enable_chunked_prefill and budget < max_model_len:
             raise ValueError(f"max_num_batched_tokens={budget} is below max_model_len={max_model_len}: "
                              "without chunked prefill a whole prompt must fit in one step")
@@ -458,7 +483,6 @@ class EngineArgs:
                 if self.speculative_config else None)
         quantization = QuantizationConfig.resolve(
             hf_config, self.quantization, (self.speculative_config or {}).get("quantization", "auto"))
-        device = device or self._device()
         fused = self.backend == "torch" and device.startswith("cuda") and HAS_TRITON
         graphs = None
         if not self.enforce_eager and (fused or self.backend == "tensorrt-llm"):
@@ -469,7 +493,7 @@ class EngineArgs:
             graphs = CUDAGraphConfig(
                 tuple(capture_sizes(self.cudagraph_capture_sizes, self.max_cudagraph_capture_size, self.max_num_seqs)),
                 tuple(step_shapes(k)), self.cuda_graph_num_warmup_steps,
-                tuple(token_sizes(budget)) if mixed else ())
+                tuple(token_sizes(budget, FINE_TOKEN_STEP if target else 512)) if mixed else ())
         cpu_compile = None
         # TORCH_COMPILE_DISABLE=1 is torch's own switch for torch.compile (the test suite sets it).
         compile_disabled = os.environ.get("TORCH_COMPILE_DISABLE") == "1"
@@ -493,7 +517,23 @@ class EngineArgs:
             async_scheduling=device.startswith("cuda") if self.async_scheduling is None else self.async_scheduling,
             fused_kernels=fused, has_tokenizer=(Path(model) / "tokenizer.json").exists(),
             engine_core_process=self.engine_core_process, tile_cache_dir=tile_cache_dir,
-            quantization=quantization, cpu_compile=cpu_compile)
+            quantization=quantization, cpu_compile=cpu_compile, max_step_latency_ms=target)
+
+    def _step_latency(self, device: str) -> float | None:
+        """The step latency target, or None: off (0), or by default where it was not measured —
+        on a CPU (a step is host work that a bigger chunk does not amortize) and on an integrated
+        GPU (a Jetson's decode step alone is near the H200's target)."""
+        value = self.max_step_latency_ms
+        if value is None:
+            on = self.enable_chunked_prefill and self.backend == "torch" and _discrete_gpu(device)
+            return DEFAULT_STEP_LATENCY_MS if on else None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_STEP_LATENCY_MS:
+            raise ValueError(f"max_step_latency_ms must be a number in [0, {MAX_STEP_LATENCY_MS:g}] (0: off), "
+                             f"got {value!r}")
+        if value and not (self.enable_chunked_prefill and self.backend == "torch"):
+            raise ValueError("max_step_latency_ms sizes prefill chunks in the torch backend's scheduler: "
+                             "it needs enable_chunked_prefill and backend 'torch'")
+        return float(value) or None
 
     def _device(self) -> str:
         return "cuda" if self.backend == "tensorrt-llm" else resolve_device(self.device)
@@ -528,6 +568,13 @@ def resolve_device(name: str) -> str:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {name!r} asked for, but torch sees no CUDA GPU")
     return str(device)
+
+
+def _discrete_gpu(device: str) -> bool:
+    import torch
+
+    return (device.startswith("cuda") and torch.cuda.is_available()
+            and not torch.cuda.get_device_properties(torch.device(device)).is_integrated)
 
 
 def _positive(name: str, value) -> None:

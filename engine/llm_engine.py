@@ -239,8 +239,10 @@ class LLMEngine:
             live = [i for i, seq in enumerate(launch.batch.seqs) if seq.status is not SequenceStatus.FINISHED]
             batch = ScheduledBatch([launch.batch.seqs[i] for i in live], [launch.q] * len(live))
             return self._complete(batch, [emitted[i] for i in live], [drafts[i] for i in live])
+        tokens = launch.tokens()
+        self.scheduler.step_done(synced=bool(launch.seqs))
         outputs, now = [], time.monotonic()
-        for seq, token in launch.tokens():
+        for seq, token in tokens:
             if self.scheduler.receive(seq, token):
                 outputs.append(self._process(self.requests[seq.request_id], [token], now))
         if self.draft_length and launch.seqs:  # a plain decode with drafting off: T_0 for the draft length

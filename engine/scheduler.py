@@ -4,9 +4,12 @@ every request's state.
 Each step has a budget of `max_num_batched_tokens`. Running sequences that decode go first
 (one token each, plus their drafts), then prompts already part-way through prefill, then
 waiting prompts: each takes min(what it still needs, what is left of the budget), so a long
-prompt is split over steps and never stalls the streams around it. When KV blocks run out the
-most recently admitted running sequence is preempted and later recomputed from scratch (its
-tokens are kept, its KV is dropped).
+prompt is split over steps and never stalls the streams around it. With a step latency target
+(`max_step_latency_ms`) the budget is only a cap: each chunk is the largest that keeps the step's
+predicted time under the target (step_cost.py), fitted to the times of the steps it scheduled
+(read in `update`, or in `step_done` under async scheduling); decodes are never held back by it.
+When KV blocks run out the most recently admitted running sequence is preempted and later
+recomputed from scratch (its tokens are kept, its KV is dropped).
 
 As in nano-vllm (`postprocess`) and vLLM v1 (`update_from_output`), the scheduler is the only
 writer of a sequence's state: `schedule()` picks the step, `update()` (or `launched()` and
@@ -16,12 +19,14 @@ The engine decides when a request stops; the runner only reads.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from jetserve.engine.block_manager import BlockManager
-from jetserve.engine.config import EngineConfig
+from jetserve.engine.config import DEFAULT_CHUNK_BUDGET, EngineConfig
 from jetserve.engine.sequence import Sequence, SequenceStatus
+from jetserve.engine.step_cost import MIN_CHUNK, StepCost
 
 
 @dataclass
@@ -30,6 +35,10 @@ class ScheduledBatch:
 
     seqs: list[Sequence] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)
+    # With a latency target: what the step cost model learns from this step (None: nothing, a
+    # decode step) and when the step was scheduled.
+    cost_features: tuple[float, float, float] | None = None
+    scheduled_at: float | None = None
 
     def add(self, seq: Sequence, n: int) -> None:
         self.seqs.append(seq)
@@ -49,6 +58,12 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is preempted first
         self.num_preemptions = 0
+        self.step_cost = None
+        self.in_flight: deque[ScheduledBatch] = deque(maxlen=4)  # launched, tokens unread (step_done), with a target
+        if config.max_step_latency_ms:
+            graphed = config.cuda_graphs.token_sizes if config.cuda_graphs else ()
+            self.step_cost = StepCost(config.max_step_latency_ms, config.step_token_sizes, graphed,
+                                      config.model_config, DEFAULT_CHUNK_BUDGET)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -67,7 +82,7 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted by an earlier one in this loop
                 continue
-            n = self._chunk(seq, budget)
+            n = self._chunk(seq, budget, batch)
             if n == 0:
                 continue
             if not self._make_room(seq, n, num_lookahead_slots, batch):
@@ -77,7 +92,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             seq.num_computed_tokens = self.blocks.match_prefix(seq)
-            n = self._chunk(seq, budget)
+            n = self._chunk(seq, budget, batch)
             slots = self._slots(seq, n, num_lookahead_slots)
             if n == 0 or not self.blocks.can_allocate(seq, slots):
                 self._release(seq)  # a waiting sequence holds no blocks, cached ones neither
@@ -88,6 +103,8 @@ class Scheduler:
             self.running.append(seq)
             batch.add(seq, n)
             budget -= n
+        if self.step_cost and batch:
+            batch.cost_features, batch.scheduled_at = self._features(batch), time.perf_counter()
         return batch
 
     def decoding_only(self) -> bool:
@@ -115,16 +132,46 @@ class Scheduler:
     def _is_prefilling(self, seq: Sequence) -> bool:
         return seq.num_uncomputed_tokens > 1 + len(seq.spec_token_ids)
 
-    def _chunk(self, seq: Sequence, budget: int) -> int:
+    def _chunk(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int:
         """Tokens `seq` computes this step: all it needs, or a chunk; 0 if it must wait. Drafts
         that do not fit the budget are dropped (they are only guesses), or a decode with drafts
         could wait forever under a budget smaller than 1 + k."""
         if seq.spec_token_ids and not self._is_prefilling(seq):
             del seq.spec_token_ids[max(0, budget - seq.num_uncomputed_tokens):]
         need = seq.num_uncomputed_tokens + len(seq.spec_token_ids)
+        if self.step_cost and self._is_prefilling(seq):
+            return self._timed_chunk(seq, need, budget, batch)
         if need <= budget:
             return need
         return budget if self.chunked and self._is_prefilling(seq) else 0
+
+    def _timed_chunk(self, seq: Sequence, need: int, budget: int, batch: ScheduledBatch) -> int:
+        """The largest chunk the step's predicted time allows; when none fits and the step has no
+        other prefill chunk, MIN_CHUNK anyway, so prompts progress under any target."""
+        q_lens, ctx_lens = self._shape(batch)
+        n = self.step_cost.largest_chunk(q_lens, ctx_lens, seq.num_computed_tokens, need, budget)
+        if n == 0 and not any(map(self._is_prefilling, batch.seqs)):
+            n = min(need, budget, MIN_CHUNK)
+        return n
+
+    @staticmethod
+    def _shape(batch: ScheduledBatch) -> tuple[list[int], list[int]]:
+        """New tokens and context (theirs included) of each sequence of a step being scheduled."""
+        return batch.num_tokens, [seq.num_computed_tokens + n for seq, n in zip(batch.seqs, batch.num_tokens)]
+
+    def _features(self, batch: ScheduledBatch):
+        """What the step cost model learns from this step's time: steps with prefill chunks only
+        (a decode step is not what it sizes)."""
+        if not any(map(self._is_prefilling, batch.seqs)):
+            return None
+        return self.step_cost.features(*self._shape(batch))
+
+    def step_done(self, synced: bool) -> None:
+        """Async scheduling: the engine read the tokens of the oldest launched step (`synced`;
+        else it sampled none and its end is unknown): its time, for the step cost model."""
+        if self.step_cost and self.in_flight:
+            batch = self.in_flight.popleft()
+            self.step_cost.done(batch.cost_features, batch.scheduled_at, synced)
 
     @staticmethod
     def _slots(seq: Sequence, n: int, lookahead: int) -> int:
@@ -162,6 +209,8 @@ class Scheduler:
         """After a step: each sequence's computed count advances by what it computed, less its
         rejected drafts (their KV is stale and gets rewritten: that is the rollback); a sampled
         one gains its tokens (accepted drafts + one) and keeps its next drafts."""
+        if self.step_cost:  # the step's tokens were read, if it sampled any
+            self.step_cost.done(batch.cost_features, batch.scheduled_at, any(new is not None for new in sampled))
         for seq, n, new, next_drafts in zip(batch.seqs, batch.num_tokens, sampled, drafts):
             if new is None:  # a prefill chunk short of the prompt's end
                 seq.num_computed_tokens += n
@@ -175,6 +224,8 @@ class Scheduler:
     def launched(self, batch: ScheduledBatch, sampled: list[Sequence]) -> None:
         """Async scheduling: a step is on the device. Its tokens count as computed now; each
         sampled sequence has one token pending, which `receive` delivers a step later."""
+        if self.step_cost:
+            self.in_flight.append(batch)
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += n
             self.blocks.cache_computed_blocks(seq)

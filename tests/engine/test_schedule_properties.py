@@ -1,6 +1,6 @@
-"""Random workloads against the scheduler's promises: whatever the budget, the KV pool, async
-scheduling, draft length, prefix caching or aborts, every finished request has the reference
-greedy tokens and no block outlives its request."""
+"""Random workloads against the scheduler's promises: whatever the budget, the step latency
+target, the KV pool, async scheduling, draft length, prefix caching or aborts, every finished
+request has the reference greedy tokens and no block outlives its request."""
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -44,6 +44,7 @@ workload = st.fixed_dictionaries({
     "prompts": st.lists(st.tuples(st.integers(0, 1), token_run, st.integers(1, 24)), min_size=1, max_size=6),
     "prefix_caching": st.booleans(),
     "budget": st.integers(1, 24),
+    "step_latency_ms": st.sampled_from([0, 1e-3, 1000]),  # off, never met (one chunk a step), always met
     "blocks": st.integers(MAX_MODEL_LEN // BLOCK + 4, 60),
     "mode": st.sampled_from(["sync", "async", "mtp-1", "mtp-3"]),
     "aborts": st.lists(st.tuples(st.integers(0, 5), st.integers(0, 60)), max_size=3),
@@ -56,6 +57,7 @@ def test_random_workloads_keep_tokens_and_blocks(model, reference, w):
     spec = {"method": "mtp", "num_speculative_tokens": int(w["mode"][-1])} if w["mode"].startswith("mtp") else None
     engine = LLMEngine(EngineArgs(model=model, max_model_len=MAX_MODEL_LEN, block_size=BLOCK, max_num_seqs=4,
                                   max_num_batched_tokens=w["budget"], num_kv_blocks=w["blocks"],
+                                  max_step_latency_ms=w["step_latency_ms"],
                                   async_scheduling=w["mode"] == "async", speculative_config=spec,
                                   enable_prefix_caching=w["prefix_caching"]).resolve())
     prompts = [((w["prefixes"][p % len(w["prefixes"])] + own) or (0,), max_tokens)

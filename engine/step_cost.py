@@ -1,0 +1,141 @@
+"""A step's predicted time, so that prefill chunks are sized by time, not by a token count.
+
+A fixed token budget is the wrong unit for the streams decoding beside a long prompt: a chunk at
+context 0 is cheap, the same chunk deep in the prompt pays attention over all of it, and every
+step pays a fixed floor (the streams' decode, the host), so small chunks pay that floor many
+times. The scheduler instead asks this model for the largest chunk that keeps the step under a
+latency target (`--max-step-latency-ms`): early chunks come out large, late ones small.
+
+A step's time is modelled as  t = a + b * tokens + c * tile_keys:
+tokens, the rows its matmuls compute (padded up to its CUDA graph's token bucket); tile_keys,
+the flash prefill kernel's work: for every query tile of `PREFILL_BLOCK_M` rows, the keys it
+walks (a decode row is a tile of its own). The coefficients are fitted online from the times
+the engine observes, by least squares over the last `WINDOW` steps with prefill chunks,
+Huber-weighted (a step slowed by a compile or a collector pause counts little), and pulled
+towards a prior worth a tenth of an observation, which predicts the target for a `reference_tokens`-token
+chunk at context 0: before any data the chunks are at most today's budget, and a direction the
+data cannot tell apart (every chunk the same size) stays at the prior's.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+
+import numpy as np
+
+from jetserve.engine.config import ModelConfig
+from jetserve.engine.model.attention import PREFILL_BLOCK_M
+
+MIN_CHUNK = PREFILL_BLOCK_M  # a chunk the model refuses still gets this much when the step has no other prefill
+WINDOW = 128  # observed steps the fit looks back over
+PRIOR_WEIGHT = 0.1  # the prior counts as this many observations of its reference step
+HUBER = 0.05  # residuals past this fraction of the target weigh less (Huber)
+# How much slower the flash kernel does a FLOP than the matmuls (H200, 0.6B: ~220 against ~455-640 TFLOP/s;
+# README, chunked prefill): only the prior's split between the two terms, which the data then corrects.
+ATTENTION_SLOWDOWN = 2.5
+
+
+def tile_keys(q: int, ctx: int, block_m: int = PREFILL_BLOCK_M) -> int:
+    """Keys the flash kernel's query tiles walk for a sequence with `q` new tokens ending a
+    context of `ctx` (theirs included): each tile attends up to its last row (prefill_plan)."""
+    tiles = -(-q // block_m)
+    return tiles * (ctx - q) + block_m * tiles * (tiles - 1) // 2 + q
+
+
+class StepCost:
+    """The model (fit, prediction, largest chunk) and the clock that times steps for it."""
+
+    def __init__(self, target_ms: float, sizes: list[int], graphed: list[int], model: ModelConfig,
+                 reference_tokens: int):
+        """sizes: the step totals a chunk may round a step to (the mixed-step graphs' buckets,
+        multiples of the flash tile); graphed: the buckets a step is padded up to (empty: eager)."""
+        self.target = target_ms
+        self.sizes, self.graphed = sorted(sizes), sorted(graphed)
+        self.prior, reference = self._prior(target_ms, model, reference_tokens)
+        # The prior counts as PRIOR_WEIGHT observations of the reference step, term by term (in its units).
+        self.ridge = PRIOR_WEIGHT * np.diag((reference * self.prior) ** 2)
+        self.coef = self.prior.copy()  # ms, ms a token, ms a tile-key
+        self.x, self.y = np.zeros((WINDOW, 3)), np.zeros(WINDOW)  # a ring of observed steps
+        self.num_observed = 0
+        self.last_done: float | None = 0.0  # when the last step's tokens were read; None: unknown
+
+    @staticmethod
+    def _prior(target: float, model: ModelConfig, reference_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        """A quarter of the target fixed, the rest a `reference_tokens` chunk at context 0, split
+        between matmuls and attention by their FLOPs (attention's slowed by ATTENTION_SLOWDOWN)."""
+        m = model
+        weights = m.hidden_size * (m.num_attention_heads + 2 * m.num_key_value_heads) * m.head_dim \
+            + m.num_attention_heads * m.head_dim * m.hidden_size + 3 * m.hidden_size * m.intermediate_size
+        flops_token = 2 * weights * m.num_hidden_layers
+        flops_tile_key = 4 * PREFILL_BLOCK_M * m.num_attention_heads * m.head_dim * m.num_hidden_layers
+        ratio = ATTENTION_SLOWDOWN * flops_tile_key / flops_token  # a tile-key's cost in tokens
+        reference = np.array([1.0, reference_tokens, tile_keys(reference_tokens, reference_tokens)])
+        b = 0.75 * target / (reference[1] + ratio * reference[2])
+        return np.array([0.25 * target, b, ratio * b]), reference
+
+    # -- prediction ---------------------------------------------------------------------------
+
+    def padded(self, tokens: int) -> int:
+        i = bisect.bisect_left(self.graphed, tokens)
+        return self.graphed[i] if i < len(self.graphed) else tokens
+
+    def features(self, q_lens: list[int], ctx_lens: list[int]) -> tuple[float, float, float]:
+        """A step of sequences with `q_lens` new tokens ending contexts of `ctx_lens`."""
+        return 1.0, float(self.padded(sum(q_lens))), float(sum(map(tile_keys, q_lens, ctx_lens)))
+
+    def predict(self, features) -> float:
+        a, b, c = self.coef
+        return a * features[0] + b * features[1] + c * features[2]
+
+    def largest_chunk(self, q_lens: list[int], ctx_lens: list[int], context: int, need: int, limit: int) -> int:
+        """The most of `need` tokens (at most `limit`) that a sequence with `context` tokens
+        computed can add to the step so far (`q_lens`, `ctx_lens`) within the target: all of
+        them, or a chunk that brings the step to one of `sizes` (no padding wasted), at least
+        MIN_CHUNK (or `limit`, if less); 0 if none fits."""
+        used, keys, least = sum(q_lens), sum(map(tile_keys, q_lens, ctx_lens)), min(MIN_CHUNK, limit)
+        chunks = [s - used for s in self.sizes if least <= s - used <= limit and s - used < need]
+        if need <= limit:
+            chunks.append(need)
+
+        def over(n: int) -> bool:
+            return self.predict((1.0, self.padded(used + n), keys + tile_keys(n, context + n))) > self.target
+        fits = bisect.bisect_left(chunks, True, key=over)  # the time grows with the chunk
+        return chunks[fits - 1] if fits else 0
+
+    # -- observation --------------------------------------------------------------------------
+
+    def done(self, features, scheduled_at: float | None, synced: bool, at: float | None = None) -> None:
+        """A step ended: it was scheduled at `scheduled_at` (None: not by the scheduler, e.g. a
+        speculative step chained on the device) and `synced`: its tokens were read now (else its
+        end is unknown, and so is the next step's start). Its time runs from its scheduling, or
+        from the previous step's read when it was queued behind it (async scheduling), to now;
+        `features` None: a step that does not inform the fit (a decode step)."""
+        if not synced:
+            self.last_done = None
+            return
+        now = time.perf_counter() if at is None else at
+        if features is not None and scheduled_at is not None and self.last_done is not None:
+            self.observe(features, (now - max(scheduled_at, self.last_done)) * 1e3)
+        self.last_done = now
+
+    def observe(self, features, ms: float) -> None:
+        """One step's time; refits."""
+        i = self.num_observed % WINDOW
+        self.x[i], self.y[i] = features, ms
+        self.num_observed += 1
+        self.coef = self.fit()
+
+    def fit(self, iterations: int = 3) -> np.ndarray:
+        """Huber-weighted least squares over the window, from the current fit, ridge towards the
+        prior; solved for each term's scale against the prior's, so one ridge fits every term."""
+        n = min(self.num_observed, WINDOW)
+        x, y = self.x[:n] * self.prior, self.y[:n]  # ms each term contributes under the prior
+        scale = self.coef / self.prior
+        for _ in range(iterations):
+            residual = np.abs(y - x @ scale)
+            w = np.minimum(1.0, HUBER * self.target / np.maximum(residual, 1e-12))
+            xw = x * w[:, None]
+            scale = np.linalg.solve(xw.T @ x + self.ridge, xw.T @ y + self.ridge.diagonal())
+            scale = np.maximum(scale, 0.0)  # no term makes a step cheaper
+        return scale * self.prior
