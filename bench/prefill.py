@@ -8,8 +8,10 @@ long prompt is processed (its arrival to its first token), the long prompt's TTF
 to chunking off), the TTFT of a short prompt on the idle engine (the service's first token is
 this prefill step plus the gRPC path), peak memory; and the recommended budget: the shortest
 TTFT among those that keep the streams' ITL p99 under a bar (8 ms by default) in every run.
-Each configuration runs `--repeats` times with fresh prompts: the median of each number, the
-fastest TTFT and the worst p99 are reported, with every run.
+The same for step latency targets (`--targets`: chunks sized by predicted step time under the
+`--target-budget` cap), with the chunks the long prompt was cut into and the step cost model's
+fit. Each configuration runs `--repeats` times with fresh prompts: the median of each number,
+the fastest TTFT and the worst p99 are reported, with every run.
 """
 
 # A run's numbers that are summarized over the repeats (median), and kept per run.
@@ -24,7 +26,11 @@ def add_arguments(p):
     p.add_argument("--streams", type=int, default=8, help="requests decoding when the long prompt arrives")
     p.add_argument("--stream-prompt-len", type=int, default=256)
     p.add_argument("--long-prompt-len", type=int, default=8192)
-    p.add_argument("--budgets", default="128,256,512,1024,2048", help="max_num_batched_tokens with chunking")
+    p.add_argument("--budgets", default="128,256,512,1024,2048",
+                   help="max_num_batched_tokens with chunking, the latency target off")
+    p.add_argument("--targets", default="6,7,8", help="max_step_latency_ms values (chunks sized by predicted time)")
+    p.add_argument("--target-budget", type=int, default=None,
+                   help="max_num_batched_tokens (the hard cap) with a latency target; default: the engine's")
     p.add_argument("--repeats", type=int, default=2, help="runs of each configuration, each with fresh prompts")
     p.add_argument("--steady-steps", type=int, default=24, help="stream steps before and after the long prompt")
     p.add_argument("--jitter", type=float, default=1.5, help="the bar: ITL p99 <= jitter * p50 during the prefill")
@@ -48,6 +54,7 @@ def run(args) -> dict:
     device = torch.device(args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     budgets = [int(b) for b in args.budgets.split(",") if b]
+    targets = [float(t) for t in args.targets.split(",") if t]
     result = {"env": environment(device), "shape": args.model or args.shape, "streams": args.streams,
               "cudagraph_mode": args.cudagraph_mode,
               "stream_prompt_len": args.stream_prompt_len, "long_prompt_len": args.long_prompt_len, "configs": {}}
@@ -57,19 +64,24 @@ def run(args) -> dict:
             hf = random_checkpoint(args.shape, Path(tmp), dtype, device)
             del hf
             model_dir = tmp
-        for budget in tqdm([None] + budgets, desc="[prefill] configurations", unit="config"):
-            name = f"chunked-{budget}" if budget else "no-chunking"
+        configs = [(None, None), *[(t, None) for t in targets], *[(None, b) for b in budgets]]
+        for target, budget in tqdm(configs, desc="[prefill] configurations", unit="config"):
+            name = f"target-{target:g}ms" if target else f"chunked-{budget}" if budget else "no-chunking"
             reset_peak(device)
-            engine = _engine(args, model_dir, device, budget)
-            # Warm-up in the same engine: kernel compiles and cuBLAS heuristics for new shapes.
-            _measure(args, engine, min(args.long_prompt_len, 2 * (budget or 1024)), seed=1000)
+            engine = _engine(args, model_dir, device, budget, target)
+            # Warm-up in the same engine: kernel compiles and cuBLAS heuristics for new shapes; with a
+            # target, the whole prompt, so the step cost model has seen every depth (as it would in service).
+            _measure(args, engine, args.long_prompt_len if target else min(args.long_prompt_len, 2 * (budget or 1024)),
+                     seed=1000)
             result["configs"][name] = _repeated(args, [_measure(args, engine, args.long_prompt_len, seed=r)
                                                        for r in range(args.repeats)])
             result["configs"][name].update(_idle_ttft(args, engine))
             result["configs"][name]["peak_memory_MiB"] = (peak_memory(device) or 0) // 2**20 or None
+            if target:
+                result["configs"][name].update(_fit(engine.scheduler.step_cost))
             del engine
-            _summarize(args, result, budgets)
-            write_results(args.out, result, {"prefill": _plot(result, budgets)})  # partial results survive
+            _summarize(args, result, budgets, targets)
+            write_results(args.out, result, {"prefill": _plot(result)})  # partial results survive
     return result
 
 
@@ -90,28 +102,47 @@ def _repeated(args, runs: list[dict]) -> dict:
     return out
 
 
-def _summarize(args, result, budgets) -> None:
-    """TTFT against chunking off, and the recommended budget: the shortest TTFT among the budgets
-    whose streams' ITL p99 stays under the bar while the long prompt runs, in every run."""
+def _summarize(args, result, budgets, targets) -> None:
+    """TTFT against chunking off, and the recommended budget and target: the shortest TTFT among
+    those whose streams' ITL p99 stays under the bar while the long prompt runs, in every run."""
     configs = result["configs"]
     unchunked = configs["no-chunking"]["long_ttft_ms"]
     for data in configs.values():
         data["ttft_over_unchunked"] = round(data["long_ttft_ms"] / unchunked, 2)
-    ok = [b for b in budgets if f"chunked-{b}" in configs and configs[f"chunked-{b}"]["during_itl_p99_worst_ms"]
-          <= args.itl_p99_ms]
     result["itl_p99_bar_ms"] = args.itl_p99_ms
-    result["recommended_budget"] = min(ok, key=lambda b: configs[f"chunked-{b}"]["long_ttft_ms"]) if ok else None
+    for key, names in (("recommended_budget", {b: f"chunked-{b}" for b in budgets}),
+                       ("recommended_target_ms", {t: f"target-{t:g}ms" for t in targets})):
+        ok = [v for v, name in names.items()
+              if name in configs and configs[name]["during_itl_p99_worst_ms"] <= args.itl_p99_ms]
+        result[key] = min(ok, key=lambda v: configs[names[v]]["long_ttft_ms"]) if ok else None
 
 
-def _engine(args, model_dir, device, budget):
-    """The engine for one budget (None: chunking off); graphs for the streams' batch only."""
+def _fit(cost) -> dict:
+    """The step cost model after the runs: its coefficients and how well they predict the steps
+    in its window (median and 90th percentile of |predicted / observed - 1|)."""
+    import numpy as np
+
+    n = min(cost.num_observed, len(cost.y))
+    errors = np.abs(cost.x[:n] @ cost.coef / cost.y[:n] - 1)
+    a, b, c = cost.coef
+    return {"cost_model": {"fixed_ms": round(a, 4), "per_token_us": round(b * 1e3, 4), "per_tile_key_ns": round(c * 1e6, 4),
+                           "steps_observed": cost.num_observed, "window": n,
+                           "error_median": round(float(np.median(errors)), 4) if n else None,
+                           "error_p90": round(float(np.percentile(errors, 90)), 4) if n else None}}
+
+
+def _engine(args, model_dir, device, budget, target):
+    """The engine for one budget, or one latency target (under --target-budget), or neither
+    (chunking off); graphs for the streams' batch only."""
     from jetserve.engine.config import EngineArgs
     from jetserve.engine.llm_engine import LLMEngine
 
     length = args.long_prompt_len + 512
+    chunked = bool(budget or target)
     return LLMEngine(EngineArgs(
         model=model_dir, device=str(device), max_model_len=length, max_num_seqs=args.streams + 1,
-        enable_chunked_prefill=budget is not None, max_num_batched_tokens=budget or length,
+        enable_chunked_prefill=chunked, max_step_latency_ms=target if chunked else None,
+        max_num_batched_tokens=(args.target_budget if target else budget) if chunked else length,
         num_kv_blocks=(args.streams + 1) * -(-length // 16) + 1, cudagraph_capture_sizes=[args.streams],
         cudagraph_mode=args.cudagraph_mode).resolve())
 
@@ -160,9 +191,12 @@ def _measure(args, engine, long_len, seed) -> dict:
     arrival = first = None
     steps_after = 0
     warm = 0
+    computed = [0]  # the long prompt's computed tokens after each step: its chunks
     while steps_after < args.steady_steps:
         outputs = engine.step()
         now = time.perf_counter()
+        if "long" in engine.requests and first is None:
+            computed.append(engine.requests["long"].seq.num_computed_tokens)
         for o in outputs:
             times.setdefault(o.request_id, []).append(now)
             if o.request_id == "long":
@@ -190,6 +224,8 @@ def _measure(args, engine, long_len, seed) -> dict:
     def ms(values, q):
         return round(percentile(values, q) * 1e3, 3)
     out = {"budget": engine.config.max_num_batched_tokens if engine.config.enable_chunked_prefill else None,
+           "max_step_latency_ms": engine.config.max_step_latency_ms,
+           "long_chunks": [b - a for a, b in zip(computed, [*computed[1:], long_len]) if b > a],
            "long_ttft_ms": round((first - arrival) * 1e3, 2),
            "steady_itl_p50_ms": round(median(steady) * 1e3, 3), "steady_itl_p99_ms": ms(steady, 99),
            "during_itl_p50_ms": ms(during, 50), "during_itl_p99_ms": ms(during, 99),
@@ -206,13 +242,15 @@ def _one_stream_gaps(stamps):
     return [b - a for a, b in zip(stamps, stamps[1:])]
 
 
-def _plot(result, budgets):
+def _plot(result):
+    from itertools import accumulate
+
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (trace, bars, trade) = plt.subplots(1, 3, figsize=(19, 4.8))
+    fig, (trace, bars, trade, chunks) = plt.subplots(1, 4, figsize=(25, 4.8))
     for name, data in result["configs"].items():
         gaps = data["itl_trace_ms"]
         start = data["arrival_index"]
@@ -234,17 +272,32 @@ def _plot(result, budgets):
     bars.set_ylabel("ms, while the long prompt is processed")
     bars.grid(True, axis="y", which="both", alpha=0.3)
     bars.legend(fontsize=8)
-    for key, marker in (("during_itl_p50_ms", "o"), ("during_itl_p99_ms", "s")):
-        trade.plot([result["configs"][n]["long_ttft_ms"] for n in names], [result["configs"][n][key] for n in names],
-                   marker + "-", label=key.replace("during_itl_", "streams' ITL ").replace("_ms", ""))
-    for n in names:
-        trade.annotate(n.replace("chunked-", ""), (result["configs"][n]["long_ttft_ms"],
-                                                    result["configs"][n]["during_itl_p99_ms"]), fontsize=8)
+    budgets = [n for n in names if not n.startswith("target-")]
+    targets = [n for n in names if n.startswith("target-")]
+    for group, style, label in ((budgets, "-", "by max_num_batched_tokens"), (targets, "--", "by step latency target")):
+        if not group:
+            continue
+        for key, marker in (("during_itl_p50_ms", "o"), ("during_itl_p99_ms", "s")):
+            trade.plot([result["configs"][n]["long_ttft_ms"] for n in group],
+                       [result["configs"][n][key] for n in group], marker + style,
+                       label=key.replace("during_itl_", "streams' ITL ").replace("_ms", "") + ", " + label)
+        for n in group:
+            trade.annotate(n.replace("chunked-", "").replace("target-", ""),
+                           (result["configs"][n]["long_ttft_ms"], result["configs"][n]["during_itl_p99_ms"]), fontsize=8)
     trade.axhline(result["itl_p99_bar_ms"], color="k", ls=":", label="ITL p99 bar")
     trade.set_xlabel("long prompt's TTFT, ms")
     trade.set_ylabel("streams' ITL while it runs, ms")
     trade.set_yscale("log")
-    trade.set_title("the trade-off, by max_num_batched_tokens")
+    trade.set_title("the trade-off: token budget or step latency target")
     trade.grid(True, which="both", alpha=0.3)
     trade.legend(fontsize=8)
+    for name, data in result["configs"].items():
+        if data["budget"] and data["long_chunks"]:
+            starts = [0, *accumulate(data["long_chunks"][:-1])]
+            chunks.step(starts, data["long_chunks"], where="post", marker=".", label=name)
+    chunks.set_xlabel("chunk's start in the long prompt (its context)")
+    chunks.set_ylabel("prompt tokens in the step")
+    chunks.set_title("the long prompt's chunks (first run)")
+    chunks.grid(True, alpha=0.3)
+    chunks.legend(fontsize=8)
     return fig
