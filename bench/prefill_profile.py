@@ -71,7 +71,7 @@ def _engine(args, model_dir, device, name):
     mode, pieces = ENGINES[name]
     length = args.long_prompt_len + 512
     engine_args = EngineArgs(model=model_dir, device=str(device), max_model_len=length,
-                             max_num_seqs=args.streams + 1, max_num_batched_tokens=args.budget,
+                             max_num_seqs=args.streams + 1, max_num_batched_tokens=args.budget, max_step_latency_ms=0,
                              num_kv_blocks=(args.streams + 1) * -(-length // 16) + 1,
                              cudagraph_capture_sizes=[args.streams], cudagraph_mode=mode)
     if pieces:
