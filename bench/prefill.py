@@ -272,8 +272,9 @@ def _plot(result):
     bars.set_ylabel("ms, while the long prompt is processed")
     bars.grid(True, axis="y", which="both", alpha=0.3)
     bars.legend(fontsize=8)
-    budgets = [n for n in names if not n.startswith("target-")]
-    targets = [n for n in names if n.startswith("target-")]
+    by_ttft = sorted(names, key=lambda n: result["configs"][n]["long_ttft_ms"])  # each group as a curve
+    budgets = [n for n in by_ttft if not n.startswith("target-")]
+    targets = [n for n in by_ttft if n.startswith("target-")]
     for group, style, label in ((budgets, "-", "by max_num_batched_tokens"), (targets, "--", "by step latency target")):
         if not group:
             continue
