@@ -22,8 +22,10 @@ from jetserve.engine.model.checkpoint import CheckpointError, num_mtp_layers, re
 DEFAULT_MAX_MODEL_LEN = 4096  # when the model allows more: KV for a longer default rarely fits a Jetson
 DEFAULT_CHUNK_BUDGET = 512  # tokens a step with chunked prefill computes at most: measured (README: chunked prefill)
 # With a step latency target, chunks are sized by predicted time (step_cost.py) under a hard cap of
-# this many tokens a step; the target's default on a discrete GPU is measured (README: chunked prefill).
-DEFAULT_STEP_LATENCY_MS = 7.0
+# DEFAULT_TARGET_BUDGET tokens a step unless max_num_batched_tokens says otherwise. The target's default
+# on a discrete GPU is to be set from `jetserve bench prefill` on the H200 (README: chunked prefill): not
+# measured yet, so off; a CPU and a Jetson keep it off by default whatever it is.
+DEFAULT_STEP_LATENCY_MS: float | None = None
 DEFAULT_TARGET_BUDGET = 2048
 MAX_STEP_LATENCY_MS = 1000.0  # a target beyond a second paces nothing a user would notice
 FINE_TOKEN_STEP = 128  # mixed-step buckets with a latency target: every flash prefill tile (PREFILL_BLOCK_M)
@@ -393,9 +395,10 @@ class EngineArgs:
         g.add_argument("--max-step-latency-ms", type=float, default=d.max_step_latency_ms,
                        help="size each prefill chunk so the step's predicted time (a model fitted to the steps "
                             "observed) stays under this, so streams decoding beside a long prompt keep their "
-                            "pace (not a vLLM flag); --max-num-batched-tokens stays the hard cap. 0: off, "
-                            f"chunks by the token budget alone. Default: {DEFAULT_STEP_LATENCY_MS:g} on a "
-                            f"discrete GPU (cap {DEFAULT_TARGET_BUDGET}), off on a CPU and a Jetson")
+                            f"pace (not a vLLM flag); --max-num-batched-tokens stays the hard cap (default "
+                            f"{DEFAULT_TARGET_BUDGET} with a target). 0: off, chunks by the token budget alone; "
+                            "default: off (a discrete GPU's default awaits its measurement; CPUs and Jetsons keep "
+                            "it off)")
         g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=d.enable_prefix_caching)
         g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
@@ -525,8 +528,8 @@ class EngineArgs:
         GPU (a Jetson's decode step alone is near the H200's target)."""
         value = self.max_step_latency_ms
         if value is None:
-            on = self.enable_chunked_prefill and self.backend == "torch" and _discrete_gpu(device)
-            return DEFAULT_STEP_LATENCY_MS if on else None
+            on = DEFAULT_STEP_LATENCY_MS and self.enable_chunked_prefill and self.backend == "torch"
+            return DEFAULT_STEP_LATENCY_MS if on and _discrete_gpu(device) else None
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_STEP_LATENCY_MS:
             raise ValueError(f"max_step_latency_ms must be a number in [0, {MAX_STEP_LATENCY_MS:g}] (0: off), "
                              f"got {value!r}")

@@ -3,6 +3,7 @@ times, the scheduler's chunks shrink as the context grows and stay under the tar
 always progress, the target off schedules as the token budget did, and greedy tokens stay
 transformers' whatever the chunks."""
 
+import argparse
 import random
 
 import numpy as np
@@ -153,8 +154,11 @@ def test_target_off_schedules_by_the_budget(long_model):
 
 
 def test_config(long_model):
-    config = EngineArgs(model=long_model, max_step_latency_ms=5).resolve()
+    """One setting, resolved once: the flag (and so the TOML key), its bounds, off by default here."""
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    config = EngineArgs.from_cli_args(parser.parse_args([long_model, "--max-step-latency-ms", "5"])).resolve()
     assert config.max_step_latency_ms == 5.0 and config.max_num_batched_tokens == DEFAULT_TARGET_BUDGET
+    assert config.step_token_sizes == [16, 32, 64, *range(128, 2049, 128)]
     assert EngineArgs(model=long_model).resolve().max_step_latency_ms is None  # CPU
     assert EngineArgs(model=long_model).resolve(device="cuda").max_step_latency_ms is None  # not a GPU seen here
     for value in (-1, 1001, float("nan"), True, "7"):
