@@ -125,8 +125,8 @@ def _fit(cost) -> dict:
     n = min(cost.num_observed, len(cost.y))
     errors = np.abs(cost.x[:n] @ cost.coef / cost.y[:n] - 1)
     a, b, c = cost.coef
-    return {"cost_model": {"fixed_ms": round(a, 4), "per_token_us": round(b * 1e3, 4), "per_tile_key_ns": round(c * 1e6, 4),
-                           "steps_observed": cost.num_observed, "window": n,
+    return {"cost_model": {"fixed_ms": round(a, 4), "per_token_us": round(b * 1e3, 4),
+                           "per_tile_key_ns": round(c * 1e6, 4), "steps_observed": cost.num_observed, "window": n,
                            "error_median": round(float(np.median(errors)), 4) if n else None,
                            "error_p90": round(float(np.percentile(errors, 90)), 4) if n else None}}
 
@@ -283,8 +283,9 @@ def _plot(result):
                        [result["configs"][n][key] for n in group], marker + style,
                        label=key.replace("during_itl_", "streams' ITL ").replace("_ms", "") + ", " + label)
         for n in group:
+            data = result["configs"][n]
             trade.annotate(n.replace("chunked-", "").replace("target-", ""),
-                           (result["configs"][n]["long_ttft_ms"], result["configs"][n]["during_itl_p99_ms"]), fontsize=8)
+                           (data["long_ttft_ms"], data["during_itl_p99_ms"]), fontsize=8)
     trade.axhline(result["itl_p99_bar_ms"], color="k", ls=":", label="ITL p99 bar")
     trade.set_xlabel("long prompt's TTFT, ms")
     trade.set_ylabel("streams' ITL while it runs, ms")
