@@ -30,7 +30,10 @@ from jetserve.engine.model.attention import PREFILL_BLOCK_M
 MIN_CHUNK = PREFILL_BLOCK_M  # a chunk the model refuses still gets this much when the step has no other prefill
 WINDOW = 128  # observed steps the fit looks back over
 PRIOR_WEIGHT = 0.1  # the prior counts as this many observations of its reference step
-HUBER = 0.05  # residuals past this fraction of the target weigh less (Huber)
+# Residuals past this fraction of the median observed step, or twice the residuals' median absolute
+# deviation if larger (~1.345 sigma, Huber's usual), weigh less: scaled by the data, not by the target,
+# so a prior far off (a target no step can meet) is left behind within a few steps.
+HUBER = 0.05
 # How much slower the flash kernel does a FLOP than the matmuls (H200, 0.6B: ~220 against ~455-640 TFLOP/s;
 # README, chunked prefill): only the prior's split between the two terms, which the data then corrects.
 ATTENTION_SLOWDOWN = 2.5
@@ -132,9 +135,11 @@ class StepCost:
         n = min(self.num_observed, WINDOW)
         x, y = self.x[:n] * self.prior, self.y[:n]  # ms each term contributes under the prior
         scale = self.coef / self.prior
+        typical = HUBER * np.median(y)
         for _ in range(iterations):
-            residual = np.abs(y - x @ scale)
-            w = np.minimum(1.0, HUBER * self.target / np.maximum(residual, 1e-12))
+            residual = y - x @ scale
+            delta = max(typical, 2.0 * np.median(np.abs(residual - np.median(residual))), 1e-9)
+            w = np.minimum(1.0, delta / np.maximum(np.abs(residual), 1e-12))
             xw = x * w[:, None]
             scale = np.linalg.solve(xw.T @ x + self.ridge, xw.T @ y + self.ridge.diagonal())
             scale = np.maximum(scale, 0.0)  # no term makes a step cheaper

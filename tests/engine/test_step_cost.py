@@ -168,15 +168,38 @@ def test_config(long_model):
         EngineArgs(model=long_model, max_step_latency_ms=5, enable_chunked_prefill=False).resolve()
 
 
-def test_greedy_tokens_are_transformers_whatever_the_chunks(tiny):
-    """Streams decoding beside a prompt cut by the target (at most MIN_CHUNK a step here) get
-    transformers' greedy tokens, as with the target off."""
+def staggered(engine, prompts, max_tokens=8):
+    """The first prompt alone for a step (its time, far over a 1 µs target, teaches the model
+    that no chunk fits), then the others: one chunk a step, beside the decodes. Their tokens."""
+    tokens = {str(i): [] for i in range(len(prompts))}
+    greedy = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, greedy)
+        if i == 0:
+            for out in engine.step():
+                tokens[out.request_id] += out.outputs[0].token_ids
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] += out.outputs[0].token_ids
+    return [tokens[str(i)] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_greedy_tokens_are_transformers_whatever_the_chunks(tiny, async_scheduling):
+    """Streams decoding beside prompts cut by the target (one chunk of at most MIN_CHUNK a step
+    here) get transformers' greedy tokens, as with the target off; and every step with a chunk
+    that samples reaches the model with its time, whether the engine waits for each step or
+    reads a step's tokens after launching the next."""
     path, model = tiny
     rng = random.Random(0)
     prompts = [[rng.randrange(TINY["vocab_size"]) for _ in range(n)] for n in (5, 9, 200, 150)]
-    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     expected = [hf_greedy(model, p, 8) for p in prompts]
     for target in (1e-3, 0):
-        llm = LLM(str(path), max_step_latency_ms=target, max_num_batched_tokens=256, max_num_seqs=4)
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outputs] == expected
+        engine = LLM(str(path), max_step_latency_ms=target, max_num_batched_tokens=256, max_num_seqs=4,
+                     async_scheduling=async_scheduling).engine
+        assert staggered(engine, prompts) == expected
+        cost = engine.scheduler.step_cost
+        if cost:  # 5 alone; then 9, 200 (128 + 72), 150 (128 + 22) a chunk a step, each beside decodes
+            n = cost.num_observed  # async: the second step is scheduled before the first is timed
+            assert (n >= 3 if async_scheduling else n == 6) and all(0 < ms < 60e3 for ms in cost.y[:n])
+            assert async_scheduling or list(cost.x[:n, 1]) == [5, 10, 130, 74, 131, 25]  # tokens of each step
