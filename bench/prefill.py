@@ -28,7 +28,7 @@ def add_arguments(p):
     p.add_argument("--long-prompt-len", type=int, default=8192)
     p.add_argument("--budgets", default="128,256,512,1024,2048",
                    help="max_num_batched_tokens with chunking, the latency target off")
-    p.add_argument("--targets", default="6,7,8", help="max_step_latency_ms values (chunks sized by predicted time)")
+    p.add_argument("--targets", default="7,7.5,8", help="max_step_latency_ms values (chunks sized by predicted time)")
     p.add_argument("--target-budget", type=int, default=None,
                    help="max_num_batched_tokens (the hard cap) with a latency target; default: the engine's")
     p.add_argument("--repeats", type=int, default=2, help="runs of each configuration, each with fresh prompts")
