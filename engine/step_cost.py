@@ -12,9 +12,9 @@ the flash prefill kernel's work: for every query tile of `PREFILL_BLOCK_M` rows,
 walks (a decode row is a tile of its own). The coefficients are fitted online from the times
 the engine observes, by least squares over the last `WINDOW` steps with prefill chunks,
 Huber-weighted (a step slowed by a compile or a collector pause counts little), and pulled
-towards a prior worth a tenth of an observation, which predicts the target for a `reference_tokens`-token
-chunk at context 0: before any data the chunks are at most today's budget, and a direction the
-data cannot tell apart (every chunk the same size) stays at the prior's.
+towards a prior worth a tenth of an observation, which predicts the target for a chunk of
+`reference_tokens` at context 0: before any data the chunks are at most today's budget, and a
+direction the data cannot tell apart (every chunk the same size) stays at the prior's.
 """
 
 from __future__ import annotations
