@@ -64,14 +64,17 @@ def _operands(prologue: int, n: int, k: int, method: str, device, rows: int = 1)
     return x, weight, residual, norm
 
 
-def _tiles(method: str, prologue: int, rows: int) -> list:
-    """Every tile the start-up tuning times for this product on a GPU with PDL."""
-    from jetserve.engine.model import kernels
-    from jetserve.engine.model.quant_kernels import TILES
+def _tiles(method: str, prologue: int, k: int, rows: int) -> list:
+    """Every tile the start-up tuning times for this product (K = k) on a GPU with PDL."""
+    import torch
+
+    from jetserve.engine.config import ON_THE_FLY
+    from jetserve.engine.model import kernels, quant
+    from jetserve.engine.model.quant_kernels import fitting_tiles
 
     if method == "bf16":
         return kernels.candidate_tiles(rows, prologue, pdl=True)[1:]
-    return kernels.with_pdl([t for t in TILES if not (t.apart and prologue == kernels.PLAIN)], True)
+    return fitting_tiles(rows, quant.quantize(torch.zeros(1, k), *ON_THE_FLY[method]), prologue, pdl=True)
 
 
 def projection_variants(shapes, methods, rows: int) -> list[tuple]:
@@ -81,15 +84,17 @@ def projection_variants(shapes, methods, rows: int) -> list[tuple]:
     for shape in shapes:
         for name, (prologue, _, k) in _projections(shape).items():
             for method in _methods(name, methods):
-                seen += [v for v in ((method, prologue, k, rows, t) for t in _tiles(method, prologue, rows))
+                seen += [v for v in ((method, prologue, k, rows, t) for t in _tiles(method, prologue, k, rows))
                          if v not in seen]
     return seen
 
 
 def main_choice(times: dict) -> tuple[float, object]:
-    """(ms, tile) of the fastest of what main could choose: cuBLAS or a tile without PDL, K whole,
-    the prologue fused."""
-    mains = {t: ms for t, ms in times.items() if t is None or not (t.pdl or t.apart or t.split_k > 1)}
+    """(ms, tile) of the fastest of what main could choose before this round: any candidate but
+    the one-row quantized kernel's (`GemvTile`)."""
+    from jetserve.engine.model.quant_kernels import GemvTile
+
+    mains = {t: ms for t, ms in times.items() if not isinstance(t, GemvTile)}
     best = min(mains, key=mains.get)
     return mains[best], best
 
@@ -107,7 +112,7 @@ def _compile(variant) -> str | None:
     import torch
 
     method, prologue, k, rows, tile = variant
-    x, weight, residual, norm = _operands(prologue, 64, k, method, torch.device("cuda"), rows)
+    x, weight, residual, norm = _operands(prologue, 128, k, method, torch.device("cuda"), rows)
     try:
         _runner(method)(tile, prologue, x, weight, residual, norm, 1e-6)
         torch.cuda.synchronize()

@@ -19,7 +19,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from jetserve.engine.model.kernels import (ADD_NORM, NORM, PLAIN, SILU_MUL, FusedKernels, Tile, _cold_copies,
                                            _input_chunk, _normalized, _row_inv_rms, _torch_variant, launch,
                                            pdl_supported, run_apart, split_k, sum_splits, with_pdl)
-from jetserve.engine.model.quant import QuantizedWeight, dequantize
+from jetserve.engine.model.quant import QuantizedWeight, dequantize, span
 
 
 @triton.jit
@@ -148,6 +148,103 @@ def _quant_skinny_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_p
                  mask=row_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _gemv_tile(acc, cur, w0, n, x_ptr, res_ptr, res_out_ptr, norm_w_ptr, s_ptr, z_ptr, inv, low_bits, store_sum,
+               K: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr, SILU: tl.constexpr, BITS: tl.constexpr,
+               GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_W: tl.constexpr):
+    """acc + one tile of words [BLOCK_N, BLOCK_W] (starting at word w0 of rows n) times the input
+    row's matching columns, for `_quant_gemv_kernel`. A tile is one group of each row where the
+    format has groups, so its scale and zero point are one value a row, broadcast in registers."""
+    FIELDS: tl.constexpr = 32 // BITS
+    SPAN: tl.constexpr = 16 * FIELDS
+    GROUPS: tl.constexpr = K // GROUP
+    one = tl.arange(0, 1)
+    t = tl.arange(0, BLOCK_W)
+    field0 = (t // 16) * SPAN + t % 16  # input column of field 0 of the tile's word t, from the tile's first
+    dtype = x_ptr.dtype.element_ty
+    part = tl.zeros(acc.shape, tl.float32)
+    a_sum = tl.zeros([1, BLOCK_W], tl.float32)
+    high = cur >> 16  # the upper half word's fields, moved down once a word
+    for i in tl.static_range(FIELDS):
+        cols = w0 * FIELDS + field0 + i * 16
+        a = _input_chunk(x_ptr, res_ptr, res_out_ptr, one, cols, (cols < K)[None, :], K, store_sum, ADD, SILU, dtype)
+        if NORM:
+            a = _normalized(a, inv, norm_w_ptr, cols, cols < K, dtype)
+        a = a.to(tl.float32)
+        place = (i % (FIELDS // 2)) * BITS  # field i masked where it lies: q * 2**place, its input * 2**-place
+        if i < FIELDS // 2:
+            q = _as_float(cur & (low_bits << place)) - 8388608.0
+        else:
+            q = _as_float(high & (low_bits << place)) - 8388608.0
+        part += (a * (1.0 / (1 << place))) * q
+        a_sum += a
+    if GROUPS == 1:  # zero points and scales once a row, at the end
+        return acc + part, a_sum
+    at = n * GROUPS + w0 * FIELDS // GROUP
+    if HAS_ZEROS:
+        zero = _as_float(tl.load(z_ptr + at).to(tl.int32)) - 8388608.0
+    else:
+        zero = tl.zeros(n.shape, tl.float32) + (1 << (BITS - 1))
+    return acc + (part - zero[:, None] * a_sum) * tl.load(s_ptr + at)[:, None], a_sum
+
+
+@triton.jit
+def _quant_gemv_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, res_out_ptr, N, K: tl.constexpr,
+                       eps, low_bits, NORM: tl.constexpr, ADD: tl.constexpr, SILU: tl.constexpr, BITS: tl.constexpr,
+                       GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+                       NORM_BLOCK: tl.constexpr, KW_SPLIT: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr):
+    """out[1, N] = a(x)[1, K] @ dequant(w)[N, K]^T for one input row (batch-1 decode), a() the
+    prologue as in `_quant_skinny_kernel`, whose span layout it reads.
+
+    Built so that nothing moves between threads in the loop: the tiles are 2-D [BLOCK_N,
+    BLOCK_W] (no [rows, N, K] products), a thread's input columns are loaded straight into the
+    layout of its words (a tile of one row, small enough for Triton to load it in any layout), and
+    every load is unmasked: rows past N read row N - 1 (their results are not stored), and K is a
+    whole number of tiles, the next one requested while this one is multiplied. A weight costs a
+    mask-and-OR into the bits of 2**23, a subtraction and an FMA; the zero point comes in once a
+    row and tile through the inputs' sum, sum_i a_i (q_i - z) = sum_i a_i q_i - z sum_i a_i.
+    Program (i, j) takes words [j KW_SPLIT, (j + 1) KW_SPLIT) as in `_quant_skinny_kernel`."""
+    pid = tl.program_id(0)
+    FIELDS: tl.constexpr = 32 // BITS
+    KW: tl.constexpr = K // FIELDS
+    GROUPS: tl.constexpr = K // GROUP
+    w_lo = tl.program_id(1) * KW_SPLIT
+    w_last = tl.minimum(w_lo + KW_SPLIT, KW) - BLOCK_W
+    one = tl.arange(0, 1)
+    n_out = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n = n_out if EVEN_N else tl.minimum(n_out, N - 1)
+    tile_words = qw_ptr + n.to(tl.int64)[:, None] * KW + tl.arange(0, BLOCK_W)[None, :]
+    dtype = x_ptr.dtype.element_ty
+    words = tl.load(tile_words + w_lo)  # in flight first
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    inv = tl.zeros([1], tl.float32)
+    if NORM:  # first pass: the row's mean square
+        inv = _row_inv_rms(x_ptr, res_ptr, res_out_ptr, one, one < 1, K, eps, ADD, SILU, dtype, 1, NORM_BLOCK)
+    acc = tl.zeros([BLOCK_N, BLOCK_W], tl.float32)
+    a_total = tl.zeros([1, BLOCK_W], tl.float32)
+    for w0 in range(w_lo, w_last, BLOCK_W):
+        following = tl.load(tile_words + w0 + BLOCK_W)
+        acc, a_sum = _gemv_tile(acc, words, w0, n, x_ptr, res_ptr, res_out_ptr, norm_w_ptr, s_ptr, z_ptr, inv,
+                                low_bits, pid == 0, K, NORM, ADD, SILU, BITS, GROUP, HAS_ZEROS, BLOCK_W)
+        a_total += a_sum
+        words = following
+    acc, a_sum = _gemv_tile(acc, words, w_last, n, x_ptr, res_ptr, res_out_ptr, norm_w_ptr, s_ptr, z_ptr, inv,
+                            low_bits, pid == 0, K, NORM, ADD, SILU, BITS, GROUP, HAS_ZEROS, BLOCK_W)
+    out = tl.sum(acc, axis=1)
+    if GROUPS == 1:  # (sum a q - z sum a) s, a row's zero point and scale applied once
+        if HAS_ZEROS:
+            zero = tl.load(z_ptr + n).to(tl.float32)
+        else:
+            zero = tl.zeros([BLOCK_N], tl.float32) + (1 << (BITS - 1))
+        out = (out - zero * tl.sum(a_total + a_sum, axis=1)) * tl.load(s_ptr + n)
+    if KW_SPLIT >= KW:
+        tl.store(out_ptr + n_out, out.to(dtype), mask=n_out < N)
+    else:  # this split's partial sums, [split, 1, N] fp32
+        tl.store(out_ptr + tl.program_id(1) * N + n_out, out, mask=n_out < N)
+
+
 # Tiles tried for each shape, as in kernels._TILES (`block_k`: BLOCK_W words a row at a time, a
 # power of two, at least a span). Triton lays consecutive words on consecutive threads, one each,
 # so where BLOCK_W spans all threads a thread holds all BLOCK_N rows of its word and computes an
@@ -165,13 +262,41 @@ TILES = [Tile(8, 128, 4), Tile(16, 128, 4), Tile(4, 128, 4), Tile(8, 64, 2), Til
 _MAX_WORDS_PER_THREAD = 16  # accumulators a thread holds per word: more spills registers
 
 
+class GemvTile(Tile):
+    """A tile of `_quant_gemv_kernel` (one input row): BLOCK_N rows of `block_k` words a step,
+    which is a group's words where the format has groups (the tile's scale is one a row)."""
+
+
+# Candidates for one input row, timed beside TILES: rows a program x words a step (16: an INT4
+# group of 128; 32: an INT8 one; per-channel formats take 32 or 64) x warps, split K for the narrow
+# projections, the prologue apart.
+GEMV_TILES = [GemvTile(64, 16, 4), GemvTile(128, 16, 8), GemvTile(32, 16, 2), GemvTile(64, 16, 4, 2),
+              GemvTile(64, 16, 4, apart=True),
+              GemvTile(32, 64, 4), GemvTile(64, 32, 4), GemvTile(16, 64, 2), GemvTile(32, 64, 4, 2),
+              GemvTile(32, 64, 4, apart=True), GemvTile(32, 32, 4)]
+
+
+def _fits(tile: Tile, rows: int, weight: QuantizedWeight) -> bool:
+    """Whether `tile` can run this product: few enough accumulators a thread; a `GemvTile` only
+    for one row, groups of whole spans, and its step a group's words (K a whole number of steps
+    where a row has one group)."""
+    if triton.next_power_of_2(rows) * tile.block_n * tile.block_k > _MAX_WORDS_PER_THREAD * 32 * tile.warps:
+        return False
+    if not isinstance(tile, GemvTile):
+        return True
+    group_words, row_words = weight.group_size * weight.bits // 32, weight.qweight.shape[1]
+    if rows != 1 or weight.group_size % span(weight.bits):
+        return False
+    return tile.block_k == group_words if group_words < row_words else row_words % tile.block_k == 0
+
+
 def fitting_tiles(rows: int, weight: QuantizedWeight, prologue: int = PLAIN, pdl: bool = False) -> list[Tile]:
-    """Tiles this shape can take: few enough accumulators a thread; fp32 scales (the loader's);
-    a plain product has no prologue to run apart; with and without PDL as `kernels.with_pdl`."""
+    """Tiles this shape can take (`_fits`); fp32 scales (the loader's); a plain product has no
+    prologue to run apart; with and without PDL as `kernels.with_pdl`."""
     if weight.scales.dtype != torch.float32:
         return []
-    return with_pdl([t for t in TILES if triton.next_power_of_2(rows) * t.block_n * t.block_k
-                     <= _MAX_WORDS_PER_THREAD * 32 * t.warps and not (t.apart and prologue == PLAIN)], pdl)
+    return with_pdl([t for t in TILES + GEMV_TILES
+                     if _fits(t, rows, weight) and not (t.apart and prologue == PLAIN)], pdl)
 
 
 def quant_matmul(tile, prologue, x, weight: QuantizedWeight, residual=None, norm_weight=None, eps=0.0):
@@ -189,13 +314,19 @@ def quant_matmul(tile, prologue, x, weight: QuantizedWeight, residual=None, norm
     zeros = weight.zeros if weight.zeros is not None else weight.scales
     kw_split, splits = split_k(weight.qweight.shape[1], tile, tile.block_k)
     target = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
-    launch(_quant_skinny_kernel, (triton.cdiv(n, tile.block_n), splits), tile.pdl,
-           x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, weight.qweight,
-           weight.scales, zeros, target, res_out, m, n, k, eps, (1 << weight.bits) - 1,
-           NORM=prologue in (NORM, ADD_NORM), ADD=prologue == ADD_NORM, SILU=prologue == SILU_MUL, BITS=weight.bits,
-           GROUP=weight.group_size, HAS_ZEROS=weight.zeros is not None, BLOCK_M=block_m, BLOCK_N=tile.block_n,
-           BLOCK_W=tile.block_k, NORM_BLOCK=min(triton.next_power_of_2(k), 4096 // block_m), KW_SPLIT=kw_split,
-           num_warps=tile.warps)
+    args = (x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, weight.qweight,
+            weight.scales, zeros, target, res_out)
+    meta = dict(NORM=prologue in (NORM, ADD_NORM), ADD=prologue == ADD_NORM, SILU=prologue == SILU_MUL,
+                BITS=weight.bits, GROUP=weight.group_size, HAS_ZEROS=weight.zeros is not None, BLOCK_N=tile.block_n,
+                BLOCK_W=tile.block_k, NORM_BLOCK=min(triton.next_power_of_2(k), 4096 // block_m), KW_SPLIT=kw_split,
+                num_warps=tile.warps)
+    grid = (triton.cdiv(n, tile.block_n), splits)
+    if isinstance(tile, GemvTile):
+        launch(_quant_gemv_kernel, grid, tile.pdl, *args, n, k, eps, (1 << weight.bits) - 1,
+               EVEN_N=n % tile.block_n == 0, **meta)
+    else:
+        launch(_quant_skinny_kernel, grid, tile.pdl, *args, m, n, k, eps, (1 << weight.bits) - 1, BLOCK_M=block_m,
+               **meta)
     if splits > 1:
         sum_splits(target, out, tile.pdl)
     if prologue == NORM:

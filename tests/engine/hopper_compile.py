@@ -1,15 +1,17 @@
 """Compile the speculative step's and the draw's Triton kernels for Hopper (sm_90) with Triton's
 own compiler and ptxas, no GPU needed: Triton's interpreter (the CPU tests) accepts code the
 compiler refuses, e.g. a plain global read inside a kernel. Run as a script (the interpreter
-must be off): python -m tests.engine.hopper_compile."""
+must be off): python -m tests.engine.hopper_compile; with the argument `quant`, the one-row
+W4A16/W8A16 kernel's variants instead."""
 
 import inspect
+import sys
 
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from jetserve.engine.model import sampling_kernels, spec_kernels
+from jetserve.engine.model import quant_kernels, sampling_kernels, spec_kernels
 
 
 def compile_for_hopper(fn, types: dict, constants: dict) -> None:
@@ -58,5 +60,22 @@ def main() -> None:
     print("compiled")
 
 
+def quant() -> None:
+    """The one-row quantized kernel: INT4 with zero points and groups, INT8 per channel and
+    symmetric; every prologue, with PDL or rows past N and K split; bf16 (and fp32) activations."""
+    cases = [(bits, group, zeros, prologue, "*bf16") for bits, group, zeros in ((4, 128, True), (8, 1024, False))
+             for prologue in range(4)] + [(4, 128, True, 0, "*fp32")]
+    for i, (bits, group, zeros, prologue, act) in enumerate(cases):
+        even, split, pdl = (True, 1, True) if i % 2 else (False, 2, False)
+        compile_for_hopper(quant_kernels._quant_gemv_kernel,
+                           dict(x_ptr=act, res_ptr=act, norm_w_ptr=act, qw_ptr="*i32", s_ptr="*fp32",
+                                z_ptr="*u8" if zeros else "*fp32", out_ptr=act if split == 1 else "*fp32",
+                                res_out_ptr=act, eps="fp32"),
+                           dict(K=1024, NORM=prologue in (1, 2), ADD=prologue == 2, SILU=prologue == 3, BITS=bits,
+                                GROUP=group, HAS_ZEROS=zeros, BLOCK_N=64, BLOCK_W=16 if bits == 4 else 32,
+                                NORM_BLOCK=1024, KW_SPLIT=1024 * bits // 32 // split, EVEN_N=even, PDL=pdl))
+    print("compiled")
+
+
 if __name__ == "__main__":
-    main()
+    quant() if sys.argv[1:] == ["quant"] else main()
