@@ -145,9 +145,10 @@ def _weight_bytes(weight) -> int:
     return sum(t.numel() * t.element_size() for t in (weight.qweight, weight.scales, weight.zeros) if t is not None)
 
 
-def _relative_error(fused, prologue, x, weight, residual, norm) -> float:
-    """||out - ref|| / ||ref|| of the tuned kernel against the same product in fp32 (dequantized
-    weights): bf16 activations and outputs put it near 3e-3; a wrong kernel, near 1."""
+def _relative_error(product, prologue, x, weight, residual, norm) -> float:
+    """||out - ref|| / ||ref|| of `product` (called as a skinny matmul) against the same product
+    in fp32 (dequantized weights): bf16 activations and outputs put it near 3e-3; a wrong kernel,
+    near 1."""
     import torch
     import torch.nn.functional as F
 
@@ -163,7 +164,7 @@ def _relative_error(fused, prologue, x, weight, residual, norm) -> float:
     if norm is not None:
         h = norm.float() * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     want = F.linear(h, dense)
-    got = fused.skinny_matmul(prologue, x, weight, residual, norm, eps)
+    got = product(prologue, x, weight, residual, norm, eps)
     got = (got[0] if isinstance(got, tuple) else got).float()
     return round(((got - want).norm() / want.norm()).item(), 5)
 
@@ -174,7 +175,7 @@ def kernel_table(shapes, methods, bandwidth: float) -> dict:
     (`bandwidth` the tensor-sum read rate, GB/s)."""
     import torch
 
-    from jetserve.engine.model.quant_kernels import QuantFusedKernels
+    from jetserve.engine.model.quant_kernels import GemvTile, QuantFusedKernels, quant_matmul
 
     device = torch.device("cuda")
     table = {}
@@ -190,19 +191,26 @@ def kernel_table(shapes, methods, bandwidth: float) -> dict:
                 ms = min(times.values())
                 main_ms, main_tile = main_choice(times)
                 size = _weight_bytes(weight)
-                error = _relative_error(fused, prologue, x, weight, residual, norm)
+                error = _relative_error(fused.skinny_matmul, prologue, x, weight, residual, norm)
+                gemv = {t: ms for t, ms in times.items() if isinstance(t, GemvTile)}
+                gemv_tile = min(gemv, key=gemv.get) if gemv else None
+                gemv_error = gemv_tile and _relative_error(lambda *a, t=gemv_tile: quant_matmul(t, *a), prologue, x,
+                                                           weight, residual, norm)
                 rows[f"{name} {method}"] = {
                     "shape_nk": [n, k], "weight_bytes": size, "us": round(ms * 1e3, 2),
                     "GBps": round(size / ms / 1e6, 1), "Gweights_per_s": round(n * k / ms / 1e6), "share_of_read_bandwidth": round(size / ms / 1e6 / bandwidth, 3),
                     "tile": "cuBLAS" if tile is None else str(tile), "relative_error": error,
                     "main_us": round(main_ms * 1e3, 2), "main_GBps": round(size / main_ms / 1e6, 1),
                     "main_tile": "cuBLAS" if main_tile is None else str(main_tile),
+                    "gemv_us": gemv_tile and round(gemv[gemv_tile] * 1e3, 2), "gemv_tile": gemv_tile and str(gemv_tile),
+                    "gemv_relative_error": gemv_error,
                     "cuBLAS_us": round(times[None] * 1e3, 2) if None in times else None,
                     "tiles_us": {str(t): round(v * 1e3, 2) for t, v in times.items()}}
                 row = rows[f"{name} {method}"]
                 print(f"[quant] kernel {shape} {name} {method}: {row['us']} us {row['GBps']} GB/s tile {tile} "
                       f"error {row['relative_error']}; main {row['main_us']} us {row['main_GBps']} GB/s "
-                      f"{row['main_tile']}", flush=True)
+                      f"{row['main_tile']}; one-row kernel {row['gemv_us']} us error {row['gemv_relative_error']}",
+                      flush=True)
                 del x, weight, residual, norm, fused
     return table
 

@@ -149,15 +149,28 @@ def _quant_skinny_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_p
 
 
 @triton.jit
-def _gemv_tile(acc, cur, w0, n, x_ptr, res_ptr, res_out_ptr, norm_w_ptr, s_ptr, z_ptr, inv, low_bits, store_sum,
+def _group_of(s_ptr, z_ptr, n, w0, K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+              HAS_ZEROS: tl.constexpr):
+    """The scale and stored zero point of each row's group that starts at word w0 (a tile of
+    `_quant_gemv_kernel` is one group), requested a tile ahead like the words; placeholders for
+    formats with one group a row."""
+    GROUPS: tl.constexpr = K // GROUP
+    if GROUPS == 1:
+        return tl.zeros(n.shape, tl.float32), tl.zeros(n.shape, tl.int32)
+    at = n * GROUPS + w0 * (32 // BITS) // GROUP
+    zero = tl.load(z_ptr + at).to(tl.int32) if HAS_ZEROS else tl.zeros(n.shape, tl.int32) + (1 << (BITS - 1))
+    return tl.load(s_ptr + at), zero
+
+
+@triton.jit
+def _gemv_tile(acc, cur, scale, zero, w0, x_ptr, res_ptr, res_out_ptr, norm_w_ptr, inv, low_bits, store_sum,
                K: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr, SILU: tl.constexpr, BITS: tl.constexpr,
-               GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_W: tl.constexpr):
-    """acc + one tile of words [BLOCK_N, BLOCK_W] (starting at word w0 of rows n) times the input
-    row's matching columns, for `_quant_gemv_kernel`. A tile is one group of each row where the
-    format has groups, so its scale and zero point are one value a row, broadcast in registers."""
+               GROUP: tl.constexpr, BLOCK_W: tl.constexpr):
+    """acc + one tile of words [BLOCK_N, BLOCK_W] (from word w0 of its rows, with their group's
+    `scale` and `zero`) times the input row's matching columns, for `_quant_gemv_kernel`; also
+    the sum of those inputs a column, for formats whose zero points come in once a row."""
     FIELDS: tl.constexpr = 32 // BITS
     SPAN: tl.constexpr = 16 * FIELDS
-    GROUPS: tl.constexpr = K // GROUP
     one = tl.arange(0, 1)
     t = tl.arange(0, BLOCK_W)
     field0 = (t // 16) * SPAN + t % 16  # input column of field 0 of the tile's word t, from the tile's first
@@ -178,14 +191,10 @@ def _gemv_tile(acc, cur, w0, n, x_ptr, res_ptr, res_out_ptr, norm_w_ptr, s_ptr, 
             q = _as_float(high & (low_bits << place)) - 8388608.0
         part += (a * (1.0 / (1 << place))) * q
         a_sum += a
-    if GROUPS == 1:  # zero points and scales once a row, at the end
+    if K // GROUP == 1:  # zero points and scales once a row, at the end
         return acc + part, a_sum
-    at = n * GROUPS + w0 * FIELDS // GROUP
-    if HAS_ZEROS:
-        zero = _as_float(tl.load(z_ptr + at).to(tl.int32)) - 8388608.0
-    else:
-        zero = tl.zeros(n.shape, tl.float32) + (1 << (BITS - 1))
-    return acc + (part - zero[:, None] * a_sum) * tl.load(s_ptr + at)[:, None], a_sum
+    zero = _as_float(zero) - 8388608.0
+    return acc + (part - zero[:, None] * a_sum) * scale[:, None], a_sum
 
 
 @triton.jit
@@ -216,6 +225,7 @@ def _quant_gemv_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_ptr
     tile_words = qw_ptr + n.to(tl.int64)[:, None] * KW + tl.arange(0, BLOCK_W)[None, :]
     dtype = x_ptr.dtype.element_ty
     words = tl.load(tile_words + w_lo)  # in flight first
+    scale, zero = _group_of(s_ptr, z_ptr, n, w_lo, K, BITS, GROUP, HAS_ZEROS)
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -226,12 +236,13 @@ def _quant_gemv_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_ptr
     a_total = tl.zeros([1, BLOCK_W], tl.float32)
     for w0 in range(w_lo, w_last, BLOCK_W):
         following = tl.load(tile_words + w0 + BLOCK_W)
-        acc, a_sum = _gemv_tile(acc, words, w0, n, x_ptr, res_ptr, res_out_ptr, norm_w_ptr, s_ptr, z_ptr, inv,
-                                low_bits, pid == 0, K, NORM, ADD, SILU, BITS, GROUP, HAS_ZEROS, BLOCK_W)
+        next_scale, next_zero = _group_of(s_ptr, z_ptr, n, w0 + BLOCK_W, K, BITS, GROUP, HAS_ZEROS)
+        acc, a_sum = _gemv_tile(acc, words, scale, zero, w0, x_ptr, res_ptr, res_out_ptr, norm_w_ptr, inv, low_bits,
+                                pid == 0, K, NORM, ADD, SILU, BITS, GROUP, BLOCK_W)
         a_total += a_sum
-        words = following
-    acc, a_sum = _gemv_tile(acc, words, w_last, n, x_ptr, res_ptr, res_out_ptr, norm_w_ptr, s_ptr, z_ptr, inv,
-                            low_bits, pid == 0, K, NORM, ADD, SILU, BITS, GROUP, HAS_ZEROS, BLOCK_W)
+        words, scale, zero = following, next_scale, next_zero
+    acc, a_sum = _gemv_tile(acc, words, scale, zero, w_last, x_ptr, res_ptr, res_out_ptr, norm_w_ptr, inv, low_bits,
+                            pid == 0, K, NORM, ADD, SILU, BITS, GROUP, BLOCK_W)
     out = tl.sum(acc, axis=1)
     if GROUPS == 1:  # (sum a q - z sum a) s, a row's zero point and scale applied once
         if HAS_ZEROS:
@@ -267,36 +278,35 @@ class GemvTile(Tile):
     which is a group's words where the format has groups (the tile's scale is one a row)."""
 
 
-# Candidates for one input row, timed beside TILES: rows a program x words a step (16: an INT4
-# group of 128; 32: an INT8 one; per-channel formats take 32 or 64) x warps, split K for the narrow
-# projections, the prologue apart.
-GEMV_TILES = [GemvTile(64, 16, 4), GemvTile(128, 16, 8), GemvTile(32, 16, 2), GemvTile(64, 16, 4, 2),
-              GemvTile(64, 16, 4, apart=True),
-              GemvTile(32, 64, 4), GemvTile(64, 32, 4), GemvTile(16, 64, 2), GemvTile(32, 64, 4, 2),
-              GemvTile(32, 64, 4, apart=True), GemvTile(32, 32, 4)]
+# Candidates for one input row, timed beside TILES (bench/results/quant-h200-r4). Formats with
+# groups take a group a step (GROUP_TILES' 16 words: INT4 in groups of 128; other groups, their
+# own words), those with one scale a row 64 words a step; rows a program x warps, split K for the
+# narrow projections (at most a few hundred programs otherwise), the prologue apart.
+GROUP_TILES = [GemvTile(32, 16, 2), GemvTile(64, 16, 4), GemvTile(32, 16, 2, 2), GemvTile(32, 16, 2, 4),
+               GemvTile(64, 16, 4, 4), GemvTile(32, 16, 2, apart=True), GemvTile(64, 16, 4, apart=True)]
+ROW_TILES = [GemvTile(32, 64, 4), GemvTile(16, 64, 2), GemvTile(32, 64, 4, 2), GemvTile(32, 64, 4, 4),
+             GemvTile(32, 64, 4, apart=True), GemvTile(16, 64, 2, apart=True)]
 
 
-def _fits(tile: Tile, rows: int, weight: QuantizedWeight) -> bool:
-    """Whether `tile` can run this product: few enough accumulators a thread; a `GemvTile` only
-    for one row, groups of whole spans, and its step a group's words (K a whole number of steps
-    where a row has one group)."""
-    if triton.next_power_of_2(rows) * tile.block_n * tile.block_k > _MAX_WORDS_PER_THREAD * 32 * tile.warps:
-        return False
-    if not isinstance(tile, GemvTile):
-        return True
+def _gemv_tiles(rows: int, weight: QuantizedWeight) -> list[GemvTile]:
+    """The one-row kernel's candidates for this weight: one row, groups of whole spans, K a
+    whole number of steps."""
     group_words, row_words = weight.group_size * weight.bits // 32, weight.qweight.shape[1]
     if rows != 1 or weight.group_size % span(weight.bits):
-        return False
-    return tile.block_k == group_words if group_words < row_words else row_words % tile.block_k == 0
+        return []
+    if group_words < row_words:
+        return [t._replace(block_k=group_words) for t in GROUP_TILES]
+    return [t for t in ROW_TILES if row_words % t.block_k == 0]
 
 
 def fitting_tiles(rows: int, weight: QuantizedWeight, prologue: int = PLAIN, pdl: bool = False) -> list[Tile]:
-    """Tiles this shape can take (`_fits`); fp32 scales (the loader's); a plain product has no
-    prologue to run apart; with and without PDL as `kernels.with_pdl`."""
+    """Tiles this shape can take: few enough accumulators a thread; fp32 scales (the loader's);
+    a plain product has no prologue to run apart; with and without PDL as `kernels.with_pdl`."""
     if weight.scales.dtype != torch.float32:
         return []
-    return with_pdl([t for t in TILES + GEMV_TILES
-                     if _fits(t, rows, weight) and not (t.apart and prologue == PLAIN)], pdl)
+    return with_pdl([t for t in TILES + _gemv_tiles(rows, weight)
+                     if triton.next_power_of_2(rows) * t.block_n * t.block_k <= _MAX_WORDS_PER_THREAD * 32 * t.warps
+                     and not (t.apart and prologue == PLAIN)], pdl)
 
 
 def quant_matmul(tile, prologue, x, weight: QuantizedWeight, residual=None, norm_weight=None, eps=0.0):
