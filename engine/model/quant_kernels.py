@@ -7,6 +7,7 @@ fp32 as `quant.dequantize` computes it, so the two differ only in reduction orde
 GPU, a Jetson most of all, is bound by the bytes of weights read a token: INT8 halves them, INT4
 quarters them — if dequantizing costs few enough instructions a weight to keep up with memory
 (an H200 streams ~10^13 INT4 weights a second, about a third of its FP32 instruction rate).
+One input row also has its own kernel, `_quant_gemv_kernel`, timed among the same candidates.
 """
 
 from __future__ import annotations
@@ -278,14 +279,13 @@ class GemvTile(Tile):
     which is a group's words where the format has groups (the tile's scale is one a row)."""
 
 
-# Candidates for one input row, timed beside TILES (bench/results/quant-h200-r4). Formats with
-# groups take a group a step (GROUP_TILES' 16 words: INT4 in groups of 128; other groups, their
-# own words), those with one scale a row 64 words a step; rows a program x warps, split K for the
-# narrow projections (at most a few hundred programs otherwise), the prologue apart.
-GROUP_TILES = [GemvTile(32, 16, 2), GemvTile(64, 16, 4), GemvTile(32, 16, 2, 2), GemvTile(32, 16, 2, 4),
-               GemvTile(64, 16, 4, 4), GemvTile(32, 16, 2, apart=True), GemvTile(64, 16, 4, apart=True)]
-ROW_TILES = [GemvTile(32, 64, 4), GemvTile(16, 64, 2), GemvTile(32, 64, 4, 2), GemvTile(32, 64, 4, 4),
-             GemvTile(32, 64, 4, apart=True), GemvTile(16, 64, 2, apart=True)]
+# Candidates for one input row, timed beside TILES: of 13 timed on the H200 (bench/results/
+# quant-h200-r4, explore/), those that won a Qwen3 projection (4B gate·up INT8: 25.9 -> 18.2 µs, the
+# prologue apart) or came within 14-43 % of main's tile (split K: a few hundred programs leave the
+# loop's latency exposed). Formats with groups take a group a step (16 words: INT4 in groups of 128;
+# other groups, their own words), those with one scale a row 64 words a step.
+GROUP_TILES = [GemvTile(32, 16, 2, 4), GemvTile(32, 16, 2, apart=True)]
+ROW_TILES = [GemvTile(32, 64, 4, apart=True), GemvTile(32, 64, 4, 4), GemvTile(16, 64, 2)]
 
 
 def _gemv_tiles(rows: int, weight: QuantizedWeight) -> list[GemvTile]:
