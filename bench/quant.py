@@ -91,10 +91,8 @@ def projection_variants(shapes, methods, rows: int) -> list[tuple]:
 
 def main_choice(times: dict) -> tuple[float, object]:
     """(ms, tile) of the fastest of what main could choose before this round: any candidate but
-    the one-row quantized kernel's (`GemvTile`)."""
-    from jetserve.engine.model.quant_kernels import GemvTile
-
-    mains = {t: ms for t, ms in times.items() if not isinstance(t, GemvTile)}
+    the one-row quantized kernel's (`Tile.one_row`)."""
+    mains = {t: ms for t, ms in times.items() if t is None or not t.one_row}
     best = min(mains, key=mains.get)
     return mains[best], best
 
@@ -175,7 +173,7 @@ def kernel_table(shapes, methods, bandwidth: float) -> dict:
     (`bandwidth` the tensor-sum read rate, GB/s)."""
     import torch
 
-    from jetserve.engine.model.quant_kernels import GemvTile, QuantFusedKernels, quant_matmul
+    from jetserve.engine.model.quant_kernels import QuantFusedKernels, quant_matmul
 
     device = torch.device("cuda")
     table = {}
@@ -192,7 +190,7 @@ def kernel_table(shapes, methods, bandwidth: float) -> dict:
                 main_ms, main_tile = main_choice(times)
                 size = _weight_bytes(weight)
                 error = _relative_error(fused.skinny_matmul, prologue, x, weight, residual, norm)
-                gemv = {t: ms for t, ms in times.items() if isinstance(t, GemvTile)}
+                gemv = {t: ms for t, ms in times.items() if t is not None and t.one_row}
                 gemv_tile = min(gemv, key=gemv.get) if gemv else None
                 gemv_error = gemv_tile and _relative_error(lambda *a, t=gemv_tile: quant_matmul(t, *a), prologue, x,
                                                            weight, residual, norm)

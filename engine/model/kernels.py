@@ -460,7 +460,9 @@ class Tile(NamedTuple):
     fp32 partial sums a second kernel adds in order (a small N still fills the GPU); `apart`:
     the prologue (norm, SiLU·up) as its own kernel first, so no program recomputes it (the fused
     kernel computes it once per program, over the whole row); `pdl`: programmatic dependent
-    launches (see `launch`), which help some shapes and slow others."""
+    launches (see `launch`), which help some shapes and slow others; `one_row`: the quantized
+    products' kernel for one input row (quant_kernels._quant_gemv_kernel), a field, so a tile
+    stored in the tile cache says which kernel it is."""
 
     block_n: int
     block_k: int
@@ -468,6 +470,7 @@ class Tile(NamedTuple):
     split_k: int = 1
     apart: bool = False
     pdl: bool = False
+    one_row: bool = False
 
 
 # Tiles tried for each shape; an FMA tile holds BLOCK_M * BLOCK_N * BLOCK_K products. Main's

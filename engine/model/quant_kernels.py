@@ -274,21 +274,17 @@ TILES = [Tile(8, 128, 4), Tile(16, 128, 4), Tile(4, 128, 4), Tile(8, 64, 2), Til
 _MAX_WORDS_PER_THREAD = 16  # accumulators a thread holds per word: more spills registers
 
 
-class GemvTile(Tile):
-    """A tile of `_quant_gemv_kernel` (one input row): BLOCK_N rows of `block_k` words a step,
-    which is a group's words where the format has groups (the tile's scale is one a row)."""
-
-
-# Candidates for one input row, timed beside TILES: of 13 timed on the H200 (bench/results/
+# Candidates for one input row (`one_row`: `_quant_gemv_kernel`, BLOCK_N rows of block_k words a
+# step), timed beside TILES: of 13 timed on the H200 (bench/results/
 # quant-h200-r4, explore/), those that won a Qwen3 projection (4B gate·up INT8: 25.9 -> 18.2 µs, the
 # prologue apart) or came within 14-43 % of main's tile (split K: a few hundred programs leave the
 # loop's latency exposed). Formats with groups take a group a step (16 words: INT4 in groups of 128;
 # other groups, their own words), those with one scale a row 64 words a step.
-GROUP_TILES = [GemvTile(32, 16, 2, 4), GemvTile(32, 16, 2, apart=True)]
-ROW_TILES = [GemvTile(32, 64, 4, apart=True), GemvTile(32, 64, 4, 4), GemvTile(16, 64, 2)]
+GROUP_TILES = [Tile(32, 16, 2, 4, one_row=True), Tile(32, 16, 2, apart=True, one_row=True)]
+ROW_TILES = [Tile(32, 64, 4, apart=True, one_row=True), Tile(32, 64, 4, 4, one_row=True), Tile(16, 64, 2, one_row=True)]
 
 
-def _gemv_tiles(rows: int, weight: QuantizedWeight) -> list[GemvTile]:
+def _gemv_tiles(rows: int, weight: QuantizedWeight) -> list[Tile]:
     """The one-row kernel's candidates for this weight: one row, groups of whole spans, K a
     whole number of steps."""
     group_words, row_words = weight.group_size * weight.bits // 32, weight.qweight.shape[1]
@@ -331,7 +327,7 @@ def quant_matmul(tile, prologue, x, weight: QuantizedWeight, residual=None, norm
                 BLOCK_W=tile.block_k, NORM_BLOCK=min(triton.next_power_of_2(k), 4096 // block_m), KW_SPLIT=kw_split,
                 num_warps=tile.warps)
     grid = (triton.cdiv(n, tile.block_n), splits)
-    if isinstance(tile, GemvTile):
+    if tile.one_row:
         launch(_quant_gemv_kernel, grid, tile.pdl, *args, n, k, eps, (1 << weight.bits) - 1,
                EVEN_N=n % tile.block_n == 0, **meta)
     else:

@@ -252,7 +252,8 @@ def test_quant_gemv_kernel(bits, group, sym):
     than a span of words take none of its tiles."""
     pytest.importorskip("triton")
     from jetserve.engine.model import kernels
-    from jetserve.engine.model.quant_kernels import GemvTile, fitting_tiles, quant_matmul
+    from jetserve.engine.model.kernels import Tile
+    from jetserve.engine.model.quant_kernels import fitting_tiles, quant_matmul
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(bits + group)
@@ -260,14 +261,14 @@ def test_quant_gemv_kernel(bits, group, sym):
     w = quant.quantize(torch.randn(n, k) / 8, bits, group, sym)
     w = quant.QuantizedWeight(*(t.to(device) if isinstance(t, torch.Tensor) else t for t in w))
     step = 32 if group == -1 else group * bits // 32  # words a step: a group's, or any that divides K
-    tiles = {GemvTile(16, step, 1): (kernels.PLAIN, kernels.NORM, kernels.ADD_NORM, kernels.SILU_MUL),
-             GemvTile(8, step, 1, 2): (kernels.NORM, kernels.ADD_NORM),
-             GemvTile(16, step, 1, apart=True): (kernels.SILU_MUL,)}  # tile: prologues
-    fitting = [t for t in fitting_tiles(1, w, kernels.NORM) if isinstance(t, GemvTile)]
+    tiles = {Tile(16, step, 1, one_row=True): (kernels.PLAIN, kernels.NORM, kernels.ADD_NORM, kernels.SILU_MUL),
+             Tile(8, step, 1, 2, one_row=True): (kernels.NORM, kernels.ADD_NORM),
+             Tile(16, step, 1, apart=True, one_row=True): (kernels.SILU_MUL,)}  # tile: prologues
+    fitting = [t for t in fitting_tiles(1, w, kernels.NORM) if t.one_row]
     if group % quant.span(bits) and group != -1:
         assert not fitting
         return
-    assert fitting and not [t for t in fitting_tiles(2, w) if isinstance(t, GemvTile)]
+    assert fitting and not [t for t in fitting_tiles(2, w) if t.one_row]
     dense = quant.dequantize(w, torch.float32)
     x, res = torch.randn(1, k, device=device), torch.randn(1, k, device=device)
     gate_up, norm_w = torch.randn(1, 2 * k, device=device), torch.rand(k, device=device) + 0.5
@@ -285,6 +286,20 @@ def test_quant_gemv_kernel(bits, group, sym):
                 torch.testing.assert_close(got[1], h, rtol=0, atol=0)
             got = got[0] if isinstance(got, tuple) else got
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=f"{prologue} {tile}")
+
+
+def test_the_tile_cache_keeps_which_kernel_a_one_row_choice_runs(tmp_path):
+    """A one-row tile read back from the tile cache still runs the one-row kernel: the kernel is
+    a field of the tile, not its class (a stored tile is its fields)."""
+    from jetserve.engine.model.kernels import Tile
+    from jetserve.engine.model.tile_cache import TileCache, fingerprint
+
+    fp = fingerprint(torch.device("cpu"))
+    key = ("quant", 0, 1, 6144, 2560, 8, 2560, torch.float32, torch.bfloat16)
+    tiles = [Tile(32, 64, 4), Tile(32, 64, 4, one_row=True)]
+    TileCache(tmp_path, fp).store(key, tiles, [0.02, 0.01], tiles[1])
+    entry = TileCache(tmp_path, fp).lookup(key, tiles)
+    assert entry.tile == tiles[1] and entry.tile.one_row and entry.candidates == tuple(tiles)
 
 
 def test_quant_gemv_kernel_compiles_for_hopper():
