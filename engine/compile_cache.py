@@ -91,13 +91,14 @@ class ProgramCache:
         return program
 
     def store(self, key: str, write: Callable[[str], None]) -> Path:
-        """Write an entry through `write(path)` into a temporary file, then rename it into place."""
+        """Write an entry through `write(path)` (which may load and check it there) into a temporary
+        file, then rename it into place in lieu of the key's older entry."""
         self.directory.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{key}.", suffix=".pt2")
         os.close(fd)
         try:
             write(tmp)
-            self.remove(key)
+            self._remove(key)
             path = self.directory / f"{key}.{file_digest(tmp)[:16]}.pt2"
             os.replace(tmp, path)
         finally:
@@ -108,9 +109,9 @@ class ProgramCache:
 
     def discard(self, key: str, why: str) -> None:
         log.warning("CPU program cache: %s is unusable (%s); compiling it again", self.path(key), why)
-        self.remove(key)
+        self._remove(key)
 
-    def remove(self, key: str) -> None:
+    def _remove(self, key: str) -> None:
         for path in self.directory.glob(f"{key}.*.pt2"):
             path.unlink(missing_ok=True)
 

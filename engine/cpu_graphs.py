@@ -289,11 +289,9 @@ class CPUGraphs:
                 self.load_seconds[program] = round(time.perf_counter() - began, 2)
                 self.entries[program] = cache.path(key)
                 continue
-            try:
-                path = cache.store(key, lambda tmp: self._compile(program, tmp))
-                self._loader(program)(str(path))
-            except Exception as exc:  # those buckets run eagerly; the engine still starts
-                cache.remove(key)
+            try:  # loaded and checked before it is renamed into place: no other engine can remove it first
+                path = cache.store(key, lambda tmp: (self._compile(program, tmp), self._loader(program)(tmp)))
+            except Exception as exc:  # those buckets run eagerly (nothing cached); the engine still starts
                 log.warning("compiling the CPU decode step for batch size %s failed (%s: %s); it runs eagerly",
                             "1" if program == 1 else "2 or more", type(exc).__name__,
                             str(exc).splitlines()[0] if str(exc) else "")
