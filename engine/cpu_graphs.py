@@ -37,7 +37,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
