@@ -227,21 +227,28 @@ def test_quant_kernel_prologues(bits, group, sym, m):
         n = 37
         w = quant.quantize(torch.randn(n, k) / 8, bits, group, sym)
         w = quant.QuantizedWeight(*(t.to(device) if isinstance(t, torch.Tensor) else t for t in w))
-        dense = quant.dequantize(w, torch.float32)
-        x, res = torch.randn(m, k, device=device), torch.randn(m, k, device=device)
-        gate_up, norm_w = torch.randn(m, 2 * k, device=device), torch.rand(k, device=device) + 0.5
-        h = x + res
-        rms = lambda v: norm_w * (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps))  # noqa: E731
-        cases = {kernels.PLAIN: ((x, None, None), F.linear(x, dense)),
-                 kernels.NORM: ((x, None, norm_w), F.linear(rms(x), dense)),
-                 kernels.ADD_NORM: ((x, res, norm_w), F.linear(rms(h), dense)),
-                 kernels.SILU_MUL: ((gate_up, None, None), F.linear(F.silu(gate_up[:, :k]) * gate_up[:, k:], dense))}
+        cases, h = prologue_cases(m, k, quant.dequantize(w, torch.float32), device, eps)
         for prologue, ((inp, residual, nw), want) in cases.items():
             got = quant_matmul(tile, prologue, inp, w, residual, nw, eps)
             if prologue == kernels.ADD_NORM:
                 torch.testing.assert_close(got[1], h, rtol=0, atol=0)
             got = got[0] if isinstance(got, tuple) else got
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=f"{prologue} k={k} {tile}")
+
+
+def prologue_cases(m: int, k: int, dense: torch.Tensor, device: str, eps: float):
+    """Inputs of each fused prologue over m rows and their dequantize + torch reference:
+    {prologue: ((input, residual, norm weight), expected)}, and x + residual (ADD_NORM's second output)."""
+    from jetserve.engine.model import kernels
+
+    x, res = torch.randn(m, k, device=device), torch.randn(m, k, device=device)
+    gate_up, norm_w = torch.randn(m, 2 * k, device=device), torch.rand(k, device=device) + 0.5
+    h = x + res
+    rms = lambda v: norm_w * (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps))  # noqa: E731
+    return {kernels.PLAIN: ((x, None, None), F.linear(x, dense)),
+            kernels.NORM: ((x, None, norm_w), F.linear(rms(x), dense)),
+            kernels.ADD_NORM: ((x, res, norm_w), F.linear(rms(h), dense)),
+            kernels.SILU_MUL: ((gate_up, None, None), F.linear(F.silu(gate_up[:, :k]) * gate_up[:, k:], dense))}, h
 
 
 @pytest.mark.parametrize("bits,group,sym", FORMATS)
@@ -269,15 +276,7 @@ def test_quant_gemv_kernel(bits, group, sym):
         assert not fitting
         return
     assert fitting and not [t for t in fitting_tiles(2, w) if t.one_row]
-    dense = quant.dequantize(w, torch.float32)
-    x, res = torch.randn(1, k, device=device), torch.randn(1, k, device=device)
-    gate_up, norm_w = torch.randn(1, 2 * k, device=device), torch.rand(k, device=device) + 0.5
-    h = x + res
-    rms = lambda v: norm_w * (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps))  # noqa: E731
-    cases = {kernels.PLAIN: ((x, None, None), F.linear(x, dense)),
-             kernels.NORM: ((x, None, norm_w), F.linear(rms(x), dense)),
-             kernels.ADD_NORM: ((x, res, norm_w), F.linear(rms(h), dense)),
-             kernels.SILU_MUL: ((gate_up, None, None), F.linear(F.silu(gate_up[:, :k]) * gate_up[:, k:], dense))}
+    cases, h = prologue_cases(1, k, quant.dequantize(w, torch.float32), device, eps)
     for tile, prologues in tiles.items():
         for prologue in prologues:
             (inp, residual, nw), want = cases[prologue]
