@@ -304,7 +304,6 @@ def _random_checkpoint_with_mtp(shape: str, directory: Path, dtype, device) -> N
 def run(args) -> dict:
     import torch
 
-    from jetserve.engine import SamplingParams
     from jetserve.engine.config import resolve_device
 
     ks = [int(k) for k in args.ks.split(",")]
@@ -369,8 +368,11 @@ def run(args) -> dict:
                     "mean_accepted_length": round(1 + sum(r["accepted"] for r in runs) / drafts, 3) if drafts else 1.0,
                     "outputs": [o for r in runs for o in r["outputs"]],
                 }
-                if adaptive:
-                    entry["final_k"] = llm.engine.draft_length.k
+                if adaptive:  # what the draft length chose, and the step times it chose from
+                    lengths = llm.engine.draft_length
+                    entry["final_k"] = lengths.k
+                    entry["step_ms_seen"] = {f"verify {v} propose {p} batch {b}": [round(t * 1e3, 4), n]
+                                             for (v, p, b), (t, n) in sorted(lengths.step_time.items())}
                 print(f"{label} T={temperature:g}: {entry['tok_s']} acceptance {entry['acceptance_per_position']} "
                       f"mean length {entry['mean_accepted_length']} k {entry.get('final_k', entry['k'])}", flush=True)
         del llm

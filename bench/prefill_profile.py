@@ -83,8 +83,6 @@ def _engine(args, model_dir, device, name):
 def _profile_engine(args, model_dir, device, name, depths):
     """One engine: a warm-up prefill, a profiled one (the steps at `depths`), then `repeats`
     timed ones. Returns the per-depth summary and the profiler's kernel tables."""
-    import torch
-
     from jetserve.bench.common import median
 
     engine = _engine(args, model_dir, device, name)

@@ -49,7 +49,7 @@ from tqdm import tqdm
 
 from jetserve.engine.config import CUDAGraphConfig
 from jetserve.engine.model.attention import (PREFILL_BLOCK_M, AttentionMetadata, PrefillWork, prefill_plan,
-                                             slot_mapping)
+                                             slot_mapping, to_device)
 from jetserve.engine.spec_decode import Acceptance, device_acceptance, speculative_step
 
 log = logging.getLogger(__name__)
@@ -74,6 +74,7 @@ class StagedInputs:
         for views in self._host:
             init(*views)
         self._copied = [torch.cuda.Event(), torch.cuda.Event()] if pinned else None
+        self._stream = torch.cuda.current_stream(device) if pinned else None  # looked up once: see ResultCopies
         self._turn = 0
         self.device = self._staging[0].to(device)
         self.views = split(self.device)
@@ -89,7 +90,7 @@ class StagedInputs:
         turn, self._turn = self._turn, 1 - self._turn
         self.device[start:end].copy_(self._staging[turn][start:end], non_blocking=True)
         if self._copied is not None:
-            self._copied[turn].record()
+            self._copied[turn].record(self._stream)
 
 
 def _capture(todo: list, step: Callable, num_warmup: int, pool, describe: Callable[[tuple], str],
@@ -316,11 +317,16 @@ class MixedStepGraphs:
     so its work list and partial results have static bounds. The graph ends in the
     vocab projection of the step's sampled rows (one a sequence at most; padded: row 0) and their
     argmax, into a logits buffer outside the pool. Only those leave the graph, so the graphs'
-    activations share one pool whatever their number: it grows to the largest step's."""
+    activations share one pool whatever their number: it grows to the largest step's.
+
+    `mtp_pass` (MTP drafting): each bucket has a second graph, the MTP pass over the step's rows
+    (MTP layer 0 fed each row's final hidden state, kept outside the pool, and the token after
+    it), which fills the MTP layer's KV cache; it is replayed once the step's tokens are sampled,
+    since the last row of a sequence is fed the token sampled there."""
 
     def __init__(self, model, kv_cache: torch.Tensor, sizes: tuple[int, ...], max_seqs: int, width: int,
                  block_size: int, scratch_block: int, num_warmup: int, split_items: int = 1,
-                 keep_hidden: bool = False):
+                 mtp_pass: bool = False):
         self.model, self.kv_cache, self.sizes, self.num_warmup = model, kv_cache, sorted(sizes), num_warmup
         self.split_items = split_items
         self.max_seqs, self.width, self.block_size = max_seqs, width, block_size
@@ -332,12 +338,13 @@ class MixedStepGraphs:
         self.ids, self.positions, self.slots, self.context_lens, self.starts, self.sample_rows, self.items, \
             self.merges, self.block_tables = self.staged.views
         self.logits = torch.zeros(max_seqs, model.config.vocab_size, dtype=torch.float32, device=kv_cache.device)
-        # Every row's final hidden state, outside the pool, where MTP drafting asks for it: its
-        # MTP pass runs over all of a prefill's rows after the replay.
+        # The MTP pass's inputs, outside the pool: every row's final hidden state and the token after it.
         self.hidden = torch.zeros(self.max_tokens, model.config.hidden_size, dtype=model.embed_tokens.weight.dtype,
-                                  device=kv_cache.device) if keep_hidden else None
+                                  device=kv_cache.device) if mtp_pass else None
+        self.shifted = torch.zeros(self.max_tokens, dtype=torch.int32, device=kv_cache.device) if mtp_pass else None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.greedy: dict[int, torch.Tensor] = {}
+        self.mtp_graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
     def max_items(self, tokens: int) -> int:
         """Flash-kernel work items a step of `tokens` tokens over up to max_seqs sequences may
@@ -374,13 +381,19 @@ class MixedStepGraphs:
 
     def step(self, tokens: int) -> torch.Tensor:
         """The captured work of a bucket: the forward (its hidden states into `self.hidden`
-        when kept), the sampled rows' fp32 logits (into `self.logits`) and their argmax. Eager on
-        the same static inputs where graphs are unavailable (the CPU tests)."""
+        with an MTP pass), the sampled rows' fp32 logits (into `self.logits`) and their argmax.
+        Eager on the same static inputs where graphs are unavailable (the CPU tests)."""
         hidden = self.model(self.ids[:tokens], self.positions[:tokens], self.kv_cache, self.meta(tokens))
         if self.hidden is not None:
             self.hidden[:tokens].copy_(hidden)
         self.logits.copy_(self.model.compute_logits(hidden.index_select(0, self.sample_rows)))
         return self.logits.argmax(-1)
+
+    def mtp_step(self, tokens: int) -> None:
+        """The captured MTP pass of a bucket, over the static inputs and the kept hidden states:
+        only its KV writes matter (a step with prefill drafts nothing; see MTPProposer)."""
+        self.model.mtp_forward(0, self.shifted[:tokens], self.positions[:tokens], self.hidden[:tokens], self.kv_cache,
+                               self.meta(tokens))
 
     @torch.inference_mode()
     def capture(self, pool, progress: Callable[[str], None] | None = None) -> None:
@@ -389,6 +402,14 @@ class MixedStepGraphs:
                             pool, lambda key: f"a mixed step of {key[0]} tokens", progress)
         for (tokens,), (graph, greedy) in captured.items():
             self.graphs[tokens], self.greedy[tokens] = graph, greedy
+        if self.hidden is not None:  # a bucket without its MTP pass graph runs eagerly
+            mtp = _capture([(tokens,) for tokens in sorted(self.graphs, reverse=True)], self.mtp_step,
+                           self.num_warmup, pool, lambda key: f"the MTP pass of a mixed step of {key[0]} tokens",
+                           progress)
+            for (tokens,), (graph, _) in mtp.items():
+                self.mtp_graphs[tokens] = graph
+            for tokens in set(self.graphs) - set(self.mtp_graphs):
+                del self.graphs[tokens]
         torch.cuda.synchronize()
         log.info("CUDA graphs of mixed steps: %d of %d captured in %.1f s (tokens %s), %.0f MiB", len(self.graphs),
                  len(self.sizes), time.perf_counter() - start, ",".join(map(str, self.sizes)),
@@ -425,3 +446,8 @@ class MixedStepGraphs:
         (views, read before the next replay as the decode graphs' are)."""
         self.graphs[bucket].replay()
         return self.logits[:num_sampled], self.greedy[bucket][:num_sampled]
+
+    def replay_mtp_pass(self, bucket: int, shifted: list[int]) -> None:
+        """Replay a bucket's MTP pass, given per row the token after it (`spec_decode.next_tokens`)."""
+        self.shifted[:len(shifted)].copy_(to_device(torch.tensor(shifted, dtype=torch.int32), self.shifted.device))
+        self.mtp_graphs[bucket].replay()

@@ -138,17 +138,19 @@ class LLMEngine:
         if not batch:
             return []
         self._mark_scheduled(batch)
-        return self._execute(batch, num_drafts)
+        return self._execute(batch, num_drafts, timed=True)
 
-    def _execute(self, batch: ScheduledBatch, num_drafts: int) -> list[RequestOutput]:
-        """Run a scheduled step and wait for its tokens."""
+    def _execute(self, batch: ScheduledBatch, num_drafts: int, timed: bool) -> list[RequestOutput]:
+        """Run a scheduled step and wait for its tokens. `timed`: a decode step's time tells the
+        draft length what k costs (steps run one at a time; under async scheduling a step that
+        catches up is not timed: see _record_step_time)."""
         verified = self.runner.speculative_shape(batch, num_drafts) if self.draft_length else None
         start = time.perf_counter()
         sampled, drafts, logprobs, prompt_logprobs = self.runner.execute(batch, num_drafts)
         for seq, lists in zip(batch.seqs, prompt_logprobs):
             if lists is not None:
                 self._gather_prompt_logprobs(self.requests[seq.request_id], lists)
-        if verified is not None:  # a decode step: its time tells the draft length what k costs
+        if verified is not None and timed:
             self.draft_length.record_step(verified, num_drafts, len(batch), time.perf_counter() - start)
         return self._complete(batch, sampled, drafts, logprobs)
 
@@ -186,6 +188,7 @@ class LLMEngine:
         launch = self.runner.launch(batch) if batch else None
         if launch is not None:
             self.scheduler.launched(batch, launch.seqs)
+            launch.pipelined = self._in_flight is not None
         previous, self._in_flight = self._in_flight, launch
         return self._receive(previous) if previous is not None else []
 
@@ -209,7 +212,7 @@ class LLMEngine:
             return []
         self._mark_scheduled(batch)
         if self.runner.plain_step(batch, num_drafts) or self.runner.speculative_shape(batch, num_drafts) is None:
-            return self._execute(batch, num_drafts)
+            return self._execute(batch, num_drafts, timed=False)
         self._in_flight = self.runner.launch_speculative(batch, num_drafts)
         return []
 
@@ -227,6 +230,7 @@ class LLMEngine:
         batch = ScheduledBatch(list(seqs), [q] * len(seqs))
         launch = self.runner.launch_speculative(batch, num_drafts, after=previous)
         if launch is not None:
+            launch.pipelined = True
             self._next_drafts = None
             self._mark_scheduled(batch)
         return launch
@@ -252,9 +256,13 @@ class LLMEngine:
 
     def _record_step_time(self, launch: Launch | SpeculativeLaunch, verified: int, proposed: int, batch: int) -> None:
         """A launched step's time for the draft length: from the previous step's tokens to its own
-        (the pipeline's period: what a token costs when steps overlap), or from its launch."""
+        (the pipeline's period: what a token costs when steps overlap). Only for a step launched
+        while another was in flight: the first step after a wait (a prefill, a chain that broke,
+        the plain step of a probe) pays the pipeline's whole latency, which steady decoding at
+        that k does not; counted, it made plain decoding look 1.5x slower than it runs."""
         now = time.perf_counter()
-        self.draft_length.record_step(verified, proposed, batch, now - max(launch.launched_at, self._received_at))
+        if launch.pipelined:
+            self.draft_length.record_step(verified, proposed, batch, now - max(launch.launched_at, self._received_at))
         self._received_at = now
 
     def _gather_prompt_logprobs(self, request: _Request, lists: LogprobsLists) -> None:

@@ -24,7 +24,7 @@ from jetserve.engine.outputs import LogprobsLists
 from jetserve.engine.sampler import History, drawn_in_graph, process_logits, sample, token_logprobs
 from jetserve.engine.scheduler import ScheduledBatch
 from jetserve.engine.sequence import Sequence
-from jetserve.engine.spec_decode import (MTPProposer, chained_inputs, device_acceptance, host_acceptance,
+from jetserve.engine.spec_decode import (MTPProposer, chained_inputs, device_acceptance, host_acceptance, next_tokens,
                                          speculative_step, verify)
 
 log = logging.getLogger(__name__)
@@ -129,6 +129,8 @@ class ModelRunner:
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB) on %s, %s", self.num_blocks, self.block_size,
                  self.kv_cache.numel() * self.kv_cache.element_size() / 2**20, self.device, self.dtype)
         self._last_sampled: tuple[torch.Tensor, dict[Sequence, int]] | None = None  # see launch()
+        # The largest result a launch sends back: a speculative step's rows, q + 1 + k wide.
+        self.copies = ResultCopies(self.device, config.max_num_seqs * (2 * config.num_speculative_tokens + 2))
         self.graphs = self.mixed = None
         if config.cuda_graphs:
             prefill = min(config.max_num_batched_tokens, 1024, self.num_blocks * self.block_size)
@@ -142,7 +144,7 @@ class ModelRunner:
                 self.mixed = MixedStepGraphs(self.model, self.kv_cache, config.cuda_graphs.token_sizes,
                                              config.max_num_seqs, self.graphs.width, self.block_size,
                                              scratch_block=self.num_blocks, num_warmup=config.cuda_graphs.num_warmup,
-                                             split_items=self.split_items, keep_hidden=self.proposer is not None)
+                                             split_items=self.split_items, mtp_pass=self.proposer is not None)
                 self.mixed.capture(pool, progress)
             self.graphs.capture(pool, progress)
             self.kernels.freeze()
@@ -231,6 +233,9 @@ class ModelRunner:
         emitted_logprobs = [next(logprobs) if d else None for d in step.sampled]
         if self.proposer is None or self.plain_step(batch, num_drafts):
             return emitted, [[] for _ in batch.seqs], emitted_logprobs, prompt_logprobs
+        if step.mixed_bucket is not None:  # its MTP pass is a graph too, and such a step drafts nothing
+            self.mixed.replay_mtp_pass(step.mixed_bucket, next_tokens(batch.seqs, batch.num_tokens, emitted))
+            return emitted, [[] for _ in batch.seqs], emitted_logprobs, prompt_logprobs
         drafts = self.proposer.propose(self._draft_forward, self.model.draft_tokens, batch.seqs,
                                        batch.num_tokens, step.hidden, step.positions, step.meta, emitted, num_drafts)
         return emitted, drafts, emitted_logprobs, prompt_logprobs
@@ -297,7 +302,7 @@ class ModelRunner:
                 graphs.stage(key, *self._uniform_inputs(seqs, q), tables, _draws(seqs))
             else:
                 graphs.stage_chained(key, after.q, tables, _draws(seqs))
-            return SpeculativeLaunch(batch, num_drafts, *_copy_to_host(graphs.replay(key, len(seqs))[0]))
+            return SpeculativeLaunch(batch, num_drafts, *self.copies(graphs.replay(key, len(seqs))[0]))
         if after is None:
             ids, positions, ctx_lens = self._uniform_inputs(seqs, q)
             ids_t, positions_t = (to_device(torch.tensor(x), self.device) for x in (ids, positions))
@@ -315,7 +320,7 @@ class ModelRunner:
                   else host_acceptance(tables, self.block_size, self.device, self.model.rotary))
         packed = speculative_step(self.model, self.kv_cache, ids_t, positions_t, meta, q, num_drafts,
                                   self._sample_rows(seqs, q, positions_t), accept)
-        return SpeculativeLaunch(batch, num_drafts, *_copy_to_host(packed), context_lens=torch.tensor(ctx_lens))
+        return SpeculativeLaunch(batch, num_drafts, *self.copies(packed), context_lens=torch.tensor(ctx_lens))
 
     @staticmethod
     def _uniform_inputs(seqs: list[Sequence], q: int) -> tuple[list[int], list[int], list[int]]:
@@ -358,7 +363,7 @@ class ModelRunner:
             return Launch(sampled, None, None)
         tokens = self._sample_tensor(step, sampled)
         self._last_sampled = tokens, {seq: row for row, seq in enumerate(sampled)}
-        return Launch(sampled, *_copy_to_host(tokens))
+        return Launch(sampled, *self.copies(tokens))
 
     def _run(self, batch: ScheduledBatch) -> _Step:
         """The forward of a step: a graph replay fed by one copy when a captured graph fits the
@@ -390,12 +395,8 @@ class ModelRunner:
             if pending:
                 self._fill_pending(self.mixed.ids, pending)
             logits, greedy = self.mixed.replay(bucket, len(sample_at))
-            hidden, meta = None, None
-            if self.mixed.hidden is not None:  # drafting: the MTP pass runs over every row, eagerly
-                hidden = self.mixed.hidden[:len(ids)]
-                meta = AttentionMetadata.build(q_lens, ctx_lens, tables, self.block_size, self.device,
-                                               self.config.fused_kernels, self.split_items)
-            return _Step(hidden, self.mixed.positions[:len(ids)], meta, sample_at, sampled, logits, greedy)
+            return _Step(None, self.mixed.positions[:len(ids)], None, sample_at, sampled, logits, greedy,
+                         mixed_bucket=bucket)
         if key is not None:
             graphs = self.graphs
             drawn = isinstance(graphs, CUDAGraphs)  # the draw is in the graph (compiled CPU steps: the argmax)
@@ -505,17 +506,34 @@ def _histories(seqs: list[Sequence]) -> list[History]:
             for s in seqs for j in range(len(s.spec_token_ids) + 1)]
 
 
-def _copy_to_host(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-    """A step's small result on its way to the host: pinned memory filled by one non-blocking
-    copy, and the event that says it arrived (not a pageable copy's implicit sync of
-    everything); on a CPU the tensor itself, already there."""
-    if tensor.device.type != "cuda":
-        return tensor, None
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    host.copy_(tensor, non_blocking=True)
-    ready = torch.cuda.Event()
-    ready.record()
-    return host, ready
+class ResultCopies:
+    """Small step results on their way to the host: one non-blocking copy each into a ring of
+    pinned buffers, with an event each that says the copy arrived (not a pageable copy's
+    implicit sync of everything). Buffers, events and the stream are made once: a pinned
+    allocation, an event and the current stream's lookup each cost the host as much as a graph's
+    launch, or more. Three, because async scheduling leaves at most two results unread (the step in
+    flight and the one launched after it); a result larger than a buffer gets its own. On a CPU
+    the tensor itself, already there."""
+
+    def __init__(self, device: torch.device, size: int, depth: int = 3):
+        self.cuda = device.type == "cuda"
+        self.turn = 0
+        if self.cuda:
+            self.stream = torch.cuda.current_stream(device)
+            self.buffers = [torch.empty(size, dtype=torch.int64, pin_memory=True) for _ in range(depth)]
+            self.events = [torch.cuda.Event() for _ in range(depth)]
+
+    def __call__(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        if not self.cuda:
+            return tensor, None
+        turn, self.turn = self.turn, (self.turn + 1) % len(self.buffers)
+        if tensor.dtype == torch.int64 and tensor.numel() <= self.buffers[turn].numel():
+            host, ready = self.buffers[turn][:tensor.numel()].view(tensor.shape), self.events[turn]
+        else:
+            host, ready = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True), torch.cuda.Event()
+        host.copy_(tensor, non_blocking=True)
+        ready.record(self.stream)
+        return host, ready
 
 
 @dataclass
@@ -530,6 +548,7 @@ class _Step:
     logits: torch.Tensor | None = None  # [len(sample_at), vocab] fp32, when the graph computed them
     greedy: torch.Tensor | None = None  # their argmax, or with `drawn` the graph's draw (sampler.race)
     drawn: bool = False
+    mixed_bucket: int | None = None  # the mixed-step graph that ran the step (its MTP pass replays apart)
 
 
 @dataclass
@@ -540,6 +559,7 @@ class Launch:
     tokens_on_host: torch.Tensor | None  # pinned, filled by a non-blocking copy (CPU: the tokens)
     ready: torch.cuda.Event | None
     launched_at: float = field(default_factory=time.perf_counter)
+    pipelined: bool = False  # launched while another step was in flight (the engine says)
 
     def tokens(self) -> list[tuple[Sequence, int]]:
         """Wait for the step's tokens: (sequence, token) for each sequence it sampled."""
@@ -561,6 +581,7 @@ class SpeculativeLaunch:
     ready: torch.cuda.Event | None
     context_lens: torch.Tensor | None = None  # eager steps: what a step chained after this one starts from
     launched_at: float = field(default_factory=time.perf_counter)
+    pipelined: bool = False  # launched while another step was in flight (the engine says)
 
     @property
     def q(self) -> int:

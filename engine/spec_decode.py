@@ -17,7 +17,9 @@ A step with speculation, per decoding sequence whose last token is x_t and draft
    (vLLM's "shifted by one"). Rows past the last accepted token are garbage and get rewritten
    next step, like the main model's rejected entries (rollback = `num_computed_tokens`).
 4. Drafting chains from the last accepted row: step j runs MTP layer j % n on the previous
-   draft and the previous MTP hidden state, one token per sequence; drafts are argmax.
+   draft and the previous MTP hidden state, one token per sequence; drafts are argmax. A step
+   that ends a prompt stops after step 3: the next step verifies nothing and drafts k (a
+   speculative step of q = 1, graphed like the others), so the first token is not delayed.
 
 When every sequence of a step decodes with the same k drafts, steps 1-4 are one function of
 device tensors (`speculative_step`), which the runner replays as one CUDA graph: the host
@@ -169,6 +171,18 @@ def host_acceptance(block_tables: list[list[int]], block_size: int, device: torc
     return accept
 
 
+def next_tokens(seqs: list[Sequence], num_tokens: list[int], emitted: list[list[int] | None]) -> list[int]:
+    """What the MTP pass feeds each row of a step beside its hidden state: the token after it
+    (the next prompt token, the next draft, or the token this step emitted; 0 past what is known:
+    rows of rejected drafts, rewritten next step)."""
+    shifted = []
+    for seq, n, new in zip(seqs, num_tokens, emitted):
+        start = seq.num_computed_tokens
+        known = seq.token_ids[start + 1:start + n + 1] + (new or [])
+        shifted.extend(known[:n] + [0] * (n - len(known)))
+    return shifted
+
+
 class MTPProposer:
     """The MTP pass and the drafting chain of one step (steps 3 and 4 above)."""
 
@@ -189,16 +203,18 @@ class MTPProposer:
                 hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 emitted: list[list[int] | None], k: int) -> list[list[int]]:
         """Run the MTP pass over this step's rows, then chain drafts; returns drafts per sequence."""
-        shifted, last_rows, row = [], [], 0
+        last_rows, row = [], 0
         for seq, n, new in zip(seqs, num_tokens, emitted):
-            start = seq.num_computed_tokens
-            known = seq.token_ids[start + 1:start + n + 1] + (new or [])
-            shifted.extend(known[:n] + [0] * (n - len(known)))
             # The last verified row: its successor is the token just emitted.
             last_rows.append(row + n - 1 - len(seq.spec_token_ids) + len(new) - 1 if new else -1)
             row += n
+        shifted = next_tokens(seqs, num_tokens, emitted)
         mtp_hidden = draft_forward(0, torch.tensor(shifted, device=self.device), positions, hidden, meta)
-        counts = [self.num_drafts(s, new, k) if new else 0 for s, new in zip(seqs, emitted)]
+        # A step that finished a prompt drafts nothing: its first drafts come from the next step,
+        # a graphed speculative step that verifies none (q = 1) and proposes k, instead of an
+        # eager drafting chain here that would delay the first token by ~1 ms a draft on a GPU.
+        counts = [self.num_drafts(s, new, k) if new and s.num_computed_tokens >= s.num_prompt_tokens else 0
+                  for s, new in zip(seqs, emitted)]
         drafts: list[list[int]] = [[] for _ in seqs]
         active = [i for i, c in enumerate(counts) if c > 0]
         if not active:
@@ -229,7 +245,9 @@ class DraftLength:
 
     A decode step that verifies k drafts and proposes k emits E_k = 1 + sum_{j<=k}
     P(accepted >= j) tokens a sequence and takes T_k seconds; k is the argmax of E_k / T_k.
-    P comes from a rolling window of verifications; step times are moving averages of measured
+    P comes from a rolling window per draft position (the last verifications that drafted that
+    far: position k+1 is drafted by probes alone, and a window shared with position 1 would never
+    hold enough of them to climb back to k+1); step times are moving averages of measured
     decode steps per (drafts verified, drafts proposed, batch size): a step's cost depends on
     all three.
 
@@ -237,9 +255,10 @@ class DraftLength:
     more or one fewer than k, in turn, so the next step verifies that many: that measures the
     acceptance of position k+1 and the times T(k, k±1) and T(k±1, k); with step time additive
     in its verify and draft parts, T_{k±1} = T(k, k±1) + T(k±1, k) - T(k, k). Every 8th probe
-    proposes nothing for two steps, and the second is a plain decode: T_0 is measured directly
-    (the first few steps decode plainly too), not inferred, so drafting switches off from any k
-    as soon as plain decoding is measured to be faster. Otherwise k climbs or falls one at a time
+    proposes nothing for three steps, the last two plain decodes: T_0 is measured directly on
+    the second, launched while the first runs as in steady plain decoding (the first few steps
+    decode plainly too), not inferred, so drafting switches off from any k as soon as plain
+    decoding is measured to be faster. Otherwise k climbs or falls one at a time
     to where tokens per second peak.
 
     Off (k = 0) costs nothing: plain decode steps skip the MTP pass too (runner.plain_step).
@@ -256,10 +275,11 @@ class DraftLength:
     def __init__(self, config: SpeculativeConfig):
         self.config = config
         self.k_max = self.k = config.num_speculative_tokens
-        self.window: deque[tuple[int, int]] = deque()
-        size = config.num_speculative_tokens + 2
-        self.drafted_ge = [0] * size  # drafted_ge[j]: verifications in the window that drafted >= j
-        self.accepted_ge = [0] * size  # ... of which >= j were accepted
+        # accepted_at[j]: for the last verifications that drafted >= j tokens, whether the j-th
+        # was accepted; accepted_sum[j]: how many were.
+        self.accepted_at: list[deque[bool]] = []
+        self.accepted_sum: list[int] = []
+        self._grow(config.num_speculative_tokens + 2)
         # (drafts verified, drafts proposed, batch size) → (moving average of the step time in s, steps)
         self.step_time: dict[tuple[int, int, int], tuple[float, int]] = {}
         self.batch_size = 1
@@ -288,7 +308,7 @@ class DraftLength:
             return self.k
         probe = self.steps // self.config.probe_interval
         if probe % self.OFF_PROBE_EVERY == 0:
-            self.plan.append(0)  # this step verifies k and proposes 0; the next one is a plain decode
+            self.plan.extend([0, 0])  # this step verifies k and proposes 0; two plain decodes follow
             return 0
         return min(self.k + 1, self.k_max) if probe % 2 else max(self.k - 1, 0)
 
@@ -296,15 +316,20 @@ class DraftLength:
         """Live control: the most tokens to draft; 0 turns drafting off (no probes either)."""
         self.k_max = self.k = k
         self.plan.clear()
-        size = max(len(self.drafted_ge), k + 2)
-        self.drafted_ge += [0] * (size - len(self.drafted_ge))
-        self.accepted_ge += [0] * (size - len(self.accepted_ge))
+        self._grow(k + 2)
+
+    def _grow(self, size: int) -> None:
+        while len(self.accepted_at) < size:
+            self.accepted_at.append(deque(maxlen=self.config.acceptance_window))
+            self.accepted_sum.append(0)
 
     def record(self, drafted: int, accepted: int) -> None:
-        self._count(drafted, accepted, +1)
-        self.window.append((drafted, accepted))
-        if len(self.window) > self.config.acceptance_window:
-            self._count(*self.window.popleft(), -1)
+        for j in range(1, min(drafted, len(self.accepted_at) - 1) + 1):
+            window, hit = self.accepted_at[j], accepted >= j
+            if len(window) == window.maxlen:
+                self.accepted_sum[j] -= window[0]
+            window.append(hit)
+            self.accepted_sum[j] += hit
 
     def record_step(self, verified: int, proposed: int, batch_size: int, seconds: float) -> None:
         """The time of a decode step (every sequence verifying `verified` drafts, proposing `proposed`)."""
@@ -313,23 +338,18 @@ class DraftLength:
         self.step_time[verified, proposed, batch_size] = (average + weight * (seconds - average), n + 1)
         self.batch_size = batch_size
 
-    def _count(self, drafted: int, accepted: int, sign: int) -> None:
-        for j in range(1, min(drafted, len(self.drafted_ge) - 1) + 1):
-            self.drafted_ge[j] += sign
-            self.accepted_ge[j] += sign * (accepted >= j)
-
     def _clear_window(self) -> None:
-        self.window.clear()
-        self.drafted_ge = [0] * len(self.drafted_ge)
-        self.accepted_ge = [0] * len(self.accepted_ge)
+        for window in self.accepted_at:
+            window.clear()
+        self.accepted_sum = [0] * len(self.accepted_sum)
 
     def tokens_per_step(self, k: int) -> float | None:
         """E_k from the window; None while a position up to k has too few verifications."""
         expected = 1.0
         for j in range(1, k + 1):
-            if self.drafted_ge[j] < self.config.min_samples:
+            if len(self.accepted_at[j]) < self.config.min_samples:
                 return None
-            expected += self.accepted_ge[j] / self.drafted_ge[j]
+            expected += self.accepted_sum[j] / len(self.accepted_at[j])
         return expected
 
     def _time(self, verified: int, proposed: int) -> float | None:

@@ -151,20 +151,21 @@ class _Replayed:
 @torch.inference_mode()
 def test_drafting_prefill_replays_its_mixed_step_graph(tmp_path):
     """With MTP drafting, a prefill step replays its mixed-step graph, which keeps every row's
-    hidden state; the MTP pass after it reads them: the first drafts are those an eager prefill
-    makes (random MTP heads, which read the hidden states), and the greedy tokens the plain
-    engine's."""
+    hidden state, then, once its tokens are sampled, the graph of its MTP pass, which reads them
+    and fills the MTP KV cache of the prompt: that cache is the eager prefill's, so are the first
+    drafts (proposed by the step after, attending to it; random MTP heads), and the greedy tokens
+    are the plain engine's."""
     from jetserve.engine import LLM, SamplingParams
 
     path = build_drafting_model(tmp_path, mtp_layers=1, agree=False)
     common = dict(max_model_len=64, max_num_batched_tokens=32, block_size=BLOCK_SIZE, max_num_seqs=2)
     spec = {"method": "mtp", "num_speculative_tokens": 2, "adaptive": False}
     prompts = [{"prompt_token_ids": [(5 * i + 3 * j) % 60 + 2 for j in range(n)]} for i, n in enumerate((5, 9))]
-    greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in LLM(str(path), **common).generate(prompts, greedy, use_tqdm=False)]
 
     def run(llm):
-        """The first drafts (proposed by the prefill step) and the greedy tokens."""
+        """The first drafts (proposed by the step after the prefill) and the greedy tokens."""
         engine, got = llm.engine, {}
         for i, prompt in enumerate(prompts):
             engine.add_request(str(i), prompt, greedy)
@@ -172,7 +173,9 @@ def test_drafting_prefill_replays_its_mixed_step_graph(tmp_path):
         while engine.has_unfinished_requests():
             for out in engine.step():
                 got.setdefault(out.request_id, []).extend(out.outputs[0].token_ids)
-            drafts = drafts or [list(seq.spec_token_ids) for seq in engine.scheduler.running]
+            running = engine.scheduler.running
+            if drafts is None and running and all(seq.spec_token_ids for seq in running):
+                drafts = [list(seq.spec_token_ids) for seq in running]
         return drafts, [got[str(i)] for i in range(len(prompts))]
 
     eager = LLM(str(path), speculative_config=spec, **common)
@@ -181,12 +184,19 @@ def test_drafting_prefill_replays_its_mixed_step_graph(tmp_path):
     runner = llm.engine.runner
     runner.model.use_kernels(FusedKernels(tile_timing=False))
     mixed = MixedStepGraphs(runner.model, runner.kv_cache, (16,), max_seqs=2, width=-(-(64 + 3) // BLOCK_SIZE),
-                            block_size=BLOCK_SIZE, scratch_block=runner.num_blocks, num_warmup=0, keep_hidden=True)
+                            block_size=BLOCK_SIZE, scratch_block=runner.num_blocks, num_warmup=0, mtp_pass=True)
+    replays = []
     for size in mixed.sizes:
         mixed.graphs[size] = _Replayed(lambda size=size: mixed.greedy.__setitem__(size, mixed.step(size)))
-    replays = []
+        mixed.mtp_graphs[size] = _Replayed(lambda size=size: replays.append(("mtp", size)) or mixed.mtp_step(size))
     replay = mixed.replay
     mixed.replay = lambda bucket, n: replays.append(bucket) or replay(bucket, n)
     runner.mixed = mixed
     (want_drafts, _), (drafts, got) = run(eager), run(llm)
-    assert replays == [16] and got == want and drafts == want_drafts and all(map(len, drafts)), (drafts, want_drafts)
+    assert replays == [16, ("mtp", 16)] and got == want and drafts == want_drafts and all(map(len, drafts)), \
+        (replays, drafts, want_drafts)
+    # The MTP layer's KV cache (the last layer's), prompt positions included, as the eager prefill
+    # wrote it; the scratch block past the pool takes the graph's padded rows.
+    used = runner.num_blocks * BLOCK_SIZE
+    torch.testing.assert_close(runner.kv_cache[-1, :, :used], eager.engine.runner.kv_cache[-1, :, :used],
+                               rtol=1e-4, atol=1e-5)

@@ -482,6 +482,19 @@ def test_drafting_that_pays_stays_on():
     assert totals[0] / totals[1] >= 0.9 * best and history[-1] >= 2
 
 
+def test_draft_length_climbs_back_with_the_default_knobs():
+    """With the default window, probe interval and sample floor, a k that fell (noisy step
+    times) climbs back where drafting more pays: position k+1 is drafted by probes alone, one
+    step in 2 × probe_interval, and its acceptance must still gather min_samples."""
+    def seconds(verified, proposed):  # the demo's steps on the H200: a k=3 step ~1.6 plain ones
+        return 1.0 + 0.3 * bool(verified or proposed) + 0.03 * verified + 0.15 * max(proposed - 1, 0)
+    lengths = DraftLength(SpeculativeConfig(num_speculative_tokens=3))
+    simulate(lengths, 200, 0.85, seconds, random.Random(4))
+    lengths.k = 1
+    history = simulate(lengths, 4000, 0.85, seconds, random.Random(5))
+    assert history[-1] == 3 and history.index(3) > history.index(2), history[::200]
+
+
 def test_drafting_off_skips_the_mtp_pass(model, reference):
     """Off (adaptive k at 0, no burst due), a decode step is a plain decode: the MTP layer runs
     only over the prompt (so later bursts see it), the output is the plain one, and the step
@@ -504,6 +517,21 @@ def test_engine_times_its_decode_steps_for_the_draft_length(model):
     times = llm.engine.draft_length.step_time
     assert times and all(b == 1 and 0 <= p <= 2 and 0 <= v <= 2 for v, p, b in times)
     assert times[2, 2, 1][1] >= 8 and times[2, 2, 1][0] > 0
+
+
+def test_async_drafting_times_only_steps_launched_into_a_running_pipeline(model):
+    """Under async scheduling a step's time is the pipeline's period, which means something only
+    for a step launched while another ran: the first after a wait (a prefill, a broken chain,
+    the plain steps of an off-probe) pays the whole latency and is not timed, yet every k the
+    policy runs, plain decoding included, gets timed steps."""
+    llm = engine(model, 2, spec={**ADAPTIVE, "probe_interval": 2}, async_scheduling=True)
+    eng, seen = llm.engine, []
+    record = eng._record_step_time
+    eng._record_step_time = lambda launch, *args: seen.append(launch.pipelined) or record(launch, *args)
+    llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=120, ignore_eos=True), use_tqdm=False)
+    times = eng.draft_length.step_time
+    assert False in seen and sum(n for _, n in times.values()) == seen.count(True)
+    assert times[0, 0, 1][1] >= 2 and any(v and p for v, p, _ in times)
 
 
 # -- abort, preemption, config -----------------------------------------------------------------
@@ -725,7 +753,7 @@ def test_async_drafting_chains_steps_and_gives_the_sync_outputs(model, reference
     """Async scheduling with drafting launches step N+1 before step N's tokens are read, its
     inputs chained from N's result: greedy and seeded-sampled outputs (stops by max_tokens in
     reach too) equal the synchronous engine's, the stats add up, and no KV block is left."""
-    sampled = [SamplingParams(temperature=0.8, top_p=0.9 if i == 2 else 1.0, max_tokens=10 + 3 * i, ignore_eos=True,
+    sampled = [SamplingParams(temperature=0.8, top_p=0.9 if i == 2 else 1.0, max_tokens=16 + 3 * i, ignore_eos=True,
                               seed=7 + i) for i in range(len(PROMPTS))]
     want = token_ids(engine(model, 3).generate(PROMPTS, sampled, use_tqdm=False))
     llm = engine(model, 3, async_scheduling=True)
