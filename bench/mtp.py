@@ -343,7 +343,7 @@ def run(args) -> dict:
                     _step_times(llm, k, batch, step_prompts(batch), type(args)(**{**vars(args), "steps": 4}))
             if temperatures and device.type == "cuda":  # the held-out prompts' token counts (Triton's sizes)
                 _warm_lengths(llm, k, {len(llm.engine.tokenizer.encode(p)) for p in prompts}, temperatures)
-        if engine_k and not adaptive and llm.engine.runner.graphs is not None:
+        if engine_k and not adaptive and device.type == "cuda" and llm.engine.runner.graphs is not None:
             for b in batch_sizes:
                 profile[f"k={engine_k} batch {b}"] = _profile_step(llm, engine_k, b, step_prompts(b), args)
                 print(f"profile k={engine_k} batch {b}: {profile[f'k={engine_k} batch {b}']}", flush=True)

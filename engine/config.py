@@ -501,7 +501,7 @@ class EngineArgs:
         # TORCH_COMPILE_DISABLE=1 is torch's own switch for torch.compile (the test suite sets it).
         compile_disabled = os.environ.get("TORCH_COMPILE_DISABLE") == "1"
         if (device == "cpu" and self.backend == "torch" and not self.enforce_eager and not compile_disabled
-                and spec is None and quantization is None):
+                and quantization is None):  # with drafting, its plain decode steps (drafting off) run compiled
             cpu_compile = CPUCompileConfig(
                 tuple(cpu_capture_sizes(self.cudagraph_capture_sizes, self.max_cudagraph_capture_size,
                                         self.max_num_seqs)),

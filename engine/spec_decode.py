@@ -265,12 +265,18 @@ class DraftLength:
     Every `reprobe_interval` steps a short burst drafts one token a step on fresh acceptance
     statistics, and drafting comes back on if that beats plain decoding. Positions decoded while
     off have no MTP KV entries, so a burst sees a partial MTP context and, if anything,
-    under-rates drafting: the price of an off state that is free. Worst case (nothing accepted,
-    a k=1 step 1.5x a plain one) a burst costs under 1% of the steps between bursts.
+    under-rates drafting: the price of an off state that is free. Each burst that leaves
+    drafting off doubles the wait for the next (up to MAX_BACKOFF times `reprobe_interval`).
+
+    Drafting that cannot pay even if every draft were accepted — a step proposing k costs more
+    than k + 1 plain ones, as eager drafting steps do beside a compiled plain step on a CPU — is
+    switched off (or its burst ended) after TIME_SAMPLES timed steps, before its acceptance is
+    known: a burst of such steps would otherwise cost ~10% of the steps between bursts.
     """
 
     OFF_PROBE_EVERY = 8  # every 8th probe measures plain decoding
-    PLAIN_SAMPLES = 4  # timed plain steps enough for T_0 (one graph replay: steady, unlike acceptance)
+    TIME_SAMPLES = 4  # timed steps enough for T_0, and for the bound above (step times are steady, unlike acceptance)
+    MAX_BACKOFF = 16
 
     def __init__(self, config: SpeculativeConfig):
         self.config = config
@@ -287,8 +293,9 @@ class DraftLength:
         # Proposals already decided for the next steps (a probe, a burst). The first steps decode
         # plainly, so T_0 is known by the time drafting is first judged: where drafting costs more
         # than it gives, it is switched off after min_samples steps, not after a probe cycle.
-        self.plan: deque[int] = deque([0] * (self.PLAIN_SAMPLES + 2) if config.adaptive else [])
+        self.plan: deque[int] = deque([0] * (self.TIME_SAMPLES + 2) if config.adaptive else [])
         self.reprobe_at = 0  # off: the step of the next burst
+        self.backoff = 1  # reprobe_interval's multiple before the next burst
 
     def next(self) -> int:
         """k for the next step (a probe's or a burst's k at times)."""
@@ -300,7 +307,8 @@ class DraftLength:
         if self.k == 0:
             if self.steps < self.reprobe_at:
                 return 0
-            self.reprobe_at = self.steps + self.config.reprobe_interval
+            self.reprobe_at = self.steps + self.config.reprobe_interval * self.backoff
+            self.backoff = min(2 * self.backoff, self.MAX_BACKOFF)  # reset once drafting pays again
             self._clear_window()  # the burst judges on its own acceptance
             self.plan.extend([1] * self.config.min_samples)
             return 1
@@ -352,10 +360,16 @@ class DraftLength:
             expected += self.accepted_sum[j] / len(self.accepted_at[j])
         return expected
 
-    def _time(self, verified: int, proposed: int) -> float | None:
+    def _time(self, verified: int, proposed: int, needed: int | None = None) -> float | None:
         average, n = self.step_time.get((verified, proposed, self.batch_size), (0.0, 0))
-        needed = min(self.PLAIN_SAMPLES, self.config.min_samples) if verified == proposed == 0 else self.config.min_samples
-        return average if n >= needed else None
+        if needed is None:
+            needed = self.TIME_SAMPLES if verified == proposed == 0 else self.config.min_samples
+        return average if n >= min(needed, self.config.min_samples) else None
+
+    def _cannot_pay(self, k: int) -> bool:
+        """Whether a step drafting k takes longer than k + 1 plain steps, the most it can emit."""
+        drafting, plain = self._time(k, k, self.TIME_SAMPLES), self._time(0, 0)
+        return drafting is not None and plain is not None and drafting > (k + 1) * plain
 
     def step_seconds(self, k: int) -> float | None:
         """T_k at the current batch size: measured, or from the probes around the current k."""
@@ -373,6 +387,12 @@ class DraftLength:
         neighbour, or to off, when it is measured to give more tokens a second."""
         if not self.config.adaptive or self.k_max == 0:
             return
+        trying = self.k or (self.plan[0] if self.plan else 0)  # off, a burst's k is in the plan
+        if trying and self._cannot_pay(trying):
+            if self.k:
+                self.k, self.reprobe_at = 0, self.steps + self.config.reprobe_interval * self.backoff
+            self.plan.clear()
+            return
         here, before = self.tokens_per_second(self.k), self.k
         if here is None:
             return
@@ -383,7 +403,9 @@ class DraftLength:
                     and rate > 1.02 * here:
                 self.k, here = k, rate
         if before and not self.k:
-            self.reprobe_at = self.steps + self.config.reprobe_interval
+            self.reprobe_at = self.steps + self.config.reprobe_interval * self.backoff
+        elif self.k and not before:
+            self.backoff = 1
 
 
 @dataclass

@@ -19,7 +19,7 @@ from jetserve.engine.compile_cache import MAX_ENTRIES, ProgramCache, program_key
 from jetserve.engine.config import EngineArgs
 from jetserve.engine.cpu_graphs import CPUGraphs
 
-from tests.engine.builders import hf_greedy
+from tests.engine.builders import build_drafting_model, hf_greedy
 
 PROMPTS = [[5, 17, 2, 99, 31, 8, 64], [200, 3], list(range(40, 63)), [7] * 11]
 LENGTHS = [12, 3, 9, 6]  # sequences finish apart: the batch shrinks from 4 to 1, padded to the bucket
@@ -156,6 +156,31 @@ def test_program_keys_name_what_a_program_depends_on(monkeypatch):
     assert key == program_key(program=1, weights="w") and key != program_key(program=1, weights="v")
     monkeypatch.setattr(torch, "get_num_threads", lambda: 64)  # loops compiled for another thread count
     assert program_key(program=1, weights="w") != key
+
+
+def test_a_drafting_engine_decodes_plainly_through_its_compiled_step(compile_env, tmp_path):
+    """With MTP drafting on a CPU the decode step is compiled too: speculative steps run eagerly,
+    but once the draft length is 0 (as `k=auto` sets it where eager drafting cannot pay) every
+    decode step runs the compiled program, and the greedy tokens are those of drafting and of
+    an eager engine without it."""
+    path = build_drafting_model(tmp_path / "drafting", mtp_layers=1)
+    prompts = [{"prompt_token_ids": p} for p in ([5, 17, 2, 9, 31], [20, 3, 8])]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    llm = LLM(path, max_num_seqs=1, cudagraph_capture_sizes=[1],
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2, "adaptive": False})
+    graphs = llm.engine.runner.graphs
+    assert isinstance(graphs, CPUGraphs) and list(graphs.graphs) == [(None, 1, 1)]
+    replays = []
+    run = graphs.replay
+    graphs.replay = lambda key, n: replays.append(key) or run(key, n)
+    drafted = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert llm.engine.stats().num_drafts > 0
+    llm.engine.set_num_speculative_tokens(0)
+    replays.clear()
+    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert replays == [(None, 1, 1)] * (2 * (params.max_tokens - 1))  # every decode step, none of the prefills
+    eager = LLM(path, max_num_seqs=1, enforce_eager=True)
+    assert plain == drafted == [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
 
 
 def test_cpu_default_and_switches(tiny, monkeypatch):

@@ -228,6 +228,35 @@ def test_speculative_verify_and_drafts_graphed(tmp_path):
 
 @gpu
 @pytest.mark.gpu
+def test_drafting_prefills_replay_their_mtp_pass_graph(tmp_path):
+    """A drafting engine's prefill step replays its mixed-step graph, then, once its tokens are
+    sampled, the graph of its MTP pass: the MTP layer's KV cache of the prompts is what an eager
+    engine writes, and the greedy tokens with drafting are the plain ones."""
+    path = build_drafting_model(tmp_path, mtp_layers=1)
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "adaptive": False}
+    prompts = [{"prompt_token_ids": [t % 64 for t in p]} for p in PROMPTS[:4]]  # build_drafting_model's vocab is 64
+    common = dict(device="cuda", max_num_seqs=8, dtype="float32", speculative_config=spec, num_kv_blocks=64)
+    first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)  # a prefill step and nothing after it
+    eager = LLM(path, enforce_eager=True, **common)
+    eager.generate(prompts, first, use_tqdm=False)
+    llm = LLM(path, **common)
+    runner = llm.engine.runner
+    assert runner.mixed.mtp_graphs and set(runner.mixed.mtp_graphs) == set(runner.mixed.graphs)
+    passes = []
+    replay = runner.mixed.replay_mtp_pass
+    runner.mixed.replay_mtp_pass = lambda bucket, shifted: passes.append(bucket) or replay(bucket, shifted)
+    llm.generate(prompts, first, use_tqdm=False)
+    assert len(passes) == 1
+    used = runner.num_blocks * runner.block_size  # the scratch block past them takes padded rows
+    torch.testing.assert_close(runner.kv_cache[-1, :, :used], eager.engine.runner.kv_cache[-1, :, :used],
+                               rtol=1e-4, atol=1e-4)
+    _, plain = generate(path, [p["prompt_token_ids"] for p in prompts], dtype="float32", enforce_eager=True)
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == plain and llm.engine.stats().num_accepted_tokens > 0
+
+
+@gpu
+@pytest.mark.gpu
 def test_sampling_is_drawn_inside_the_graphs_as_eagerly(tmp_path):
     """Temperature and min-p draws run inside the decode and speculative graphs (no eager
     speculative step, no eager draw after a decode replay); a seeded request gets the same tokens
