@@ -277,6 +277,7 @@ class DraftLength:
     OFF_PROBE_EVERY = 8  # every 8th probe measures plain decoding
     TIME_SAMPLES = 4  # timed steps enough for T_0, and for the bound above (step times are steady, unlike acceptance)
     MAX_BACKOFF = 16
+    STALL = 4  # a step slower than 4x the fastest of its kind counts as 4x (see record_step)
 
     def __init__(self, config: SpeculativeConfig):
         self.config = config
@@ -288,6 +289,7 @@ class DraftLength:
         self._grow(config.num_speculative_tokens + 2)
         # (drafts verified, drafts proposed, batch size) → (moving average of the step time in s, steps)
         self.step_time: dict[tuple[int, int, int], tuple[float, int]] = {}
+        self.fastest: dict[tuple[int, int, int], float] = {}  # ... and the fastest step of each, for the bound below
         self.batch_size = 1
         self.steps = 0
         # Proposals already decided for the next steps (a probe, a burst). The first steps decode
@@ -340,10 +342,16 @@ class DraftLength:
             self.accepted_sum[j] += hit
 
     def record_step(self, verified: int, proposed: int, batch_size: int, seconds: float) -> None:
-        """The time of a decode step (every sequence verifying `verified` drafts, proposing `proposed`)."""
-        average, n = self.step_time.get((verified, proposed, batch_size), (seconds, 0))
+        """The time of a decode step (every sequence verifying `verified` drafts, proposing `proposed`).
+        No step counts for more than STALL times the fastest of its kind: one stall (a kernel
+        compiled on first use takes 1000 steps' time) would hold the average up for hundreds of
+        steps, and drafting off for as long."""
+        key = verified, proposed, batch_size
+        fastest = self.fastest[key] = min(seconds, self.fastest.get(key, seconds))
+        average, n = self.step_time.get(key, (seconds, 0))
+        average, seconds = min(average, self.STALL * fastest), min(seconds, self.STALL * fastest)
         weight = max(1 / (n + 1), 0.1)  # a plain mean at first, then a moving average
-        self.step_time[verified, proposed, batch_size] = (average + weight * (seconds - average), n + 1)
+        self.step_time[key] = (average + weight * (seconds - average), n + 1)
         self.batch_size = batch_size
 
     def _clear_window(self) -> None:
@@ -367,9 +375,13 @@ class DraftLength:
         return average if n >= min(needed, self.config.min_samples) else None
 
     def _cannot_pay(self, k: int) -> bool:
-        """Whether a step drafting k takes longer than k + 1 plain steps, the most it can emit."""
-        drafting, plain = self._time(k, k, self.TIME_SAMPLES), self._time(0, 0)
-        return drafting is not None and plain is not None and drafting > (k + 1) * plain
+        """Whether even the fastest of TIME_SAMPLES steps drafting k took longer than k + 1 plain
+        steps, the most it can emit (the fastest: one stall, a kernel compiled on first use say,
+        must not switch drafting off)."""
+        plain = self._time(0, 0)
+        if plain is None or self._time(k, k, self.TIME_SAMPLES) is None:
+            return False
+        return self.fastest[k, k, self.batch_size] > (k + 1) * plain
 
     def step_seconds(self, k: int) -> float | None:
         """T_k at the current batch size: measured, or from the probes around the current k."""

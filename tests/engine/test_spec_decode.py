@@ -473,6 +473,23 @@ def test_drafting_that_does_not_pay_costs_under_5_percent(acceptance, overhead, 
     assert tokens / elapsed >= 0.95 * 1.0, (tokens / elapsed, lengths.k)
 
 
+def test_one_slow_step_does_not_switch_drafting_off():
+    """One stall among the first timed steps of a k (a kernel compiled on first use, say: 100
+    steps' time) neither trips the bound that stops drafting before its acceptance is known (it
+    reads the fastest step) nor holds up the average step time: drafting stays on where it pays."""
+    stalled = []
+
+    def seconds(verified, proposed):
+        cost = 1.0 + 0.3 * bool(verified or proposed) + 0.03 * verified + 0.15 * max(proposed - 1, 0)
+        if verified == proposed == 3 and len(stalled) < 2:  # one step: simulate() asks for its time twice
+            stalled.append(True)
+            return 100 * cost
+        return cost
+    lengths = DraftLength(SpeculativeConfig(num_speculative_tokens=3))
+    history = simulate(lengths, 400, 0.85, seconds, random.Random(6))
+    assert stalled and 0 not in history[20:], history[:40]
+
+
 def test_drafting_that_pays_stays_on():
     def seconds(verified, proposed):
         return 1.0 + 0.17 * bool(verified or proposed) + 0.02 * verified + 0.1 * max(proposed - 1, 0)
