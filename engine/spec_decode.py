@@ -399,21 +399,18 @@ class DraftLength:
         neighbour, or to off, when it is measured to give more tokens a second."""
         if not self.config.adaptive or self.k_max == 0:
             return
+        before = self.k
         trying = self.k or (self.plan[0] if self.plan else 0)  # off, a burst's k is in the plan
         if trying and self._cannot_pay(trying):
-            if self.k:
-                self.k, self.reprobe_at = 0, self.steps + self.config.reprobe_interval * self.backoff
+            self.k = 0
             self.plan.clear()
-            return
-        here, before = self.tokens_per_second(self.k), self.k
-        if here is None:
-            return
-        for k in sorted({0, self.k - 1, self.k + 1}):
-            # 2% better, not just better: estimates from a window are noisy, and each move costs
-            # the transition's steps.
-            if 0 <= k <= self.k_max and k != self.k and (rate := self.tokens_per_second(k)) is not None \
-                    and rate > 1.02 * here:
-                self.k, here = k, rate
+        elif (here := self.tokens_per_second(self.k)) is not None:
+            for k in sorted({0, self.k - 1, self.k + 1}):
+                # 2% better, not just better: estimates from a window are noisy, and each move
+                # costs the transition's steps.
+                if 0 <= k <= self.k_max and k != self.k and (rate := self.tokens_per_second(k)) is not None \
+                        and rate > 1.02 * here:
+                    self.k, here = k, rate
         if before and not self.k:
             self.reprobe_at = self.steps + self.config.reprobe_interval * self.backoff
         elif self.k and not before:
