@@ -267,7 +267,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, q_len: int,
 # What the skinny matmul computes from its input rows before the product.
 PLAIN, NORM, ADD_NORM, SILU_MUL = 0, 1, 2, 3
 SKINNY_MAX_ROWS = 64  # decode batches and MTP verifies (batch x (k+1)); above, cuBLAS GEMMs with the elementwise kernels
-DOT_MIN_ROWS = 16  # from here the products run on tensor cores (tl.dot's smallest tile)
+DOT_MIN_ROWS = 16  # tl.dot's smallest tile: from here every product runs on tensor cores; below, rows are padded to it
 
 
 @triton.jit
@@ -321,8 +321,8 @@ def _skinny_matmul_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, out_ptr, res_out_pt
     Program (i, j) streams BLOCK_N weight rows once for all M input rows, over input columns
     [j K_SPLIT, (j + 1) K_SPLIT): with several, each writes fp32 partial sums that
     `_sum_splits_kernel` adds in order (deterministic), so a small N still fills the GPU. The
-    inputs are tiny and come from L2. Up to 8 rows the products are FMAs in registers (a
-    tensor-core tile would be mostly padding); from 16 rows (DOT) they are tensor-core dots. The
+    inputs are tiny and come from L2. The products are FMAs in registers (up to 8 rows) or
+    tensor-core dots (DOT, from 16 rows, and below where the tile says so: rows padded to 16). The
     next tile's weights are requested before this one is multiplied; the first tile's before
     waiting for the previous kernel (PDL: a programmatic dependent launch starts while it ends,
     and weights are never written by a step), the prologue runs while they arrive."""
@@ -462,7 +462,9 @@ class Tile(NamedTuple):
     kernel computes it once per program, over the whole row); `pdl`: programmatic dependent
     launches (see `launch`), which help some shapes and slow others; `one_row`: the quantized
     products' kernel for one input row (quant_kernels._quant_gemv_kernel), a field, so a tile
-    stored in the tile cache says which kernel it is."""
+    stored in the tile cache says which kernel it is; `dot`: tensor-core dots, the input rows
+    padded to DOT_MIN_ROWS below it (the padding is free where the weights' bytes bound the
+    product, and the FMA tiles' per-row products and cross-thread sums are not)."""
 
     block_n: int
     block_k: int
@@ -471,6 +473,7 @@ class Tile(NamedTuple):
     apart: bool = False
     pdl: bool = False
     one_row: bool = False
+    dot: bool = False
 
 
 # Tiles tried for each shape; an FMA tile holds BLOCK_M * BLOCK_N * BLOCK_K products. Main's
@@ -482,18 +485,22 @@ _TILES = [Tile(4, 1024, 4), Tile(2, 2048, 4), Tile(8, 1024, 4), Tile(2, 4096, 4)
           Tile(2, 1024, 8, apart=True)]
 # Tensor-core tiles (16-64 rows): narrow N for many programs on small weights, wide K for bytes in
 # flight; split K where N / BLOCK_N programs would leave most of the GPU idle.
-_DOT_TILES = [Tile(16, 256, 4), Tile(32, 128, 4), Tile(32, 256, 4), Tile(64, 128, 4), Tile(64, 64, 4),
-              Tile(128, 64, 8), Tile(16, 256, 4, 4), Tile(16, 128, 4, 8), Tile(32, 128, 4, 4),
-              Tile(16, 256, 4, apart=True), Tile(16, 256, 4, 4, True)]
+_DOT_TILES = [Tile(16, 256, 4, dot=True), Tile(32, 128, 4, dot=True), Tile(32, 256, 4, dot=True),
+              Tile(64, 128, 4, dot=True), Tile(64, 64, 4, dot=True), Tile(128, 64, 8, dot=True),
+              Tile(16, 256, 4, 4, dot=True), Tile(16, 128, 4, 8, dot=True), Tile(32, 128, 4, 4, dot=True),
+              Tile(16, 256, 4, apart=True, dot=True), Tile(16, 256, 4, 4, True, dot=True)]
 _UNTUNED_BYTES = 256 * 1024  # weights this small take the first tile that fits: nothing to gain from timing
 _MAX_PRODUCTS_PER_THREAD = 64  # more spills registers
 
 
 def candidate_tiles(rows: int, prologue: int = PLAIN, pdl: bool = False) -> list[Tile | None]:
     """Tiles a product of `rows` rows (a power of two) may take, cuBLAS (None) first; a plain
-    product has no prologue to run apart."""
+    product has no prologue to run apart. From 2 rows (an MTP verify, a small batch) the
+    tensor-core tiles compete with the FMA tiles."""
     tiles = _DOT_TILES if rows >= DOT_MIN_ROWS else [
         t for t in _TILES if rows * t.block_n * t.block_k <= _MAX_PRODUCTS_PER_THREAD * 32 * t.warps]
+    if 1 < rows < DOT_MIN_ROWS:
+        tiles = tiles + _DOT_TILES
     return [None] + with_pdl([t for t in tiles if not (t.apart and prologue == PLAIN)], pdl)
 
 
@@ -544,13 +551,13 @@ def _run(tile, prologue, x, weight, residual, norm_weight, eps):
     m, (n, k) = x.shape[0], weight.shape
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     res_out = torch.empty(m, k, dtype=x.dtype, device=x.device) if prologue == ADD_NORM else out
-    block_m = triton.next_power_of_2(m)
+    block_m = max(triton.next_power_of_2(m), DOT_MIN_ROWS if tile.dot else 1)
     k_split, splits = split_k(k, tile, tile.block_k)
     target = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     launch(_skinny_matmul_kernel, (triton.cdiv(n, tile.block_n), splits), tile.pdl,
            x, residual if residual is not None else x, norm_weight if norm_weight is not None else weight, weight,
            target, res_out, m, n, k, eps, NORM=prologue in (NORM, ADD_NORM), ADD=prologue == ADD_NORM,
-           SILU=prologue == SILU_MUL, DOT=block_m >= DOT_MIN_ROWS, IEEE=x.dtype == torch.float32, BLOCK_M=block_m,
+           SILU=prologue == SILU_MUL, DOT=tile.dot, IEEE=x.dtype == torch.float32, BLOCK_M=block_m,
            BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, K_SPLIT=k_split, num_warps=tile.warps)
     if splits > 1:
         sum_splits(target, out, tile.pdl)

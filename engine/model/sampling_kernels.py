@@ -28,11 +28,22 @@ def _mix32(x):
 
 
 @triton.jit
-def _race_kernel(logits_ptr, top_ptr, greedy_ptr, temperature_ptr, min_p_ptr, floor_ptr, seed_ptr, position_ptr,
-                 position_offset, score_ptr, index_ptr, vocab, splits, rows_per_param, HAS_FLOOR: tl.constexpr,
+def _row_max(row, vocab, V_BLOCK: tl.constexpr):
+    """The largest logit of a row (min-p's reference), scanned whole by each program that needs it."""
+    top = tl.full([V_BLOCK], float("-inf"), tl.float32)
+    for offset in range(0, vocab, V_BLOCK):
+        v = offset + tl.arange(0, V_BLOCK)
+        top = tl.maximum(top, tl.load(row + v, mask=v < vocab, other=float("-inf")))
+    return tl.max(top, axis=0)
+
+
+@triton.jit
+def _race_kernel(logits_ptr, temperature_ptr, min_p_ptr, floor_ptr, seed_ptr, position_ptr, position_offset,
+                 score_ptr, index_ptr, vocab, splits, rows_per_param, HAS_FLOOR: tl.constexpr,
                  V_BLOCK: tl.constexpr, CHUNK: tl.constexpr):
-    """Program (row r, split s): the best (score, index) of the race over vocabulary entries
-    [s·CHUNK, (s+1)·CHUNK) into score/index[r, s]; a greedy row's split 0 holds its argmax."""
+    """Program (row r, split s): the best (score, index) over vocabulary entries [s·CHUNK,
+    (s+1)·CHUNK) into score/index[r, s] — for a greedy row the chunk's largest logit and its
+    first index, otherwise the race's winner among the entries min-p and the floor keep."""
     r = tl.program_id(0)
     s = tl.program_id(1)
     p = r // rows_per_param
@@ -41,14 +52,19 @@ def _race_kernel(logits_ptr, top_ptr, greedy_ptr, temperature_ptr, min_p_ptr, fl
     best_score = tl.full([], float("-inf"), tl.float32)
     best_index = tl.full([], 0, tl.int32)
     if temperature == 0:
-        if s == 0:
-            best_score = tl.full([], float("inf"), tl.float32)
-            best_index = tl.load(greedy_ptr + r).to(tl.int32)
+        for offset in range(0, CHUNK, V_BLOCK):
+            v = s * CHUNK + offset + tl.arange(0, V_BLOCK)
+            x = tl.load(row + v, mask=v < vocab, other=float("-inf"))
+            value = tl.max(x, axis=0)
+            index = tl.min(tl.where(x == value, v, vocab), axis=0)
+            take = value > best_score
+            best_index = tl.where(take, index, best_index)
+            best_score = tl.where(take, value, best_score)
     else:
         cut = tl.full([], float("-inf"), tl.float32)
         min_p = tl.load(min_p_ptr + p)
         if min_p > 0:
-            cut = tl.load(top_ptr + r).to(tl.float32) + temperature * tl.log(min_p)
+            cut = _row_max(row, vocab, V_BLOCK) + temperature * tl.log(min_p)
         if HAS_FLOOR:
             cut = tl.maximum(cut, tl.load(floor_ptr + r))
         seed_lo = tl.load(seed_ptr + 2 * p)
@@ -94,17 +110,17 @@ def race(logits: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor, f
     """Token ids [rows] int64. logits [rows, V] fp32; per parameter row (a row's is row //
     rows_per_param): temperature and min_p float32, seeds as int32 pairs (lo, hi: an int64
     tensor viewed as int32); per row: floor (raw-logit lower bound from top-k/top-p, or None)
-    and the sampled token's position minus `position_offset`. Three launches: torch's max (the
-    greedy rows' first argmax and min-p's top, a reduction over many blocks), the race split over
-    the vocabulary, the pick among the splits."""
+    and the sampled token's position minus `position_offset`. Two launches: the race split over
+    the vocabulary (a greedy row's splits find their largest logit), the pick among the splits.
+    A min-p row's programs each read its whole row for the largest logit: a separate reduction
+    launched for every row cost more than that in every step, min-p or not."""
     rows, vocab = logits.shape
-    top, greedy = logits.max(dim=-1)
     v_block = min(2048, triton.next_power_of_2(vocab))
     chunk = max(v_block, min(CHUNK, triton.next_power_of_2(vocab)))
     splits = triton.cdiv(vocab, chunk)
     score = torch.empty(rows, splits, dtype=torch.float32, device=logits.device)
     index = torch.empty(rows, splits, dtype=torch.int32, device=logits.device)
-    _race_kernel[(rows, splits)](logits, top, greedy, temperature, min_p, floor if floor is not None else logits,
+    _race_kernel[(rows, splits)](logits, temperature, min_p, floor if floor is not None else logits,
                                  seeds, positions, position_offset, score, index, vocab, splits, rows_per_param,
                                  HAS_FLOOR=floor is not None, V_BLOCK=v_block, CHUNK=chunk)
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)

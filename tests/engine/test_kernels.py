@@ -24,8 +24,8 @@ def rms_norm(x, w, eps):
 Tile = kernels.Tile
 FMA_TILES = [Tile(4, 1024, 4), Tile(2, 4096, 4), Tile(16, 512, 4), Tile(8, 256, 8), Tile(2, 1024, 8, apart=True)]
 # from kernels._DOT_TILES: K in one tile, in loops, split over programs (in one tile or a loop each)
-DOT_TILES = [Tile(16, 256, 4), Tile(64, 64, 4), Tile(32, 128, 4), Tile(16, 128, 4, 8), Tile(16, 256, 4, 4, True),
-             Tile(32, 128, 4, 4)]
+DOT_TILES = [Tile(16, 256, 4, dot=True), Tile(64, 64, 4, dot=True), Tile(32, 128, 4, dot=True),
+             Tile(16, 128, 4, 8, dot=True), Tile(16, 256, 4, 4, True, dot=True), Tile(32, 128, 4, 4, dot=True)]
 SPLIT_TILES = [Tile(4, 128, 4, 3), Tile(2, 256, 4, 2, True)]  # FMA tiles over K split: loops, a partial last split
 
 
@@ -33,16 +33,18 @@ SPLIT_TILES = [Tile(4, 128, 4, 3), Tile(2, 256, 4, 2, True)]  # FMA tiles over K
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2 if DEVICE == "cuda" else 1e-1)])
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 33, 64])
 def test_skinny_matmul_prologues(dtype, tol, m):
-    """Every row count up to SKINNY_MAX_ROWS in its kind of tile (FMAs up to 8 rows, tensor-core
-    dots from 9): N and K not multiples of any tile (masked edges), K in one tile or in a loop
-    (the norm's first pass), K split over programs whose partial sums are added after, the
-    prologue in a kernel of its own; bf16 rounds where the torch path does."""
-    if m > 8 and dtype == torch.bfloat16 and DEVICE == "cpu":
-        pytest.skip("the interpreter's tl.dot returns garbage for bf16 operands (Triton 3.x): GPU only")
+    """Every row count up to SKINNY_MAX_ROWS in its kinds of tile (FMAs up to 8 rows, tensor-core
+    dots from 2, rows padded to 16 below it): N and K not multiples of any tile (masked edges), K
+    in one tile or in a loop (the norm's first pass), K split over programs whose partial sums are
+    added after, the prologue in a kernel of its own; bf16 rounds where the torch path does."""
+    # the interpreter's tl.dot returns garbage for bf16 operands (Triton 3.x): GPU only
+    dots = DOT_TILES if m > 1 and (dtype == torch.float32 or DEVICE == "cuda") else []
+    if m > 8 and not dots:
+        pytest.skip("bf16 tensor-core dots: GPU only")
     assert set(FMA_TILES) <= set(kernels._TILES) and set(DOT_TILES) <= set(kernels._DOT_TILES)
     assert m <= kernels.SKINNY_MAX_ROWS
-    tiles = DOT_TILES if m > 8 else FMA_TILES + SPLIT_TILES
-    assert m <= 8 or set(tiles) <= set(kernels.candidate_tiles(triton.next_power_of_2(m), kernels.NORM))
+    tiles = dots if m > 8 else FMA_TILES + SPLIT_TILES + dots
+    assert set(dots) <= set(kernels.candidate_tiles(triton.next_power_of_2(m), kernels.NORM))
     torch.manual_seed(m)
     n, k, eps = 37, 600, 1e-6
     x, res = torch.randn(m, k, dtype=dtype, device=DEVICE), torch.randn(m, k, dtype=dtype, device=DEVICE)

@@ -90,6 +90,7 @@ def test_race_kernel_draws_the_same_tokens_as_torch(vocab):
     gen = torch.Generator().manual_seed(11)
     rows, q = 12, 3
     logits = torch.randn(rows, vocab, generator=gen) * 3
+    logits[1, [vocab - 3, 5]] = 100.0  # a greedy row whose largest logit ties across chunks: the first wins
     params = [SamplingParams(temperature=0), SamplingParams(temperature=0.7, seed=2**62 + 5),
               SamplingParams(temperature=1.3, min_p=0.05, seed=3), SamplingParams(temperature=0.7, top_p=0.9)]
     per_row = [p for p in params for _ in range(q)]
@@ -103,4 +104,4 @@ def test_race_kernel_draws_the_same_tokens_as_torch(vocab):
                       seeds[::q].contiguous().to(on).view(torch.int32), (positions - 1).int().to(on), position_offset=1,
                       rows_per_param=q)
     assert torch.equal(got.cpu(), want)
-    assert torch.equal(want[:q], logits[:q].argmax(-1))
+    assert torch.equal(want[:q], logits[:q].argmax(-1)) and want[1] == 5

@@ -513,6 +513,37 @@ def test_draft_length_climbs_back_with_the_default_knobs():
     assert history[-1] == 3 and history.index(3) > history.index(2), history[::200]
 
 
+def test_a_stale_step_time_does_not_hold_the_draft_length_down():
+    """A slow spell at k = 2 long ago (graphs warming up, a busy host) leaves T_2's last
+    measurement high; the probes around k = 1 are fresher, and k climbs through 2 to 3 on them
+    (on the H200 the stale T_2 kept k at 1, with k = 3 1.3x faster)."""
+    def seconds(verified, proposed):
+        return 1.0 + 0.3 * bool(verified or proposed) + 0.03 * verified + 0.15 * max(proposed - 1, 0)
+    lengths = DraftLength(SpeculativeConfig(num_speculative_tokens=3))
+    simulate(lengths, 200, 0.85, seconds, random.Random(4))
+    for _ in range(32):
+        lengths.record_step(2, 2, 1, 3 * seconds(2, 2))
+    lengths.k = 1
+    history = simulate(lengths, 4000, 0.85, seconds, random.Random(5))
+    assert history[-1] == 3 and history.index(3) > history.index(2), history[::200]
+
+
+@pytest.mark.parametrize("acceptance, expected", [(0.39, 0), (0.45, 1)])
+def test_drafting_stays_on_only_where_predicted_5_percent_faster(acceptance, expected):
+    """Sampled decoding on the H200: a k = 1 step costs 1.35 plain ones. At 39% acceptance
+    drafting is predicted 3% faster than plain decoding, within what the steps the model does not
+    time (leaving and rejoining the pipeline) cost it there: off. At 45%, 7% faster: on."""
+    lengths = DraftLength(SpeculativeConfig(num_speculative_tokens=1))
+    lengths.plan.clear()
+    for _ in range(DraftLength.TIME_SAMPLES * 4):
+        lengths.record_step(0, 0, 1, 1.0)
+        lengths.record_step(1, 1, 1, 1.35)
+    for i in range(100):
+        lengths.record(1, int(i < 100 * acceptance))
+    lengths.update()
+    assert lengths.k == expected
+
+
 def test_drafting_off_skips_the_mtp_pass(model, reference):
     """Off (adaptive k at 0, no burst due), a decode step is a plain decode: the MTP layer runs
     only over the prompt (so later bursts see it), the output is the plain one, and the step

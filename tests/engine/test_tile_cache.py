@@ -97,7 +97,7 @@ def test_kernel_source_and_candidates_invalidate(tmp_path):
 
 def _valid_doc(fp):
     return {"fingerprint": fp, "shapes": {"1|1|6144|2560|torch.bfloat16": {
-        "tile": [4, 1024, 4, 1, False, True, False], "candidates": [None, [4, 1024, 4, 1, False, True, False]],
+        "tile": [4, 1024, 4, 1, False, True, False, False], "candidates": [None, [4, 1024, 4, 1, False, True, False, False]],
         "times_ms": [0.02, 0.01]}}}
 
 
@@ -115,11 +115,11 @@ HOSTILE = {
     "huge": lambda fp: json.dumps(_valid_doc(fp)) + " " * MAX_FILE_BYTES,
     "shapes a list": lambda fp: json.dumps({"fingerprint": fp, "shapes": []}),
     "too many shapes": lambda fp: json.dumps({"fingerprint": fp, "shapes": {str(i): 0 for i in range(5000)}}),
-    "tile of strings": lambda fp: _with_entry(fp, tile=["4", "1024", "4", "1", False, True, False]),
-    "bool where an int goes": lambda fp: _with_entry(fp, tile=[4, 1024, 4, True, False, True, False]),
-    "int where a bool goes": lambda fp: _with_entry(fp, candidates=[None, [4, 1024, 4, 1, 0, 1, 0]]),
+    "tile of strings": lambda fp: _with_entry(fp, tile=["4", "1024", "4", "1", False, True, False, False]),
+    "bool where an int goes": lambda fp: _with_entry(fp, tile=[4, 1024, 4, True, False, True, False, False]),
+    "int where a bool goes": lambda fp: _with_entry(fp, candidates=[None, [4, 1024, 4, 1, 0, 1, 0, 0]]),
     "unknown tile name": lambda fp: _with_entry(fp, tile="Tile(4, 1024, 4)"),
-    "tile not a candidate": lambda fp: _with_entry(fp, tile=[8, 1024, 4, 1, False, True, False]),
+    "tile not a candidate": lambda fp: _with_entry(fp, tile=[8, 1024, 4, 1, False, True, False, False]),
     "times too few": lambda fp: _with_entry(fp, times_ms=[0.01]),
     "negative time": lambda fp: _with_entry(fp, times_ms=[0.01, -1]),
     "NaN time": lambda fp: _with_entry(fp, times_ms=[0.01, float("nan")]),
