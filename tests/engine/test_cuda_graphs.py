@@ -25,10 +25,11 @@ def test_capture_sizes():
 
 
 def test_step_shapes():
-    """Plain decode, and speculative steps verifying j drafts and proposing j-1, j, j+1 or 0
-    (after a plain step: any k)."""
+    """Plain decode, and speculative steps verifying j drafts and proposing any number (from a
+    probe of k + 1, a move to k - 1 asks for k + 1 verified and k - 1 proposed)."""
     assert step_shapes(0) == [(None, 1)]
     assert step_shapes(2) == [(None, 1), (1, 1), (2, 1), (0, 2), (1, 2), (2, 2), (0, 3), (1, 3), (2, 3)]
+    assert len(step_shapes(3)) == 1 + 4 * 4 - 1
 
 
 @pytest.fixture(scope="module")
