@@ -75,6 +75,13 @@ def break_even_acceptance(ratio: float, k: int) -> float | None:
     return round(low, 4)
 
 
+def _move(step: int, before: int, after: int, why: str, seconds: dict, tokens: dict) -> dict:
+    """A move of the adaptive draft length as JSON: what it knew of each k when it moved."""
+    return {"step": step, "from": before, "to": after, "why": why,
+            "step_ms": {k: None if t is None else round(t * 1e3, 4) for k, t in seconds.items()},
+            "tokens_per_step": {k: None if e is None else round(e, 3) for k, e in tokens.items()}}
+
+
 def _summary(values: list[float], digits: int = 6) -> dict:
     return {"median": round(statistics.median(values), digits), "min": round(min(values), digits),
             "runs": [round(v, digits) for v in values]}
@@ -373,6 +380,7 @@ def run(args) -> dict:
                     entry["final_k"] = lengths.k
                     entry["step_ms_seen"] = {f"verify {v} propose {p} batch {b}": [round(t * 1e3, 4), n]
                                              for (v, p, b), (t, n) in sorted(lengths.step_time.items())}
+                    entry["moves"] = [_move(*move) for move in lengths.moves]
                 print(f"{label} T={temperature:g}: {entry['tok_s']} acceptance {entry['acceptance_per_position']} "
                       f"mean length {entry['mean_accepted_length']} k {entry.get('final_k', entry['k'])}", flush=True)
         del llm

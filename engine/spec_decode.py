@@ -305,6 +305,8 @@ class DraftLength:
         self.plan: deque[int] = deque([0] * (self.TIME_SAMPLES + 2) if config.adaptive else [])
         self.reprobe_at = 0  # off: the step of the next burst
         self.backoff = 1  # reprobe_interval's multiple before the next burst
+        # The last moves of k and what they were made on: (step, from, to, why, {k: T_k in s}, {k: E_k}).
+        self.moves: deque[tuple] = deque(maxlen=64)
 
     def next(self) -> int:
         """k for the next step (a probe's or a burst's k at times)."""
@@ -426,14 +428,19 @@ class DraftLength:
             return
         before = self.k
         trying = self.k or (self.plan[0] if self.plan else 0)  # off, a burst's k is in the plan
+        why = "measured"
         if trying and self._cannot_pay(trying):
-            self.k = 0
+            self.k, why = 0, f"k={trying} cannot pay"
             self.plan.clear()
         elif (here := self.tokens_per_second(self.k)) is not None:
             for k in sorted({0, self.k - 1, self.k + 1}):
                 if 0 <= k <= self.k_max and k != self.k and (rate := self.tokens_per_second(k)) is not None \
                         and rate > self._gain_needed(self.k, k) * here:
                     self.k, here = k, rate
+        if self.k != before or why != "measured":
+            ks = range(self.k_max + 1)
+            self.moves.append((self.steps, before, self.k, why, {k: self.step_seconds(k) for k in ks},
+                               {k: self.tokens_per_step(k) for k in ks}))
         if before and not self.k:
             self.reprobe_at = self.steps + self.config.reprobe_interval * self.backoff
         elif self.k and not before:

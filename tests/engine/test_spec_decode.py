@@ -542,6 +542,10 @@ def test_drafting_stays_on_only_where_predicted_5_percent_faster(acceptance, exp
         lengths.record(1, int(i < 100 * acceptance))
     lengths.update()
     assert lengths.k == expected
+    # a move is logged with what it was made on (bench mtp reports these)
+    assert [move[1:4] for move in lengths.moves] == ([(1, 0, "measured")] if expected == 0 else [])
+    if expected == 0:
+        assert lengths.moves[-1][4][0] == pytest.approx(1.0) and lengths.moves[-1][5][1] == pytest.approx(1.39)
 
 
 def test_drafting_off_skips_the_mtp_pass(model, reference):

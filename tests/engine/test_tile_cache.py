@@ -97,7 +97,8 @@ def test_kernel_source_and_candidates_invalidate(tmp_path):
 
 def _valid_doc(fp):
     return {"fingerprint": fp, "shapes": {"1|1|6144|2560|torch.bfloat16": {
-        "tile": [4, 1024, 4, 1, False, True, False, False], "candidates": [None, [4, 1024, 4, 1, False, True, False, False]],
+        "tile": [4, 1024, 4, 1, False, True, False, False],
+        "candidates": [None, [4, 1024, 4, 1, False, True, False, False]],
         "times_ms": [0.02, 0.01]}}}
 
 
