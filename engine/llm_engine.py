@@ -150,8 +150,12 @@ class LLMEngine:
         for seq, lists in zip(batch.seqs, prompt_logprobs):
             if lists is not None:
                 self._gather_prompt_logprobs(self.requests[seq.request_id], lists)
-        if verified is not None and timed:
-            self.draft_length.record_step(verified, num_drafts, len(batch), time.perf_counter() - start)
+        if verified is not None:
+            seconds = time.perf_counter() - start
+            if timed:
+                self.draft_length.record_step(verified, num_drafts, len(batch), seconds)
+            self.draft_length.record_progress(verified, num_drafts, len(batch),
+                                              sum(len(new) for new in sampled if new is not None), seconds)
         return self._complete(batch, sampled, drafts, logprobs)
 
     def _complete(self, batch: ScheduledBatch, sampled: list[list[int] | None], drafts: list[list[int]],
@@ -239,8 +243,9 @@ class LLMEngine:
         """Async scheduling: the deltas of a launched step, once its tokens are on the host."""
         if isinstance(launch, SpeculativeLaunch):
             emitted, drafts = self.runner.speculative_result(launch)
-            self._record_step_time(launch, launch.q - 1, launch.num_drafts, len(launch.batch))
             live = [i for i, seq in enumerate(launch.batch.seqs) if seq.status is not SequenceStatus.FINISHED]
+            self._record_step_time(launch, launch.q - 1, launch.num_drafts, len(launch.batch),
+                                   sum(len(emitted[i]) for i in live))
             batch = ScheduledBatch([launch.batch.seqs[i] for i in live], [launch.q] * len(live))
             return self._complete(batch, [emitted[i] for i in live], [drafts[i] for i in live])
         tokens = launch.tokens()
@@ -250,19 +255,24 @@ class LLMEngine:
             if self.scheduler.receive(seq, token):
                 outputs.append(self._process(self.requests[seq.request_id], [token], now))
         if self.draft_length and launch.seqs:  # a plain decode with drafting off: T_0 for the draft length
-            self._record_step_time(launch, 0, 0, len(launch.seqs))
+            self._record_step_time(launch, 0, 0, len(launch.seqs), len(outputs))
             self.draft_length.update()
         return outputs
 
-    def _record_step_time(self, launch: Launch | SpeculativeLaunch, verified: int, proposed: int, batch: int) -> None:
+    def _record_step_time(self, launch: Launch | SpeculativeLaunch, verified: int, proposed: int, batch: int,
+                          tokens: int) -> None:
         """A launched step's time for the draft length: from the previous step's tokens to its own
-        (the pipeline's period: what a token costs when steps overlap). Only for a step launched
-        while another was in flight: the first step after a wait (a prefill, a chain that broke,
-        the plain step of a probe) pays the pipeline's whole latency, which steady decoding at
-        that k does not; counted, it made plain decoding look 1.5x slower than it runs."""
+        (the pipeline's period: what a token costs when steps overlap). Timed only for a step
+        launched while another was in flight: the first step after a wait (a prefill, a chain that
+        broke, the plain step of a probe) pays the pipeline's whole latency, which steady decoding
+        at that k does not; counted, it made plain decoding look 1.5x slower than it runs. Every
+        step counts in the realized rates (DraftLength.record_progress), where that latency is
+        part of what drafting costs."""
         now = time.perf_counter()
+        seconds = now - max(launch.launched_at, self._received_at)
         if launch.pipelined:
-            self.draft_length.record_step(verified, proposed, batch, now - max(launch.launched_at, self._received_at))
+            self.draft_length.record_step(verified, proposed, batch, seconds)
+        self.draft_length.record_progress(verified, proposed, batch, tokens, seconds)
         self._received_at = now
 
     def _gather_prompt_logprobs(self, request: _Request, lists: LogprobsLists) -> None:

@@ -269,6 +269,14 @@ class DraftLength:
     under-rates drafting: the price of an off state that is free. Each burst that leaves
     drafting off doubles the wait for the next (up to MAX_BACKOFF times `reprobe_interval`).
 
+    The step times leave out what does not fit a step: steps that start or drain the pipeline,
+    catch up, wait on the host. On the H200 at T=0.7 the model had drafting 14% ahead where it
+    ran 5-18% behind. So every decode step's tokens and time also feed realized rates, of
+    drafting steps and of plain ones; while drafting, a stretch of CHECK_STEPS plain steps every
+    CHECK_EVERY (the first soon after drafting turns on) keeps plain decoding's current, and
+    drafting whose realized rate falls below it goes off. The re-probe backoff is reset only
+    once the realized rates show drafting paying.
+
     Drafting that cannot pay even if every draft were accepted — a step proposing k costs more
     than k + 1 plain ones, as eager drafting steps do beside a compiled plain step on a CPU — is
     switched off (or its burst ended) after TIME_SAMPLES timed steps, before its acceptance is
@@ -276,6 +284,9 @@ class DraftLength:
     """
 
     OFF_PROBE_EVERY = 8  # every 8th probe measures plain decoding
+    CHECK_STEPS = 64  # drafting: a stretch of plain decoding that measures its realized rate (see _realized_gain)
+    CHECK_EVERY = 2048  # ... every this many steps; the first 4 x CHECK_STEPS after drafting turns on
+    REALIZED_WINDOW = {False: CHECK_STEPS, True: 4 * CHECK_STEPS}  # steps (plain, drafting) a realized rate spans
     TIME_SAMPLES = 4  # timed steps enough for T_0, and for the bound above (step times are steady, unlike acceptance)
     MAX_BACKOFF = 16
     STALL = 4  # a step slower than 4x the fastest of its kind counts as 4x (see record_step)
@@ -307,6 +318,12 @@ class DraftLength:
         self.backoff = 1  # reprobe_interval's multiple before the next burst
         # The last moves of k and what they were made on: (step, from, to, why, {k: T_k in s}, {k: E_k}).
         self.moves: deque[tuple] = deque(maxlen=64)
+        # Tokens a second as realized by every decode step, timed or not: (drafting, batch size) →
+        # (tokens, seconds, steps), the sums decayed over REALIZED_WINDOW steps of that kind.
+        self.realized: dict[tuple[bool, int], tuple[float, float, int]] = {}
+        self.check_at = 4 * self.CHECK_STEPS  # drafting: the step of the next stretch of plain decoding
+        self.bursting = False  # off: a burst's steps are running or its verdict is due
+        self.k_since = 0  # the step from which k (or a burst's) has been drafted
 
     def next(self) -> int:
         """k for the next step (a probe's or a burst's k at times)."""
@@ -322,7 +339,12 @@ class DraftLength:
             self.backoff = min(2 * self.backoff, self.MAX_BACKOFF)  # reset once drafting pays again
             self._clear_window()  # the burst judges on its own acceptance
             self.plan.extend([1] * self.config.min_samples)
+            self.bursting, self.k_since = True, self.steps
             return 1
+        if self.steps >= self.check_at:
+            self.check_at = self.steps + self.CHECK_EVERY
+            self.plan.extend([0] * (self.CHECK_STEPS - 1))
+            return 0
         if self.steps % self.config.probe_interval:
             return self.k
         probe = self.steps // self.config.probe_interval
@@ -349,6 +371,26 @@ class DraftLength:
                 self.accepted_sum[j] -= window[0]
             window.append(hit)
             self.accepted_sum[j] += hit
+
+    def record_progress(self, verified: int, proposed: int, batch_size: int, tokens: int, seconds: float) -> None:
+        """Any decode step's tokens and time (from the previous step's tokens to its own, or its
+        whole run where none overlapped it): the realized rates. Unlike the step times, these
+        count the steps that start or drain the pipeline, catch up, or wait on the host."""
+        key = (bool(verified or proposed), batch_size)
+        tokens_sum, seconds_sum, n = self.realized.get(key, (0.0, 0.0, 0))
+        keep = 1 - 1 / self.REALIZED_WINDOW[key[0]]
+        self.realized[key] = (tokens_sum * keep + tokens, seconds_sum * keep + seconds, n + 1)
+
+    def _realized_gain(self) -> float | None:
+        """Drafting's realized tokens a second over plain decoding's at the current batch size,
+        once each has half its window of steps; None before."""
+        rates = []
+        for drafting in (True, False):
+            tokens, seconds, n = self.realized.get((drafting, self.batch_size), (0.0, 0.0, 0))
+            if n < self.REALIZED_WINDOW[drafting] // 2 or seconds <= 0:
+                return None
+            rates.append(tokens / seconds)
+        return rates[0] / rates[1]
 
     def record_step(self, verified: int, proposed: int, batch_size: int, seconds: float) -> None:
         """The time of a decode step (every sequence verifying `verified` drafts, proposing `proposed`).
@@ -389,8 +431,8 @@ class DraftLength:
         steps, the most it can emit (the fastest: one stall, a kernel compiled on first use say,
         must not switch drafting off)."""
         plain = self._time(0, 0)
-        if plain is None or self._time(k, k, self.TIME_SAMPLES) is None:
-            return False
+        if plain is None or self._time(k, k, self.TIME_SAMPLES) is None or self._timed_at(k, k) <= self.k_since:
+            return False  # not known, or known only from before k was last entered
         return self.fastest[k, k, self.batch_size] > (k + 1) * plain
 
     def step_seconds(self, k: int) -> float | None:
@@ -423,20 +465,31 @@ class DraftLength:
 
     def update(self) -> None:
         """Re-choose k (once a step, after its verifications and time were recorded): move to a
-        neighbour, or to off, when it is measured to give more tokens a second."""
-        if not self.config.adaptive or self.k_max == 0:
+        neighbour, or to off, when it is measured to give more tokens a second; off, only a
+        burst's verdict may turn drafting on. Drafting whose realized rate falls below plain
+        decoding's goes off whatever the step model says (see _realized_gain)."""
+        if not self.config.adaptive or self.k_max == 0 or (self.k == 0 and not self.bursting):
             return
         before = self.k
         trying = self.k or (self.plan[0] if self.plan else 0)  # off, a burst's k is in the plan
         why = "measured"
+        gain = self._realized_gain() if self.k and not self.plan else None
         if trying and self._cannot_pay(trying):
             self.k, why = 0, f"k={trying} cannot pay"
             self.plan.clear()
+        elif gain is not None and gain < 1:
+            self.k, why = 0, f"realized {gain:.2f}x plain"
         elif (here := self.tokens_per_second(self.k)) is not None:
             for k in sorted({0, self.k - 1, self.k + 1}):
                 if 0 <= k <= self.k_max and k != self.k and (rate := self.tokens_per_second(k)) is not None \
                         and rate > self._gain_needed(self.k, k) * here:
                     self.k, here = k, rate
+        if not self.plan:
+            self.bursting = False  # the burst's verdict is in
+        if gain is not None and gain >= self.ON_GAIN:
+            self.backoff = 1  # drafting is seen to pay: the next time off, re-probe soon
+        if self.k != before:
+            self.k_since = self.steps
         if self.k != before or why != "measured":
             ks = range(self.k_max + 1)
             self.moves.append((self.steps, before, self.k, why, {k: self.step_seconds(k) for k in ks},
@@ -444,7 +497,7 @@ class DraftLength:
         if before and not self.k:
             self.reprobe_at = self.steps + self.config.reprobe_interval * self.backoff
         elif self.k and not before:
-            self.backoff = 1
+            self.check_at = self.steps + 4 * self.CHECK_STEPS  # the realized rates judge it soon
 
 
 @dataclass
