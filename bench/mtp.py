@@ -312,6 +312,7 @@ def run(args) -> dict:
     import torch
 
     from jetserve.engine.config import resolve_device
+    from jetserve.engine.spec_decode import DraftLength
 
     ks = [int(k) for k in args.ks.split(",")]
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -361,6 +362,8 @@ def run(args) -> dict:
                                                              for _ in range(args.repeats)]) for b in batch_sizes}
                 print(f"{label}: step {step_time[label]}", flush=True)
             for temperature in temperatures:
+                if adaptive:  # as a server started afresh on this workload (warm kernels, no statistics)
+                    llm.engine.draft_length = DraftLength(llm.engine.config.speculative)
                 runs = [_generate(llm, k, temperature, prompts[r * n:(r + 1) * n], args) for r in range(args.repeats)]
                 drafts = sum(r["drafts"] for r in runs)
                 positions = max(len(r["per_position"]) for r in runs)

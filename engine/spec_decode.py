@@ -322,7 +322,7 @@ class DraftLength:
         # (tokens, seconds, steps), the sums decayed over REALIZED_WINDOW steps of that kind.
         self.realized: dict[tuple[bool, int], tuple[float, float, int]] = {}
         self.check_at = 4 * self.CHECK_STEPS  # drafting: the step of the next stretch of plain decoding
-        self.bursting = False  # off: a burst's steps are running or its verdict is due
+        self.burst_until = 0  # off: the last step at which the burst's verdict may still come
         self.k_since = 0  # the step from which k (or a burst's) has been drafted
 
     def next(self) -> int:
@@ -338,8 +338,13 @@ class DraftLength:
             self.reprobe_at = self.steps + self.config.reprobe_interval * self.backoff
             self.backoff = min(2 * self.backoff, self.MAX_BACKOFF)  # reset once drafting pays again
             self._clear_window()  # the burst judges on its own acceptance
-            self.plan.extend([1] * self.config.min_samples)
-            self.bursting, self.k_since = True, self.steps
+            # min_samples verifications and timed steps of k = 1 by its verdict (the update that
+            # reads its last step): the burst's first step verifies nothing and is not timed (it
+            # starts the chain). With min_samples steps both fell one short, so under async
+            # scheduling no burst turned drafting on (H200: the demo, off after warming up on
+            # prompts its heads cannot draft, stayed off).
+            self.plan.extend([1] * (self.config.min_samples + 1))
+            self.burst_until, self.k_since = self.steps + len(self.plan), self.steps
             return 1
         if self.steps >= self.check_at:
             self.check_at = self.steps + self.CHECK_EVERY
@@ -468,7 +473,7 @@ class DraftLength:
         neighbour, or to off, when it is measured to give more tokens a second; off, only a
         burst's verdict may turn drafting on. Drafting whose realized rate falls below plain
         decoding's goes off whatever the step model says (see _realized_gain)."""
-        if not self.config.adaptive or self.k_max == 0 or (self.k == 0 and not self.bursting):
+        if not self.config.adaptive or self.k_max == 0 or (self.k == 0 and self.steps > self.burst_until):
             return
         before = self.k
         trying = self.k or (self.plan[0] if self.plan else 0)  # off, a burst's k is in the plan
@@ -484,8 +489,6 @@ class DraftLength:
                 if 0 <= k <= self.k_max and k != self.k and (rate := self.tokens_per_second(k)) is not None \
                         and rate > self._gain_needed(self.k, k) * here:
                     self.k, here = k, rate
-        if not self.plan:
-            self.bursting = False  # the burst's verdict is in
         if gain is not None and gain >= self.ON_GAIN:
             self.backoff = 1  # drafting is seen to pay: the next time off, re-probe soon
         if self.k != before:

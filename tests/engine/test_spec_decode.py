@@ -398,16 +398,21 @@ ADAPTIVE = {"adaptive": True, "acceptance_window": 128, "min_samples": 8, "probe
 
 
 def simulate(lengths: DraftLength, steps: int, acceptance: float, seconds, rng: random.Random,
-             totals: list | None = None, real=None) -> list[int]:
+             totals: list | None = None, real=None, pipelined: bool = False) -> list[int]:
     """Run the policy against a model of the device: each draft accepted with probability
     `acceptance` (while the run lasts), a step verifying v and proposing p drafts taking
     seconds(v, p) as timed and real(v, p) (default: the same) as it costs, what the step times
     leave out included. Returns k after each step; `totals` gets the tokens emitted and the real
-    seconds."""
+    seconds. `pipelined`: as the engine under async scheduling, each step is launched (its k
+    chosen) before the one before it is read, and a drafting step after a plain one is not
+    timed (it starts the chain)."""
     real = real or seconds
     verified, history, tokens, elapsed = 0, [], 0, 0.0
+    launched = lengths.next() if pipelined else None
     for _ in range(steps):
-        proposed = lengths.next()
+        proposed = launched if pipelined else lengths.next()
+        if pipelined:
+            launched = lengths.next()
         accepted = 0
         if verified:
             while accepted < verified and rng.random() < acceptance:
@@ -416,7 +421,8 @@ def simulate(lengths: DraftLength, steps: int, acceptance: float, seconds, rng: 
         tokens += accepted + 1
         elapsed += real(verified, proposed)
         lengths.record_progress(verified, proposed, 1, accepted + 1, real(verified, proposed))
-        lengths.record_step(verified, proposed, 1, seconds(verified, proposed))
+        if not (pipelined and proposed and not verified):
+            lengths.record_step(verified, proposed, 1, seconds(verified, proposed))
         lengths.update()
         history.append(lengths.k)
         verified = proposed
@@ -475,6 +481,22 @@ def test_drafting_that_does_not_pay_costs_under_5_percent(acceptance, overhead, 
     simulate(lengths, steps, acceptance, seconds, random.Random(2), totals)
     tokens, elapsed = totals
     assert tokens / elapsed >= 0.95 * 1.0, (tokens / elapsed, lengths.k)
+
+
+def test_one_burst_turns_drafting_back_on():
+    """Off from the start (warmed up on text the heads cannot draft, so k = 1 was never timed),
+    the first re-probe burst turns drafting on once its drafts pay, with the engine's timing: a
+    burst's first step starts the chain and is not timed, and a burst of min_samples steps left
+    its verdict one timed step and one verification short, every time (H200, bench mtp)."""
+    def seconds(verified, proposed):
+        return 1.0 + 0.3 * bool(verified or proposed) + 0.03 * verified + 0.15 * max(proposed - 1, 0)
+    config = SpeculativeConfig(num_speculative_tokens=3)
+    lengths = DraftLength(config)
+    assert simulate(lengths, 200, 0.0, seconds, random.Random(8), pipelined=True)[-1] == 0
+    assert (1, 1, 1) not in lengths.step_time
+    history = simulate(lengths, config.reprobe_interval + 2 * config.min_samples, 0.9, seconds, random.Random(9),
+                       pipelined=True)
+    assert history[-1] >= 1, history[-40:]
 
 
 # The H200 at T=0.7 (bench/results/mtp-h200-r8): plain steps timed at 0.13 ms where they run
