@@ -263,11 +263,12 @@ class DraftLength:
     to where tokens per second peak.
 
     Off (k = 0) costs nothing: plain decode steps skip the MTP pass too (runner.plain_step).
-    Every `reprobe_interval` steps a short burst drafts one token a step on fresh acceptance
-    statistics, and drafting comes back on if that beats plain decoding by ON_GAIN. Positions decoded while
-    off have no MTP KV entries, so a burst sees a partial MTP context and, if anything,
-    under-rates drafting: the price of an off state that is free. Each burst that leaves
-    drafting off doubles the wait for the next (up to MAX_BACKOFF times `reprobe_interval`).
+    Every `reprobe_interval` steps a burst of min_samples + 1 steps drafts one token a step on
+    fresh acceptance statistics, and its verdict turns drafting back on if that beats plain
+    decoding by ON_GAIN (off, nothing else does). Positions decoded while off have no MTP KV
+    entries, so a burst sees a partial MTP context and, if anything, under-rates drafting: the
+    price of an off state that is free. Each burst doubles the wait for the next (up to
+    MAX_BACKOFF times `reprobe_interval`).
 
     The step times leave out what does not fit a step: steps that start or drain the pipeline,
     catch up, wait on the host. On the H200 at T=0.7 the model had drafting 14% ahead where it
