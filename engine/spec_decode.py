@@ -288,7 +288,7 @@ class DraftLength:
     CHECK_STEPS = 64  # drafting: a stretch of plain decoding that measures its realized rate (see _realized_gain)
     CHECK_EVERY = 2048  # ... every this many steps; the first 4 x CHECK_STEPS after drafting turns on
     REALIZED_WINDOW = {False: CHECK_STEPS, True: 4 * CHECK_STEPS}  # steps (plain, drafting) a realized rate spans
-    TIME_SAMPLES = 4  # timed steps enough for T_0, and for the bound above (step times are steady, unlike acceptance)
+    TIME_SAMPLES = 2  # timed steps enough for T_0, and for the bound above (step times are steady, unlike acceptance)
     MAX_BACKOFF = 16
     STALL = 4  # a step slower than 4x the fastest of its kind counts as 4x (see record_step)
     # Drafting stays on only where it is predicted 5% faster than plain decoding: the step times

@@ -589,7 +589,7 @@ def test_drafting_stays_on_only_where_predicted_5_percent_faster(acceptance, exp
     time (leaving and rejoining the pipeline) cost it there: off. At 45%, 7% faster: on."""
     lengths = DraftLength(SpeculativeConfig(num_speculative_tokens=1))
     lengths.plan.clear()
-    for _ in range(DraftLength.TIME_SAMPLES * 4):
+    for _ in range(lengths.config.min_samples):
         lengths.record_step(0, 0, 1, 1.0)
         lengths.record_step(1, 1, 1, 1.35)
     for i in range(100):
