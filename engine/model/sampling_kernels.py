@@ -38,6 +38,15 @@ def _row_max(row, vocab, V_BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _keep_best(score, v, vocab, best_score, best_index):
+    """The running best (score, first index at it) after one block of scores at ids v."""
+    value = tl.max(score, axis=0)
+    index = tl.min(tl.where(score == value, v, vocab), axis=0)
+    take = value > best_score
+    return tl.where(take, value, best_score), tl.where(take, index, best_index)
+
+
+@triton.jit
 def _race_kernel(logits_ptr, temperature_ptr, min_p_ptr, floor_ptr, seed_ptr, position_ptr, position_offset,
                  score_ptr, index_ptr, vocab, splits, rows_per_param, HAS_FLOOR: tl.constexpr,
                  V_BLOCK: tl.constexpr, CHUNK: tl.constexpr):
@@ -55,11 +64,7 @@ def _race_kernel(logits_ptr, temperature_ptr, min_p_ptr, floor_ptr, seed_ptr, po
         for offset in range(0, CHUNK, V_BLOCK):
             v = s * CHUNK + offset + tl.arange(0, V_BLOCK)
             x = tl.load(row + v, mask=v < vocab, other=float("-inf"))
-            value = tl.max(x, axis=0)
-            index = tl.min(tl.where(x == value, v, vocab), axis=0)
-            take = value > best_score
-            best_index = tl.where(take, index, best_index)
-            best_score = tl.where(take, value, best_score)
+            best_score, best_index = _keep_best(x, v, vocab, best_score, best_index)
     else:
         cut = tl.full([], float("-inf"), tl.float32)
         min_p = tl.load(min_p_ptr + p)
@@ -81,11 +86,7 @@ def _race_kernel(logits_ptr, temperature_ptr, min_p_ptr, floor_ptr, seed_ptr, po
             uniform = ((bits >> 8).to(tl.float32) + 0.5) * 5.9604644775390625e-08  # 2**-24
             score = x / temperature - tl.log(-tl.log(uniform))
             score = tl.where((v < vocab) & (x >= cut), score, float("-inf"))
-            value = tl.max(score, axis=0)
-            index = tl.min(tl.where(score == value, v, vocab), axis=0)
-            take = value > best_score
-            best_index = tl.where(take, index, best_index)
-            best_score = tl.where(take, value, best_score)
+            best_score, best_index = _keep_best(score, v, vocab, best_score, best_index)
     tl.store(score_ptr + r * splits + s, best_score)
     tl.store(index_ptr + r * splits + s, best_index)
 
