@@ -35,8 +35,10 @@ class Watcher:
                  interval=0.2, what="mosquitto_sub's subscription")
 
     def lines(self):
+        """Whole lines only: a message longer than mosquitto_sub's stdio buffer reaches the file in pieces."""
         with open(self.path, "rb") as f:
-            return [line.decode() for line in f.read().splitlines()]
+            written = f.read()
+        return [line.decode() for line in written[:written.rfind(b"\n") + 1].splitlines()]
 
     def messages(self):
         """[(retain, qos, topic, correlation, doc)] for every JSON message so far."""
