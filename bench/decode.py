@@ -17,7 +17,7 @@ DEFAULT_SHAPES = ["qwen3-0.6b", "qwen3-4b"]
 PROGRAM_RANGE = "compiled CPU decode step"  # the profile's name for a compiled step's program
 # CPU profile (--profile): profiler op names → where a step's time goes; the first match wins.
 PROFILE_FAMILIES = (
-    ("products (MKL / oneDNN; ours compiled: the vocab projection, the others run inside the program)",
+    ("products (MKL / oneDNN; ours compiled: the batch program's vocab projection, the rest run inside the programs)",
      ("mkl::_mkl_linear", "mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::bmm")),
     ("attention (SDPA)", ("scaled_dot_product",)),
     ("compiled program (AOTInductor): the layers' products and C++ loops (norms, RoPE, attention, SiLU)",

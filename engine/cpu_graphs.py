@@ -6,16 +6,19 @@ once into one program and then only run: the forward over the paged KV cache (`D
 exported (`torch.export`) and compiled ahead of time by AOTInductor, whose C++ loops fuse the
 norms, q/k norm + RoPE, the attention and SiLU·up between the matrix products, and whose C++
 wrapper is called straight from the runner: no guards, no Python wrapper, no per-op dispatch.
-With inductor's freezing the weights are constants of the program, packed at compile time for
-oneDNN, which reads them faster than the BLAS call on the plain matrix
-(bench/results/decode-cpu-r4).
+The weights are constants of the program.
 
 Two programs serve every batch bucket: batch 1, and one whose batch size is symbolic; in both
 the block tables' width (the context read, a multiple of the block size) and the cache's size are
 symbolic too, so a step never reads the whole cache nor recompiles as contexts grow, and one
-program serves any `max_model_len`, `max_num_seqs` or cache size. The vocab projection and the
-argmax run after the program (`VocabHead`), on weights packed when the engine starts: MKL's
-packed product is the fastest at one row and cannot be saved in a package (it must not move).
+program serves any `max_model_len`, `max_num_seqs` or cache size. At batch 1 every product, the
+vocab projection included, is a C++ reduction over the weight in the narrowest dtype that holds
+its values exactly (`streamed_linear`, `narrowest`: a bf16 checkpoint served in fp32 is read as
+bf16), with fp32 sums: 4-6x MKL's and oneDNN's packed fp32 products at one row on a core, since
+half the bytes fit the cache (bench/results/decode-cpu-r9). Past one row a reduction reads each
+weight once a row, so the batch program keeps fp32 weights packed for oneDNN by inductor's
+freezing, and its vocab projection and argmax run after it (`VocabHead`, on weights packed when
+the engine starts: oneDNN's packed product cannot be saved in a package).
 A step's new keys and values leave the program as outputs and are stored with one index_copy
 after it: stored inside, into the cache (an input), they make inductor copy the whole cache.
 
@@ -36,6 +39,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -99,14 +103,14 @@ class CPUKernels:
         # own from here.
         self.tracing = False
         self.fresh: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.streamed = False  # products as `streamed_linear` (while the batch-1 program is exported)
 
     @staticmethod
     def runs_on(x: torch.Tensor) -> bool:
         return x.device.type == "cpu"
 
-    @staticmethod
-    def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, weight)
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return streamed_linear(x, weight) if self.streamed else F.linear(x, weight)
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
@@ -116,21 +120,19 @@ class CPUKernels:
         y = _rms_norm(x, weight, eps)
         return y if residual is None else (y, x)
 
-    @classmethod
-    def norm_linear(cls, x, residual, norm_weight, eps: float, weight):
+    def norm_linear(self, x, residual, norm_weight, eps: float, weight):
         if residual is None:
-            return cls.linear(_rms_norm(x, norm_weight, eps), weight), x
-        y, residual = cls.rms_norm(x, norm_weight, eps, residual)
-        return cls.linear(y, weight), residual
+            return self.linear(_rms_norm(x, norm_weight, eps), weight), x
+        y, residual = self.rms_norm(x, norm_weight, eps, residual)
+        return self.linear(y, weight), residual
 
     @staticmethod
     def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    @classmethod
-    def silu_linear(cls, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return cls.linear(cls.silu_mul(gate_up), weight)
+    def silu_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return self.linear(self.silu_mul(gate_up), weight)
 
     def qk_norm_rope_store(self, qkv, q_weight, k_weight, cos, sin, slot_mapping, k_cache, v_cache, eps: float,
                            num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
@@ -160,6 +162,40 @@ class CPUKernels:
         return decode_attention(q, k_cache, v_cache, context_slots, context_lens, scale)
 
 
+def streamed_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T as a sum inductor fuses with the weight's upcast: one pass over the weight in
+    the dtype it is stored in, fp32 accumulation. At one row on a core it beats MKL's and oneDNN's
+    packed fp32 products by 4-6x (bench/results/decode-cpu-r9); at more rows it reads the weight
+    once a row, so the batch program keeps the packed products."""
+    return (x.float()[:, None, :] * weight.float()[None]).sum(-1).to(x.dtype)
+
+
+def narrowest(weight: torch.Tensor) -> torch.Tensor:
+    """The weight in the narrowest float dtype that holds every value exactly (fp32 weights upcast
+    from a bf16 or fp16 checkpoint: half the bytes a step reads, the same products), else as is."""
+    for dtype in (torch.bfloat16, torch.float16):
+        if dtype.itemsize < weight.dtype.itemsize:
+            narrow = weight.to(dtype)
+            if torch.equal(narrow.to(weight.dtype), weight):
+                return narrow
+    return weight
+
+
+@contextmanager
+def narrowed_weights(model: nn.Module):
+    """The model's products' weights (its `Linear`s but the vocab head) swapped for `narrowest`
+    copies while the batch-1 program is exported (the program keeps them as its constants)."""
+    linears = [m for name, m in model.named_modules() if isinstance(m, qwen3.Linear) and name != "lm_head"]
+    weights = [m.weight for m in linears]
+    try:
+        for m, w in zip(linears, weights):
+            m.weight = nn.Parameter(narrowest(w.detach()), requires_grad=False)
+        yield
+    finally:
+        for m, w in zip(linears, weights):
+            m.weight = w
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' RMSNorm numerics: in fp32, then cast."""
     y = x.float()
@@ -168,12 +204,14 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 class DecodeStep(nn.Module):
     """What a program computes: the model over one new token a sequence, attention through
-    `block_tables` [B, blocks]; returns the final-normed hidden states [B, hidden] and each
-    layer's new key and value [layers, 2, B, KVH, D] (stored by the caller)."""
+    `block_tables` [B, blocks]; returns the final-normed hidden states [B, hidden], each layer's
+    new key and value [layers, 2, B, KVH, D] (stored by the caller) and, given the vocab `head`
+    (`narrowest` weights), fp32 logits [B, vocab]."""
 
-    def __init__(self, model: nn.Module, kernels: CPUKernels, block_size: int):
+    def __init__(self, model: nn.Module, kernels: CPUKernels, block_size: int, head: torch.Tensor | None = None):
         super().__init__()
         self.model, self.kernels, self.block_size = model, kernels, block_size
+        self.head = head
 
     def forward(self, kv_cache, ids, positions, block_tables, context_lens):
         meta = AttentionMetadata(slot_mapping=None, block_tables=block_tables, context_lens=context_lens, q_len=1,
@@ -184,7 +222,9 @@ class DecodeStep(nn.Module):
             fresh = torch.stack([torch.stack(kv) for kv in self.kernels.fresh])
         finally:
             self.kernels.tracing, self.kernels.fresh = False, []
-        return hidden, fresh
+        if self.head is None:
+            return hidden, fresh
+        return hidden, fresh, streamed_linear(hidden.float(), self.head)
 
 
 class VocabHead:
@@ -256,9 +296,9 @@ class CPUGraphs:
                 self.context_lens[:batch]]
 
     def _run(self, program, bucket: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        hidden, fresh = program(self._inputs(bucket))
+        hidden, fresh, *logits = program(self._inputs(bucket))  # the batch-1 program's own logits
         self.kv_cache[:fresh.shape[0]].index_copy_(2, self.slots[:bucket], fresh)
-        logits = self.head(hidden[:n])
+        logits = logits[0][:n] if logits else self.head(hidden[:n])
         return hidden[:n], logits, logits.argmax(-1)
 
     @torch.inference_mode()
@@ -269,7 +309,6 @@ class CPUGraphs:
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "torchinductor"))  # inductor's build files
         self.kernels = CPUKernels()
         self.model.use_kernels(self.kernels)
-        self.step = DecodeStep(self.model, self.kernels, self.block_size)
         self.head = VocabHead(self.model.lm_head.weight, self.max_batch)
         cache = compile_cache.ProgramCache(root / "cpu-steps")
         c = self.kv_cache
@@ -302,6 +341,12 @@ class CPUGraphs:
                  list(self.load_seconds), list(self.compile_seconds), time.perf_counter() - start,
                  ",".join(map(str, self.sizes)), cache.directory)
 
+    def _step(self, program: int) -> DecodeStep:
+        """The step a program computes: batch 1 with its products streamed (`streamed_linear`) and
+        the vocab head inside; batch 2 or more on packed products, the head after it (`VocabHead`)."""
+        head = narrowest(self.model.lm_head.weight.detach()) if program == 1 else None
+        return DecodeStep(self.model, self.kernels, self.block_size, head)
+
     def _loader(self, program: int) -> Callable[[str], Callable]:
         """Loads a package, checks it on the probe, runs its buckets once and puts them in
         `graphs` (raises when the check fails: `ProgramCache.load` then removes the entry)."""
@@ -326,12 +371,21 @@ class CPUGraphs:
         width, slots = torch.export.Dim("blocks", min=2), torch.export.Dim("slots", min=2)
         dynamic = ({2: slots}, {0: rows} if rows else None, {0: rows} if rows else None,
                    {0: rows, 1: width} if rows else {1: width}, {0: rows} if rows else None)
+        streamed = program == 1
         with torch.inference_mode(False), torch.no_grad():
             example = (self.kv_cache, torch.zeros(batch, dtype=torch.int32), torch.zeros(batch, dtype=torch.int32),
                        torch.full((batch, blocks), self.scratch_block, dtype=torch.int32),
                        torch.ones(batch, dtype=torch.int32))
-            exported = torch.export.export(self.step, example, dynamic_shapes=dynamic, strict=False)
-            torch._inductor.aoti_compile_and_package(exported, package_path=path, inductor_configs={"freezing": True})
+            with narrowed_weights(self.model) if streamed else nullcontext():
+                self.kernels.streamed = streamed
+                try:
+                    exported = torch.export.export(self._step(program), example, dynamic_shapes=dynamic, strict=False)
+                finally:
+                    self.kernels.streamed = False
+            # Freezing packs the batch program's weights for oneDNN; it would also fold the streamed
+            # products' upcasts into fp32 copies of their weights.
+            torch._inductor.aoti_compile_and_package(exported, package_path=path,
+                                                     inductor_configs={"freezing": not streamed})
 
     @torch.no_grad()
     def _check(self, run: Callable, program: int) -> None:
@@ -346,10 +400,12 @@ class CPUGraphs:
         lens = torch.randint(2, blocks * bs + 1, (batch,), generator=rng, dtype=torch.int32)
         inputs = [cache, torch.randint(0, self.model.config.vocab_size, (batch,), generator=rng, dtype=torch.int32),
                   lens - 1, tables, lens]
-        want = self.step(*inputs)
+        want = self._step(program)(*inputs)
         got = run(inputs)
         tolerance = PROBE_TOLERANCE if c.dtype == torch.float32 else HALF_PROBE_TOLERANCE
-        for name, w, g in zip(("hidden states", "new keys and values"), want, got):
+        if len(want) != len(got):
+            raise ValueError(f"it returns {len(got)} outputs, the step {len(want)}")
+        for name, w, g in zip(("hidden states", "new keys and values", "logits"), want, got):
             error = (w.float() - g.float()).abs().max().item() if w.shape == g.shape else float("inf")
             if not error <= tolerance * w.float().abs().max().item():
                 raise ValueError(f"its {name} differ from the eager step's by {error:.3g}")

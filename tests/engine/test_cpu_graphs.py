@@ -17,9 +17,9 @@ import torch
 from jetserve.engine import LLM, SamplingParams
 from jetserve.engine.compile_cache import MAX_ENTRIES, ProgramCache, program_key
 from jetserve.engine.config import EngineArgs
-from jetserve.engine.cpu_graphs import CPUGraphs
+from jetserve.engine.cpu_graphs import CPUGraphs, narrowed_weights, narrowest
 
-from tests.engine.builders import build_drafting_model, hf_greedy
+from tests.engine.builders import TINY, add_tokenizer, build_drafting_model, build_qwen3, hf_greedy
 
 PROMPTS = [[5, 17, 2, 99, 31, 8, 64], [200, 3], list(range(40, 63)), [7] * 11]
 LENGTHS = [12, 3, 9, 6]  # sequences finish apart: the batch shrinks from 4 to 1, padded to the bucket
@@ -74,6 +74,36 @@ def test_greedy_tokens_equal_transformers(tiny, compiled, compile_env):
     # every decode step ran compiled: 11 steps after the prefill, batches 4, 3 and 2 padded to 4, then 1
     assert len(replays) == max(LENGTHS) - 1 and {(key[2], n) for key, n in replays} == {(4, 4), (4, 3), (4, 2), (1, 1)}
     assert llm.engine.scheduler.blocks.num_used == 0
+
+
+def test_weights_narrow_only_where_every_value_survives():
+    exact = torch.randn(64, 32).bfloat16().float()
+    assert narrowest(exact).dtype == torch.bfloat16 and torch.equal(narrowest(exact).float(), exact)
+    assert narrowest(torch.full((4,), 1 + 2**-9)).dtype == torch.float16  # fp16 holds 10 mantissa bits, bf16 7
+    assert narrowest(torch.tensor([2.0**100, 1.0])).dtype == torch.bfloat16  # bf16 has fp32's range, fp16 not
+    for kept in (torch.randn(64, 32), torch.tensor([1.0, float("nan")]), torch.tensor([2.0**20 + 1])):
+        assert narrowest(kept).dtype == torch.float32  # fp32 values, a NaN (never equal), too many bits
+    assert narrowest(exact.bfloat16()).dtype == torch.bfloat16
+
+
+def test_a_bf16_checkpoint_streams_bf16_weights_to_transformers_tokens(tmp_path, compile_env):
+    """A bf16 checkpoint served in fp32: the batch-1 program reads its products' weights as bf16
+    (the same values, half the bytes) and decodes transformers' fp32 greedy tokens."""
+    model = build_qwen3(tmp_path)
+    model.to(torch.bfloat16).save_pretrained(tmp_path)
+    add_tokenizer(tmp_path)
+    model.float()  # the checkpoint's values, in fp32: transformers' reference
+    llm = LLM(str(tmp_path), max_num_seqs=1, block_size=8, cudagraph_capture_sizes=[1])
+    ours = llm.engine.runner.model
+    with narrowed_weights(ours):
+        dtypes = {name: p.dtype for name, p in ours.named_parameters() if name.endswith("proj.weight")}
+    assert len(dtypes) == 4 * TINY["num_hidden_layers"] and set(dtypes.values()) == {torch.bfloat16}
+    assert {p.dtype for p in ours.parameters()} == {torch.float32}  # put back after the export
+    assert list(llm.engine.runner.graphs.graphs) == [(None, 1, 1)]
+    for prompt, n in zip(PROMPTS[:2], LENGTHS[:2]):
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        assert llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids \
+            == hf_greedy(model, prompt, n)
 
 
 def test_sampled_tokens_equal_the_eager_step(tiny, compiled):
