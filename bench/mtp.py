@@ -26,9 +26,12 @@ plain decode graph (GPU with CUDA graphs only).
 Method: every engine serves every shape once before anything is timed (graphs captured,
 kernels compiled and tuned): the warm-up prefills a prompt of random ids of every length a
 timed prompt has (Triton specializes kernels on sizes, so a new length can compile inside a
-timed run) and decodes with every k; each timed request uses a prompt no earlier one used,
-and prefix caching is off, so no run inherits another's work; each figure is measured over
-several repeats and reported as min and median.
+timed run) and decodes with every k (the adaptive engine learns its step times there, and each
+temperature's runs start from a `fresh` draft length: those times, no acceptance statistics);
+each timed request uses a prompt no earlier one used, and prefix caching is off, so no run
+inherits another's work; the engines stay up side by side and each repeat runs every
+configuration in turn on its prompts (a shared machine's load moves within minutes); each
+figure is measured over several repeats and reported as min and median.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import jetserve
 from jetserve.bench.common import SHAPES, environment, write_results
 
 PROMPTS_FILE = Path(__file__).with_name("mtp_prompts.json")
+MAX_MODEL_LEN, BLOCK_SIZE = 1024, 16
 WARM_UP = "def warm_up(value):\n    \"\"\"Return the value, warmed.\"\"\"\n"
 
 
@@ -82,6 +86,20 @@ def _move(step: int, before: int, after: int, why: str, seconds: dict, tokens: d
             "tokens_per_step": {k: None if e is None else round(e, 3) for k, e in tokens.items()}}
 
 
+def _generation_entry(runs: list[dict], k: int | None, temperature: float, adaptive: bool) -> dict:
+    """One configuration's generation figures over its repeats."""
+    drafts = sum(r["drafts"] for r in runs)
+    positions = max(len(r["per_position"]) for r in runs)
+    per_position = [sum(r["per_position"][j] for r in runs if j < len(r["per_position"])) for j in range(positions)]
+    return {"k": "auto" if adaptive else k, "temperature": temperature,
+            "tok_s": _summary([r["tok_s"] for r in runs], 1),
+            "ttft_ms": _summary([r["ttft_ms"] for r in runs], 3),  # a request's median, per repeat
+            "decode_tok_s": _summary([r["decode_tok_s"] for r in runs], 1),  # after the first token
+            "acceptance_per_position": [round(a / drafts, 4) for a in per_position] if drafts else [],
+            "mean_accepted_length": round(1 + sum(r["accepted"] for r in runs) / drafts, 3) if drafts else 1.0,
+            "outputs": [o for r in runs for o in r["outputs"]]}
+
+
 def _summary(values: list[float], digits: int = 6) -> dict:
     return {"median": round(statistics.median(values), digits), "min": round(min(values), digits),
             "runs": [round(v, digits) for v in values]}
@@ -93,9 +111,12 @@ def _engine(model: str, k: int | None, args, max_num_seqs: int, adaptive: bool =
     spec = ({"method": "mtp", "num_speculative_tokens": k, "adaptive": adaptive,
              "draft_vocab_size": args.draft_vocab_size} if k else None)
     sizes = sorted({1, max_num_seqs})
+    # A KV cache of what the runs need (every sequence at max_model_len, and its drafts), not of the
+    # GPU's free memory: the engines stay up side by side for the interleaved runs.
+    blocks = max_num_seqs * -(-(MAX_MODEL_LEN + (k or 0) + 1) // BLOCK_SIZE) + 1
     return LLM(model, speculative_config=spec, device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager,
-               max_num_seqs=max_num_seqs, max_model_len=1024, enable_prefix_caching=False,
-               cudagraph_capture_sizes=sizes)
+               max_num_seqs=max_num_seqs, max_model_len=MAX_MODEL_LEN, enable_prefix_caching=False,
+               cudagraph_capture_sizes=sizes, block_size=BLOCK_SIZE, num_kv_blocks=blocks)
 
 
 def _set_k(llm, k: int | None) -> None:
@@ -312,7 +333,6 @@ def run(args) -> dict:
     import torch
 
     from jetserve.engine.config import resolve_device
-    from jetserve.engine.spec_decode import DraftLength
 
     ks = [int(k) for k in args.ks.split(",")]
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -343,13 +363,15 @@ def run(args) -> dict:
     profile: dict[str, dict] = {}
     # (engine's k: None = no drafting; adaptive; the k each run drafts, None = as the engine decides)
     engines = [(None, False, [0]), (max(ks), False, ks)] + ([(max(ks), True, [None])] if temperatures else [])
+    configs = []  # (label, engine, k, adaptive): every engine stays up for the interleaved generation runs
     for engine_k, adaptive, mine in engines:
         llm = _engine(model, engine_k, args, max(batch_sizes), adaptive)
         for k in mine:  # warm every shape this engine will run
             if not adaptive:
                 for batch in batch_sizes:
                     _step_times(llm, k, batch, step_prompts(batch), type(args)(**{**vars(args), "steps": 4}))
-            if temperatures and device.type == "cuda":  # the held-out prompts' token counts (Triton's sizes)
+            # The held-out prompts' token counts (Triton's sizes); an adaptive engine times its steps.
+            if temperatures and (device.type == "cuda" or adaptive):
                 _warm_lengths(llm, k, {len(llm.engine.tokenizer.encode(p)) for p in prompts}, temperatures)
         if engine_k and not adaptive and device.type == "cuda" and llm.engine.runner.graphs is not None:
             for b in batch_sizes:
@@ -361,34 +383,32 @@ def run(args) -> dict:
                 step_time[label] = {f"batch {b}": _summary([_step_times(llm, k, b, step_prompts(b), args)
                                                              for _ in range(args.repeats)]) for b in batch_sizes}
                 print(f"{label}: step {step_time[label]}", flush=True)
-            for temperature in temperatures:
-                if adaptive:  # as a server started afresh on this workload (warm kernels, no statistics)
-                    llm.engine.draft_length = DraftLength(llm.engine.config.speculative)
-                runs = [_generate(llm, k, temperature, prompts[r * n:(r + 1) * n], args) for r in range(args.repeats)]
-                drafts = sum(r["drafts"] for r in runs)
-                positions = max(len(r["per_position"]) for r in runs)
-                per_position = [sum(r["per_position"][j] for r in runs if j < len(r["per_position"]))
-                                for j in range(positions)]
-                generation[f"{label} T={temperature:g}"] = entry = {
-                    "k": "auto" if adaptive else k if engine_k else 0, "temperature": temperature,
-                    "tok_s": _summary([r["tok_s"] for r in runs], 1),
-                    "ttft_ms": _summary([r["ttft_ms"] for r in runs], 3),  # a request's median, per repeat
-                    "decode_tok_s": _summary([r["decode_tok_s"] for r in runs], 1),  # after the first token
-                    "acceptance_per_position": [round(a / drafts, 4) for a in per_position] if drafts else [],
-                    "mean_accepted_length": round(1 + sum(r["accepted"] for r in runs) / drafts, 3) if drafts else 1.0,
-                    "outputs": [o for r in runs for o in r["outputs"]],
-                }
-                if adaptive:  # what the draft length chose, and the step times it chose from
-                    lengths = llm.engine.draft_length
-                    entry["final_k"] = lengths.k
-                    entry["step_ms_seen"] = {f"verify {v} propose {p} batch {b}": [round(t * 1e3, 4), n]
-                                             for (v, p, b), (t, n) in sorted(lengths.step_time.items())}
-                    entry["moves"] = [_move(*move) for move in lengths.moves]
-                print(f"{label} T={temperature:g}: {entry['tok_s']} acceptance {entry['acceptance_per_position']} "
-                      f"mean length {entry['mean_accepted_length']} k {entry.get('final_k', entry['k'])}", flush=True)
+            if temperatures:
+                configs.append((label, llm, k, adaptive))
         del llm
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    for temperature in temperatures:
+        # Interleaved: each repeat runs every configuration in turn on its fresh prompts, so a
+        # shared machine's load, which moves within minutes, weighs on all alike.
+        for _, llm, _, adaptive in configs:
+            if adaptive:  # as a server meeting this workload afresh: step times known, no acceptance
+                llm.engine.draft_length = llm.engine.draft_length.fresh()
+        runs = {label: [] for label, *_ in configs}
+        for r in range(args.repeats):
+            for label, llm, k, _ in configs:
+                runs[label].append(_generate(llm, k, temperature, prompts[r * n:(r + 1) * n], args))
+        for label, llm, k, adaptive in configs:
+            generation[f"{label} T={temperature:g}"] = entry = _generation_entry(runs[label], k, temperature, adaptive)
+            if adaptive:  # what the draft length chose, and the step times it chose from
+                lengths = llm.engine.draft_length
+                entry["final_k"] = lengths.k
+                entry["step_ms_seen"] = {f"verify {v} propose {p} batch {b}": [round(t * 1e3, 4), n]
+                                         for (v, p, b), (t, n) in sorted(lengths.step_time.items())}
+                entry["moves"] = [_move(*move) for move in lengths.moves]
+            print(f"{label} T={temperature:g}: {entry['tok_s']} acceptance {entry['acceptance_per_position']} "
+                  f"mean length {entry['mean_accepted_length']} k {entry.get('final_k', entry['k'])}", flush=True)
+    configs.clear()
     plain = step_time["plain"]
     for label, times in step_time.items():
         k = 0 if label == "plain" else int(label[2:])

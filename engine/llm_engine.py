@@ -146,7 +146,8 @@ class LLMEngine:
         catches up is not timed: see _record_step_time)."""
         verified = self.runner.speculative_shape(batch, num_drafts) if self.draft_length else None
         start = time.perf_counter()
-        sampled, drafts, logprobs, prompt_logprobs = self.runner.execute(batch, num_drafts)
+        priced_out = self.draft_length is not None and self.draft_length.priced_out
+        sampled, drafts, logprobs, prompt_logprobs = self.runner.execute(batch, num_drafts, priced_out)
         for seq, lists in zip(batch.seqs, prompt_logprobs):
             if lists is not None:
                 self._gather_prompt_logprobs(self.requests[seq.request_id], lists)

@@ -212,14 +212,16 @@ class ModelRunner:
         return peak
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, num_drafts: int = 0) -> tuple[
+    def execute(self, batch: ScheduledBatch, num_drafts: int = 0, skip_prompts: bool = False) -> tuple[
             list[list[int] | None], list[list[int]], list[LogprobsLists | None], list[LogprobsLists | None]]:
         """Compute the scheduled tokens (a sequence's pending drafts included); for each sequence
         whose tokens are now all computed, the tokens it gains (accepted drafts + one), None for
         one still part-way through its prompt; the drafts (up to `num_drafts`) each one
         proposes for the next step; for those that asked, the gained tokens' logprobs; and the
-        logprobs of the prompt tokens this step's rows predict (prompt_logprobs)."""
-        if (self.proposer is not None and not self.plain_step(batch, num_drafts)
+        logprobs of the prompt tokens this step's rows predict (prompt_logprobs).
+        `skip_prompts`: prefill chunks skip the MTP pass too (see plain_step)."""
+        plain = self.plain_step(batch, num_drafts, skip_prompts)
+        if (self.proposer is not None and not plain
                 and self.speculative_shape(batch, num_drafts) is not None
                 and not any(seq.params.logprobs is not None for seq in batch.seqs)):
             none = [None] * len(batch)  # no logprobs asked, no prompt rows
@@ -231,7 +233,7 @@ class ModelRunner:
         tokens, logprobs = iter(tokens), iter(logprobs)
         emitted = [next(tokens) if d else None for d in step.sampled]
         emitted_logprobs = [next(logprobs) if d else None for d in step.sampled]
-        if self.proposer is None or self.plain_step(batch, num_drafts):
+        if self.proposer is None or plain:
             return emitted, [[] for _ in batch.seqs], emitted_logprobs, prompt_logprobs
         if step.mixed_bucket is not None:  # its MTP pass is a graph too, and such a step drafts nothing
             self.mixed.replay_mtp_pass(step.mixed_bucket, next_tokens(batch.seqs, batch.num_tokens, emitted))
@@ -267,10 +269,12 @@ class ModelRunner:
                 for seq, span in zip(batch.seqs, spans)]
 
     @staticmethod
-    def plain_step(batch: ScheduledBatch, num_drafts: int) -> bool:
-        """A decode step that verifies and proposes nothing: it skips the MTP pass, so drafting
-        that is off costs nothing (the MTP KV cache misses these positions; see DraftLength)."""
-        return num_drafts == 0 and all(n == 1 and not seq.spec_token_ids for seq, n in zip(batch.seqs, batch.num_tokens))
+    def plain_step(batch: ScheduledBatch, num_drafts: int, skip_prompts: bool = False) -> bool:
+        """A step that verifies and proposes nothing and skips the MTP pass: a decode step (so
+        drafting that is off costs nothing; the MTP KV cache misses these positions, see
+        DraftLength), and with `skip_prompts` any such step, prefill chunks too."""
+        return num_drafts == 0 and all((n == 1 or skip_prompts) and not seq.spec_token_ids
+                                       for seq, n in zip(batch.seqs, batch.num_tokens))
 
     def speculative_shape(self, batch: ScheduledBatch, num_drafts: int) -> int | None:
         """The drafts every sequence verifies when all decode with the same number and have room

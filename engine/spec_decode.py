@@ -281,7 +281,10 @@ class DraftLength:
     Drafting that cannot pay even if every draft were accepted — a step proposing k costs more
     than k + 1 plain ones, as eager drafting steps do beside a compiled plain step on a CPU — is
     switched off (or its burst ended) after TIME_SAMPLES timed steps, before its acceptance is
-    known: a burst of such steps would otherwise cost ~10% of the steps between bursts.
+    known: a burst of such steps would otherwise cost ~10% of the steps between bursts. While
+    off on that bound, prompts skip the MTP pass too (`priced_out`); priced out FAR_OUT times
+    over, the next burst waits MAX_BACKOFF intervals; and a draft length made `fresh` for a new
+    workload starts off on the bound from the step times it knows.
     """
 
     OFF_PROBE_EVERY = 8  # every 8th probe measures plain decoding
@@ -290,6 +293,9 @@ class DraftLength:
     REALIZED_WINDOW = {False: CHECK_STEPS, True: 4 * CHECK_STEPS}  # steps (plain, drafting) a realized rate spans
     TIME_SAMPLES = 2  # timed steps enough for T_0, and for the bound above (step times are steady, unlike acceptance)
     MAX_BACKOFF = 16
+    # Drafting priced out by twice its reach (a CPU's eager drafting steps cost 10-20 plain ones)
+    # re-probes after MAX_BACKOFF intervals at once: each burst there costs ~40 plain steps.
+    FAR_OUT = 2.0
     STALL = 4  # a step slower than 4x the fastest of its kind counts as 4x (see record_step)
     # Drafting stays on only where it is predicted 5% faster than plain decoding: the step times
     # leave out the steps that leave and rejoin the pipeline (a probe, a chain that breaks),
@@ -325,6 +331,28 @@ class DraftLength:
         self.check_at = 4 * self.CHECK_STEPS  # drafting: the step of the next stretch of plain decoding
         self.burst_until = 0  # off: the last step at which the burst's verdict may still come
         self.k_since = 0  # the step from which k (or a burst's) has been drafted
+        self._priced_out = False  # off on the cannot-pay bound (see priced_out)
+
+    def fresh(self) -> DraftLength:
+        """A draft length that starts afresh (no acceptance statistics, no moves) knowing the step
+        times measured so far: what a server that has been serving brings to a new workload. Where
+        they say drafting k_max cannot pay, it starts off rather than learn that again (a CPU's
+        eager drafting steps cost 10-14 plain ones: the three it took were 10% of a short run)."""
+        new = DraftLength(self.config)
+        new.k_max = new.k = self.k_max
+        new.step_time, new.fastest = dict(self.step_time), dict(self.fastest)
+        new.timed_at = dict.fromkeys(self.step_time, 0)
+        new.k_since = -1  # the known times count as measured at k_max
+        new.update()  # judged before the first step
+        return new
+
+    @property
+    def priced_out(self) -> bool:
+        """Off because drafting's steps cost more than every draft accepted would give, no burst
+        planned: no step needs the MTP pass, prefill chunks neither (a CPU's MTP pass over a
+        prompt made its first token 1.5x as slow). Off for poor acceptance, prompts still go
+        through it, so that a burst judges drafts that see their context."""
+        return self.k == 0 and not self.plan and self._priced_out
 
     def next(self) -> int:
         """k for the next step (a probe's or a burst's k at times)."""
@@ -345,7 +373,7 @@ class DraftLength:
             # scheduling no burst turned drafting on (H200: the demo, off after warming up on
             # prompts its heads cannot draft, stayed off).
             self.plan.extend([1] * (self.config.min_samples + 1))
-            self.burst_until, self.k_since = self.steps + len(self.plan), self.steps
+            self.burst_until, self.k_since, self._priced_out = self.steps + len(self.plan), self.steps, False
             return 1
         if self.steps >= self.check_at:
             self.check_at = self.steps + self.CHECK_EVERY
@@ -432,14 +460,15 @@ class DraftLength:
             needed = self.TIME_SAMPLES if verified == proposed == 0 else self.config.min_samples
         return average if n >= min(needed, self.config.min_samples) else None
 
-    def _cannot_pay(self, k: int) -> bool:
-        """Whether even the fastest of TIME_SAMPLES steps drafting k took longer than k + 1 plain
-        steps, the most it can emit (the fastest: one stall, a kernel compiled on first use say,
-        must not switch drafting off)."""
+    def _over_reach(self, k: int) -> float:
+        """The fastest of TIME_SAMPLES steps drafting k over k + 1 plain steps, the most it can
+        emit: above 1, drafting k cannot pay whatever is accepted (the fastest: one stall, a
+        kernel compiled on first use say, must not switch drafting off). 0 while not known, or
+        known only from before k was last entered."""
         plain = self._time(0, 0)
         if plain is None or self._time(k, k, self.TIME_SAMPLES) is None or self._timed_at(k, k) <= self.k_since:
-            return False  # not known, or known only from before k was last entered
-        return self.fastest[k, k, self.batch_size] > (k + 1) * plain
+            return 0.0
+        return self.fastest[k, k, self.batch_size] / ((k + 1) * plain)
 
     def step_seconds(self, k: int) -> float | None:
         """T_k at the current batch size: measured, or from the probes around the current k where
@@ -480,9 +509,13 @@ class DraftLength:
         trying = self.k or (self.plan[0] if self.plan else 0)  # off, a burst's k is in the plan
         why = "measured"
         gain = self._realized_gain() if self.k and not self.plan else None
-        if trying and self._cannot_pay(trying):
-            self.k, why = 0, f"k={trying} cannot pay"
+        over = self._over_reach(trying) if trying else 0.0
+        if over > 1:
+            self.k, why, self._priced_out = 0, f"k={trying} cannot pay", True
             self.plan.clear()
+            if over > self.FAR_OUT:  # not a slow spell: the next burst waits the longest
+                self.backoff = self.MAX_BACKOFF
+                self.reprobe_at = self.steps + self.config.reprobe_interval * self.backoff
         elif gain is not None and gain < 1:
             self.k, why = 0, f"realized {gain:.2f}x plain"
         elif (here := self.tokens_per_second(self.k)) is not None:

@@ -616,6 +616,55 @@ def test_drafting_off_skips_the_mtp_pass(model, reference):
     assert lengths.step_time[0, 0, 1][1] >= GREEDY.max_tokens - 4
 
 
+def test_a_draft_length_priced_out_skips_the_mtp_pass_for_prompts_too(model, reference):
+    """Off on the cannot-pay bound (a CPU's eager drafting beside its compiled plain step), no
+    step runs the MTP layer, prompts included, and the output is the plain one; off for poor
+    acceptance, prompts still go through it (above)."""
+    llm = engine(model, 2, spec={"adaptive": True, "reprobe_interval": 10**6})
+    lengths = llm.engine.draft_length
+    for key, seconds in (((0, 0, 1), 1e-3), ((2, 2, 1), 4e-3)):  # k = 2 costs 4 plain steps: 3 tokens can't pay
+        lengths.record_step(*key, seconds)
+        lengths.record_step(*key, seconds)
+    llm.engine.draft_length = lengths = lengths.fresh()
+    assert lengths.priced_out and [move[:4] for move in lengths.moves] == [(0, 2, 0, "k=2 cannot pay")]
+    calls = []
+    llm.engine.runner.model.mtp[0].register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
+    assert token_ids(llm.generate(PROMPTS[4:], GREEDY, use_tqdm=False)) == reference[4:]
+    assert not calls and llm.engine.stats().num_drafts == 0
+
+
+def test_drafting_priced_far_out_re_probes_after_the_longest_backoff():
+    """Drafting steps at 12 plain ones (a CPU's eager drafting beside its compiled plain step:
+    6 times what k = 1 can emit) re-probe after MAX_BACKOFF intervals, not 1, 2, 4...: each
+    burst costs ~40 plain steps; one at twice the bound or less still backs off step by step."""
+    def bursts(draft_cost):
+        def seconds(verified, proposed):
+            return 1.0 + draft_cost * bool(verified or proposed)
+        config = SpeculativeConfig(num_speculative_tokens=3, **{**ADAPTIVE, "reprobe_interval": 64})
+        lengths = DraftLength(config)
+        totals = []
+        simulate(lengths, 64 * 40, 0.9, seconds, random.Random(5), totals)
+        return [move[0] for move in lengths.moves if move[3] == "k=1 cannot pay"], totals[0] / totals[1]
+    far, rate = bursts(11.0)
+    assert len(far) == 2 and far[1] - far[0] >= 64 * DraftLength.MAX_BACKOFF and rate >= 0.95, (far, rate)
+    near, _ = bursts(2.5)  # k = 1 at 1.75x its reach: a slow spell is not ruled out
+    assert len(near) > len(far)
+
+
+def test_a_fresh_draft_length_keeps_step_times_not_acceptance():
+    """What a server brings to a new workload (bench mtp's adaptive runs): the step times it
+    measured, not the acceptance of the last one; drafting that can pay starts as at start-up."""
+    def seconds(verified, proposed):
+        return 1.0 + 0.3 * bool(verified or proposed) + 0.03 * verified + 0.15 * max(proposed - 1, 0)
+    lengths = DraftLength(SpeculativeConfig(num_speculative_tokens=3, **ADAPTIVE))
+    assert simulate(lengths, 300, 0.0, seconds, random.Random(3))[-1] == 0  # a workload the heads cannot draft
+    fresh = lengths.fresh()
+    assert fresh.step_time == lengths.step_time and fresh.fastest == lengths.fastest
+    assert not any(fresh.accepted_sum) and not fresh.moves and not fresh.priced_out
+    assert (fresh.k, fresh.steps, list(fresh.plan)) == (3, 0, [0] * (DraftLength.TIME_SAMPLES + 2))
+    assert simulate(fresh, 400, 0.9, seconds, random.Random(4))[-1] == 3  # one it can
+
+
 def test_engine_times_its_decode_steps_for_the_draft_length(model):
     """The engine feeds DraftLength the measured time of each decode step, keyed by drafts
     verified, drafts proposed and batch size (a fixed k: the adaptive one may rightly switch
