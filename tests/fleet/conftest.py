@@ -6,6 +6,7 @@ import getpass
 import os
 import shutil
 import subprocess
+import time
 import uuid
 
 import pytest
@@ -74,7 +75,15 @@ def postgres_url():
     conninfo.pop("dbname", None)
     yield "postgresql:///%s?%s" % (name, "&".join("%s=%s" % item for item in conninfo.items()))
     with psycopg.connect(server, autocommit=True) as admin:
-        admin.execute("DROP DATABASE %s WITH (FORCE)" % name)
+        # FORCE ends our own sessions, not an autovacuum worker's (a superuser's, on the fresh
+        # tables): that one finishes within milliseconds, so try again a bounded number of times.
+        for _ in range(100):
+            try:
+                admin.execute("DROP DATABASE %s WITH (FORCE)" % name)
+                return
+            except psycopg.errors.InsufficientPrivilege:
+                time.sleep(0.1)
+        admin.execute("DROP DATABASE %s WITH (FORCE)" % name)  # still held: fail with the server's reason
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
