@@ -26,7 +26,7 @@ Programs are cached on disk (compile_cache.py: keyed by the weights, the traced 
 the CPU's ISA and the thread count), so only the first start compiles (a minute on a 2-core
 box) and later ones load (seconds). Every program, compiled or loaded, is checked against the
 eager step on a probe before use: a cache entry that does not load or disagrees is removed and
-compiled again. The frozen weights are copies: each program holds the model's weights once more.
+compiled again. A program's weights are copies: each holds the model's weights once more.
 Steps with prefill chunks, speculative steps (a drafting engine's plain decode steps, drafting
 off, run compiled: off costs nothing on a CPU either), batches above the largest bucket and
 programs that failed to compile run eagerly; so does every step with `--enforce-eager`.
