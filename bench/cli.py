@@ -22,6 +22,7 @@ BENCHMARKS = (
     ("serve", "the service under load over gRPC: TTFT, ITL, TPOT and tok/s next to the engine's own step"),
     ("fleet", "simulated devices over MQTT against real controllers: lost messages, registry lag, offline detection"),
     ("quant", "weight-only INT8/INT4 decode vs bf16, and projected ms/token on the Jetson boards"),
+    ("startup", "`jetserve serve` from launch to SERVING and the first answer, fresh and warm caches, by phase"),
     ("perplexity", "quantization quality: held-out perplexity and MTP draft agreement, bf16 vs INT8 vs INT4"),
 )
 

@@ -41,6 +41,10 @@ def add_arguments(p):
     p.add_argument("--only", nargs="+", metavar="CONFIG", help="time only these of ours (e.g. ours_graphs "
                    "ours_graphs_async)")
     p.add_argument("--repeats", type=int, default=3, help="CPU: rounds over every batch size and config")
+    p.add_argument("--quantization", help="ours with weight-only int8 or int4 (on the fly)")
+    p.add_argument("--tiles", nargs="+", default=["shipped"], choices=("shipped", "tuned"),
+                   help="GPU: ours with the shipped tile table, and/or with tuned tiles (the tile cache `jetserve "
+                        "tune` kept, any shape it lacks timed at the engine's start), tuned first")
     p.add_argument("--threads", type=int, help="CPU: torch threads (default: torch's, one a core)")
     p.add_argument("--profile", action="store_true",
                    help="CPU: after the rounds, where a step's time goes (torch.profiler), ours and transformers")
@@ -76,12 +80,6 @@ def run(args) -> dict:
     if device.type == "cuda":
         result["read_bandwidth_GBps"] = round(read_bandwidth(device) / 1e9, 1)
     targets = [("model", args.model)] if args.model else [(s, None) for s in args.shapes]
-    if device.type == "cuda" and not args.model:  # every skinny-matmul tile the engines' start-up times, in parallel
-        from jetserve.bench.quant import precompile, projection_variants
-        from jetserve.engine.runner import skinny_row_counts
-
-        precompile([v for rows in skinny_row_counts() for v in projection_variants(args.shapes, ["bf16"], rows)],
-                   "[decode] compiling skinny-matmul tiles")
     for name, model_dir in targets:
         with tempfile.TemporaryDirectory() as tmp:
             if model_dir:
@@ -113,6 +111,9 @@ def _time_model(args, name, model_dir, hf, device, dtype, batches, bandwidth_gbp
                ("ours_graphs_async", dict(enforce_eager=False, async_scheduling=True)),
                ("ours_eager", dict(enforce_eager=True)), ("ours_eager_plain_torch", dict(enforce_eager=True, plain=True))]
     configs = [(name, kwargs) for name, kwargs in configs if not args.only or name in args.only]
+    if "tuned" in args.tiles:  # the same engines with every tile timed at their start, timed first
+        configs = [(f"{name}_tuned", dict(kwargs, tune_tiles=True)) for name, kwargs in configs
+                   if not kwargs["enforce_eager"]] + ([] if "shipped" not in args.tiles else configs)
     for config, kwargs in configs:
         reset_peak(device)
         out["configs"][config] = _time_engine(args, model_dir, device, batches, **kwargs)
@@ -187,7 +188,7 @@ def _engine_tpot(engine, batch, prompt_len, steps, rng) -> float:
 
 
 def _time_engine(args, model_dir, device, batches, enforce_eager, plain=False, async_scheduling=False,
-                 quantization=None) -> dict:
+                 tune_tiles=False) -> dict:
     """TPOT (median engine step, ms) for each batch size; with graphs also the graph replay alone."""
     import dataclasses
 
@@ -197,7 +198,10 @@ def _time_engine(args, model_dir, device, batches, enforce_eager, plain=False, a
     from jetserve.engine.llm_engine import LLMEngine
 
     config = _config(model_dir, device, batches, args, enforce_eager=enforce_eager,
-                     async_scheduling=async_scheduling, quantization=quantization)
+                     async_scheduling=async_scheduling, quantization=args.quantization, tune_tiles=tune_tiles,
+                     # tuned: the tile cache `jetserve tune` left (a shape it lacks is timed now); else the
+                     # shipped table alone
+                     tile_cache_dir=None if tune_tiles else "none")
     if plain:  # the plain torch path on the GPU: what the step costs without the fused kernels
         config = dataclasses.replace(config, fused_kernels=False, cuda_graphs=None)
     engine = LLMEngine(config)
@@ -256,6 +260,7 @@ def _time_cpu(args, model_dir, hf, batches) -> dict:
             start = time.perf_counter()
             engines[name] = LLMEngine(config)
             graphs = engines[name].runner.graphs
+            graphs.wait()  # a first start serves eagerly while it compiles: the timed step is the compiled one
             out["startup_s"][f"{name}_{start_name}"] = round(time.perf_counter() - start, 1)
             out[f"programs_{start_name}_start"] = {"compiled_s": graphs.compile_seconds,
                                                    "loaded_s": graphs.load_seconds}

@@ -16,6 +16,44 @@ def register(subparsers):
     add_merge(actions)
     add_fit(actions)
     add_plan(subparsers)
+    add_tune(subparsers)
+
+
+def add_tune(subparsers):
+    p = subparsers.add_parser(
+        "tune", help="time the matmul tiles of a model on this GPU (install time, or a bench machine)",
+        description="Start an engine that times every candidate tile of every skinny product it runs (what a "
+                    "serving engine never does: it takes the shipped tile table) and keep the choices in the tile "
+                    "cache, where every later start on this GPU and software reads them first. With --out, also "
+                    "write a tile table for this GPU family (the shipped one with these shapes replaced), to ship "
+                    "in jetserve/engine/model/tiles/. --from-cache builds that table from tile cache files "
+                    "instead, without an engine.", conflict_handler="resolve")
+    p.add_argument("--out", metavar="FILE", help="write a tile table (JSON) for this GPU family")
+    p.add_argument("--from-cache", nargs="+", metavar="JSON", help="tile cache files to make the table of")
+    p.add_argument("--family", help="the table's GPU family with --from-cache, e.g. sm90 (default: the cache's)")
+    try:
+        from jetserve.engine.config import EngineArgs
+    except ModuleNotFoundError as exc:
+        missing = exc.name
+        p.set_defaults(func=lambda args: sys.exit("jetserve tune: Python module %r is not installed" % missing))
+        return
+    EngineArgs.add_cli_args(p)
+    p.set_defaults(func=_tune)
+
+
+def _tune(args):
+    from jetserve.engine.tune import table_from_caches, tune
+
+    try:
+        table = table_from_caches(args.from_cache, args.family) if args.from_cache else tune(args)
+    except (ValueError, OSError) as exc:
+        print("jetserve tune: %s" % exc, file=sys.stderr)
+        return 2
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(table.to_json())
+        print("tile table for %s: %d shapes written to %s" % (table.name, len(table.shapes), args.out))
+    return 0
 
 
 def add_plan(subparsers):

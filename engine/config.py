@@ -320,10 +320,11 @@ class EngineConfig:
     fused_kernels: bool  # the Triton kernels (CUDA with Triton); else plain torch
     has_tokenizer: bool
     engine_core_process: bool  # AsyncLLM runs the step loop in its own process (else in a thread)
-    tile_cache_dir: str | None  # where timed tile choices are kept; None: off, or no tile is timed (CPU, eager)
+    tile_cache_dir: str | None  # where `jetserve tune` keeps timed tile choices; None: off (CPU, eager, 'none')
     quantization: QuantizationConfig | None = None  # weight-only; None: every weight in `dtype`
     cpu_compile: CPUCompileConfig | None = None  # compiled CPU decode steps; None: every CPU step eager
     max_step_latency_ms: float | None = None  # prefill chunks sized to keep a step under it; None: by budget alone
+    tune_tiles: bool = False  # time every tile at start-up into tile_cache_dir (`jetserve tune`; never when serving)
 
     @property
     def step_token_sizes(self) -> list[int]:
@@ -371,7 +372,8 @@ class EngineArgs:
     cudagraph_mode: str = "full"  # vLLM's: "full" graphs every step (mixed ones by token count); "full_decode_only"
     engine_core_process: bool = True  # False: in a thread; a process on CPUs too (bench/results/serve-cpu)
     quantization: str | None = None  # weight-only: int8/int4 on the fly; awq/gptq come from the checkpoint
-    tile_cache_dir: str | None = None  # None: cache_root()/tiles; "none": time every tile, keep nothing
+    tile_cache_dir: str | None = None  # None: cache_root()/tiles; "none": read and keep no tuned tiles
+    tune_tiles: bool = False  # `jetserve tune` sets it: no serving flag times tiles
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -432,10 +434,10 @@ class EngineArgs:
                        help="run the step loop in its own process (default); --no-engine-core-process: "
                             "in a thread of the server")
         g.add_argument("--tile-cache-dir", default=d.tile_cache_dir,
-                       help="where the matmul tiles timed at start-up are kept, so that the next start on this "
-                            "GPU and software times only new shapes (default: $JETSERVE_CACHE_DIR/tiles, else "
-                            "$XDG_CACHE_HOME/jetserve/tiles, else ~/.cache/jetserve/tiles); 'none': time every "
-                            "shape and keep nothing. Delete the file the start log names to time again")
+                       help="where `jetserve tune` keeps the matmul tiles it timed on this GPU and software, "
+                            "read at every start before the shipped tile table (default: $JETSERVE_CACHE_DIR/tiles, "
+                            "else $XDG_CACHE_HOME/jetserve/tiles, else ~/.cache/jetserve/tiles); 'none': the "
+                            "shipped table alone")
         return parser
 
     @classmethod
@@ -520,7 +522,8 @@ class EngineArgs:
             async_scheduling=device.startswith("cuda") if self.async_scheduling is None else self.async_scheduling,
             fused_kernels=fused, has_tokenizer=(Path(model) / "tokenizer.json").exists(),
             engine_core_process=self.engine_core_process, tile_cache_dir=tile_cache_dir,
-            quantization=quantization, cpu_compile=cpu_compile, max_step_latency_ms=target)
+            quantization=quantization, cpu_compile=cpu_compile, max_step_latency_ms=target,
+            tune_tiles=self.tune_tiles and graphs is not None and fused)
 
     def _step_latency(self, device: str) -> float | None:
         """The step latency target, or None: off (0), or by default where it was not measured —

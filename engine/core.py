@@ -21,6 +21,7 @@ import msgspec
 
 from jetserve.engine.config import EngineConfig
 from jetserve.engine.llm_engine import LLMEngine
+from jetserve.engine.plan import refuse_if_it_cannot_fit
 from jetserve.engine.outputs import LogprobsLists
 from jetserve.engine.protocol import EngineStats, ModelInfo
 from jetserve.engine.sampling_params import SamplingParams
@@ -107,6 +108,7 @@ class EngineCore:
     """An LLMEngine without text, and the messages that drive it between steps."""
 
     def __init__(self, config: EngineConfig, on_status=None):
+        refuse_if_it_cannot_fit(config)  # here, not in the server: it alone holds the GPU (and torch)
         self.engine = LLMEngine(config, on_status=on_status, detokenize=False)
 
     def has_work(self) -> bool:

@@ -37,6 +37,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import tempfile
 import time
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
@@ -45,7 +46,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from tqdm import tqdm
 
 from jetserve.engine import compile_cache
 from jetserve.engine.config import CPUCompileConfig
@@ -254,8 +254,9 @@ class CPUGraphs:
     interface the runner uses for CUDA graphs (key, stage, replay, meta)."""
 
     def __init__(self, model, kv_cache: torch.Tensor, config: CPUCompileConfig, max_model_len: int, block_size: int,
-                 scratch_block: int):
+                 scratch_block: int, model_dir: str | None = None):
         self.model, self.kv_cache, self.config = model, kv_cache, config
+        self.model_dir, self.max_model_len = model_dir, max_model_len  # what a background compiler loads again
         self.sizes = config.capture_sizes
         self.block_size, self.scratch_block = block_size, scratch_block
         self.scratch_slot = scratch_block * block_size
@@ -275,10 +276,14 @@ class CPUGraphs:
         self.compile_seconds: dict[int, float] = {}  # per program (1: batch 1, 2: batch 2 or more)
         self.load_seconds: dict[int, float] = {}  # per program taken from the on-disk cache
         self.entries: dict[int, Path] = {}  # per program in use, its cache entry
+        self.compiler: BackgroundCompile | None = None  # compiling the programs the cache lacked
+        self._pending: dict[int, str] = {}  # program -> its cache key, while the compiler runs
 
     def key(self, num_drafts: int | None, q_len: int, batch: int, width: int) -> tuple[None, int, int] | None:
         """The compiled step for `batch` single-token decodes (num_drafts None, q_len 1) with block
         tables `width` wide: (None, 1, bucket); None: the step runs eagerly."""
+        if self.compiler is not None:
+            self.poll()
         bucket = next((s for s in self.sizes if s >= batch), None)
         key = (num_drafts, q_len, bucket)
         return key if key in self.graphs and width <= self.width else None
@@ -302,44 +307,90 @@ class CPUGraphs:
         return hidden[:n], logits, logits.argmax(-1)
 
     @torch.inference_mode()
-    def capture(self, progress: Callable[[str], None] | None = None) -> None:
-        """Load the programs from the on-disk cache, or compile (and cache) them; check each
-        against the eager step and run each bucket once."""
+    def capture(self, progress: Callable[[str], None] | None = None, background: bool = True) -> None:
+        """Load the programs from the on-disk cache, checking each against the eager step and
+        running each bucket once. A program the cache lacks is compiled (and cached) by a process
+        of its own while the engine serves, eagerly meanwhile (`background`, where the model's
+        directory is known: the compiler loads the same weights again), else here and now."""
         root = Path(self.config.cache_dir)
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "torchinductor"))  # inductor's build files
         self.kernels = CPUKernels()
         self.model.use_kernels(self.kernels)
         self.head = VocabHead(self.model.lm_head.weight, self.max_batch)
-        cache = compile_cache.ProgramCache(root / "cpu-steps")
+        self.cache = compile_cache.ProgramCache(root / "cpu-steps")
         c = self.kv_cache
         described = dict(
             weights=compile_cache.weights_digest([*self.model.named_parameters(), *self.model.named_buffers()]),
             source=compile_cache.source_digest([__file__, inspect.getfile(qwen3), inspect.getfile(attention)]),
             cache=[c.shape[0], c.shape[1], c.shape[3], c.shape[4], str(c.dtype)], block_size=self.block_size)
-        programs = sorted({min(s, 2) for s in self.sizes})  # 1: batch 1; 2: batch 2 or more
-        start = time.perf_counter()
-        for i, program in enumerate(tqdm(programs, desc="CPU decode steps (load or compile)", unit="program",
-                                         leave=False)):
-            if progress:
-                progress(f"CPU decode steps {i + 1}/{len(programs)}")
+        missing = {}
+        for program in sorted({min(s, 2) for s in self.sizes}):  # 1: batch 1; 2: batch 2 or more
             key = compile_cache.program_key(program=program, **described)
-            began = time.perf_counter()
-            if cache.load(key, self._loader(program)) is not None:
-                self.load_seconds[program] = round(time.perf_counter() - began, 2)
-                self.entries[program] = cache.path(key)
-                continue
-            try:  # loaded and checked before it is renamed into place: no other engine can remove it first
-                path = cache.store(key, lambda tmp: (self._compile(program, tmp), self._loader(program)(tmp)))
-            except Exception as exc:  # those buckets run eagerly (nothing cached); the engine still starts
-                log.warning("compiling the CPU decode step for batch size %s failed (%s: %s); it runs eagerly",
-                            "1" if program == 1 else "2 or more", type(exc).__name__,
-                            str(exc).splitlines()[0] if str(exc) else "")
-                continue
-            self.entries[program] = path
-            self.compile_seconds[program] = round(time.perf_counter() - began, 2)
-        log.info("CPU decode steps: programs %s loaded, %s compiled, in %.1f s (batch sizes %s; cache %s)",
-                 list(self.load_seconds), list(self.compile_seconds), time.perf_counter() - start,
-                 ",".join(map(str, self.sizes)), cache.directory)
+            if not self._load(program, key):
+                missing[program] = key
+        if missing and background and self.model_dir:
+            self._pending = missing
+            self.compiler = BackgroundCompile(self, sorted(missing))
+            log.info("CPU decode steps: compiling %s in the background (once per model and torch; decode steps run "
+                     "eagerly until then, several minutes on a slow board)", _names(missing))
+            return
+        for i, (program, key) in enumerate(missing.items()):
+            if progress:
+                progress(f"compiling the CPU decode step {i + 1}/{len(missing)} (once)")
+            self._compile_and_store(program, key)
+        log.info("CPU decode steps: %s loaded, %s compiled (batch sizes %s; cache %s)", _names(self.load_seconds),
+                 _names(self.compile_seconds), ",".join(map(str, self.sizes)), self.cache.directory)
+
+    def _load(self, program: int, key: str) -> bool:
+        began = time.perf_counter()
+        if self.cache.load(key, self._loader(program)) is None:
+            return False
+        self.load_seconds[program] = round(time.perf_counter() - began, 2)
+        self.entries[program] = self.cache.path(key)
+        return True
+
+    def _compile_and_store(self, program: int, key: str) -> None:
+        began = time.perf_counter()
+        try:  # loaded and checked before it is renamed into place: no other engine can remove it first
+            path = self.cache.store(key, lambda tmp: (self._compile(program, tmp), self._loader(program)(tmp)))
+        except Exception as exc:  # those buckets run eagerly (nothing cached); the engine still starts
+            log.warning("compiling the CPU decode step for %s failed (%s: %s); it runs eagerly", _names([program]),
+                        type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+            return
+        self.entries[program] = path
+        self.compile_seconds[program] = round(time.perf_counter() - began, 2)
+
+    @property
+    def ready(self) -> bool:
+        """Every program in use: no compile is pending."""
+        return self.compiler is None and not self._pending
+
+    def wait(self) -> None:
+        """Block until the background compile has ended and its programs are in use (benchmarks
+        and tests that time or check the compiled step)."""
+        if self.compiler is not None:
+            self.compiler.process.wait()
+            self.poll()
+
+    def poll(self) -> None:
+        """Between steps: once the background compiler has ended, load what it cached (checked as
+        at start-up); what it could not compile keeps running eagerly."""
+        if self.compiler is None or self.compiler.running():
+            return
+        compiler, self.compiler = self.compiler, None
+        with torch.inference_mode():
+            loaded = [program for program, key in self._pending.items() if self._load(program, key)]
+        for program in loaded:  # compiled, not found: its load is part of its compile
+            self.compile_seconds[program] = compiler.seconds
+            self.load_seconds.pop(program)
+        failed = sorted(set(self._pending) - set(loaded))
+        self._pending = {}
+        if loaded:
+            log.info("CPU decode steps: %s compiled in the background in %.0f s; decode steps now run compiled",
+                     _names(loaded), compiler.seconds)
+        if failed:
+            log.warning("CPU decode steps: the background compile of %s failed (exit %s%s); they run eagerly",
+                        _names(failed), compiler.returncode, f": {compiler.error}" if compiler.error else "")
 
     def _step(self, program: int) -> DecodeStep:
         """The step a program computes: batch 1 with its products streamed (`streamed_linear`) and
@@ -431,3 +482,89 @@ class CPUGraphs:
         """Run a compiled step over the static inputs: the first n rows of its hidden states, fp32
         logits and greedy tokens."""
         return self.graphs[key](n)
+
+
+def _names(programs) -> str:
+    names = {1: "batch 1", 2: "batch 2+"}
+    return ", ".join(names[p] for p in sorted(programs)) or "none"
+
+
+class BackgroundCompile:
+    """A process that compiles CPU programs into the program cache (`python -m
+    jetserve.engine.cpu_graphs`): it loads the model again from its directory, so the engine's
+    process keeps serving (an in-process compile would hold the interpreter for the whole trace),
+    and a compiler crash costs nothing but the speed-up. It ends itself when its parent dies."""
+
+    def __init__(self, graphs: CPUGraphs, programs: list[int]):
+        import json
+        import subprocess
+        import sys
+
+        c = graphs.kv_cache
+        spec = {"model": graphs.model_dir, "dtype": str(c.dtype).removeprefix("torch."),
+                "max_model_len": graphs.max_model_len, "block_size": graphs.block_size,
+                "sizes": list(graphs.sizes), "cache_dir": graphs.config.cache_dir, "programs": programs,
+                "threads": torch.get_num_threads(), "parent": os.getpid()}
+        self.began = time.perf_counter()
+        self.error = ""
+        self.log = tempfile.TemporaryFile()  # the compiler's stderr: a pipe nobody drains could stall it
+        self.process = subprocess.Popen([sys.executable, "-m", "jetserve.engine.cpu_graphs", json.dumps(spec)],
+                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self.log,
+                                        env={**os.environ, "TQDM_DISABLE": "1"})
+        self.seconds = 0.0
+
+    def running(self) -> bool:
+        if self.process.poll() is None:
+            return True
+        self.seconds = round(time.perf_counter() - self.began, 1)
+        if self.process.returncode:
+            self.log.seek(max(0, self.log.seek(0, os.SEEK_END) - 4096))
+            lines = self.log.read().decode(errors="replace").strip().splitlines()
+            self.error = lines[-1][:300] if lines else ""
+        self.log.close()
+        return False
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.returncode
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+def _compile_main(spec: dict) -> int:
+    """The background compiler: the engine's model and cache layout, its programs compiled into the cache."""
+    import threading
+
+    from jetserve.engine.config import CPUCompileConfig
+    from jetserve.engine.model.loader import load_model, torch_dtype
+
+    parent = spec["parent"]
+
+    def orphaned() -> None:  # the engine died: nobody will load what this compiles
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(3)
+
+    threading.Thread(target=orphaned, daemon=True).start()
+    torch.set_num_threads(spec["threads"])  # part of a program's key: the engine's own count
+    dtype = torch_dtype(spec["dtype"])
+    model = load_model(spec["model"], dtype, torch.device("cpu"), spec["max_model_len"], None, None)
+    blocks, c = 2, model.config
+    kv = torch.zeros(model.num_kv_layers, 2, (blocks + 1) * spec["block_size"], c.num_key_value_heads, c.head_dim,
+                     dtype=dtype)
+    graphs = CPUGraphs(model, kv, CPUCompileConfig(tuple(spec["sizes"]), spec["cache_dir"]), spec["max_model_len"],
+                       spec["block_size"], scratch_block=blocks)
+    with torch.inference_mode():
+        graphs.capture(background=False)
+    return 0 if set(graphs.entries) >= set(spec["programs"]) else 1
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    sys.exit(_compile_main(json.loads(sys.argv[1])))

@@ -150,3 +150,17 @@ def _free_here(device: str) -> int:
 
 def _unified_memory() -> bool:
     return bool(torch.cuda.is_available() and torch.cuda.get_device_properties(0).is_integrated)
+
+
+def refuse_if_it_cannot_fit(config: EngineConfig) -> None:
+    """Raise ValueError with the plan when this machine cannot hold the configuration (a served
+    engine, before its weights load): on a Jetson the alternative is the OOM killer, later, with
+    nothing said. Settings a plan cannot be made of are left to the engine, which names them."""
+    if config.backend != "torch":
+        return
+    try:
+        plan = memory_plan(config, "this")
+    except (ValueError, OSError):
+        return
+    if not plan.fits:
+        raise ValueError("this configuration does not fit in this machine's free memory:\n" + plan.table(config))

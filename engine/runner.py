@@ -7,18 +7,22 @@ where padded tokens of a fixed-shape (graphed) step write without touching real 
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Callable
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
 
+from jetserve.engine import compile_watch
 from jetserve.engine.config import EngineConfig
 from jetserve.engine.cpu_graphs import CPUGraphs
 from jetserve.engine.cuda_graphs import CUDAGraphs, MixedStepGraphs
 from jetserve.engine.model.attention import MAX_UNIFORM_Q, AttentionMetadata, prefill_split_items, to_device
+from jetserve.engine.model import parallel_compile
 from jetserve.engine.model.loader import load_model, torch_dtype
 from jetserve.engine.outputs import LogprobsLists
 from jetserve.engine.sampler import History, drawn_in_graph, process_logits, sample, token_logprobs
@@ -56,8 +60,8 @@ def skinny_row_counts() -> list[int]:
 def tune_kernels(model, kv_cache: torch.Tensor, block_size: int, scratch_block: int, prefill: int,
                  row_counts: list[int] | None = None, progress: Callable[[str], None] | None = None,
                  split_items: int = 1) -> None:
-    """Every kernel timing at start-up, so that no request pays for one: a dry step of each row
-    count a skinny product may see (`skinny_row_counts`: decode batches, verifies, drafts, small
+    """The start-up warm-up (and a tuning engine's timing), so that no request pays for a kernel's
+    compile or timing: a dry step of each row count a skinny product may see (`skinny_row_counts`: decode batches, verifies, drafts, small
     mixed steps), with the vocab projection and the MTP layers, then a `prefill`-token prefill
     (the flash kernel's autotuning). Their KV goes to the scratch block, the prefill's to the
     first blocks (no sequence holds any yet)."""
@@ -91,29 +95,94 @@ def block_bytes(config: EngineConfig) -> int:
     return per_token * config.block_size * torch.finfo(torch_dtype(config.dtype)).bits // 8
 
 
+_imported = False
+
+
+def _log_import_time(startup_s: dict[str, float]) -> None:
+    """The first engine of a process: seconds from the process's start to here (interpreter,
+    torch, Triton and jetserve imported), as the first start-up phase."""
+    global _imported
+    if _imported:
+        return
+    _imported = True
+    import psutil
+
+    startup_s["import"] = round(time.time() - psutil.Process().create_time(), 2)
+    log.info("start-up: import in %.1f s", startup_s["import"])
+
+
 class ModelRunner:
+    """Start-up is a sequence of named phases (`startup_s`: seconds each, logged as it ends):
+    weights, kernels chosen, KV plan, kernels compiled, then graph capture (CUDA) or the CPU
+    programs. No phase times a kernel tile: the tiles come from tables (tile_tables.py), unless
+    the engine was built to tune them (`jetserve tune`)."""
+
     def __init__(self, config: EngineConfig, progress: Callable[[str], None] | None = None):
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = torch_dtype(config.dtype)
         self.block_size = config.block_size
-        torch.manual_seed(config.seed)
-        self.model = load_model(config.model, self.dtype, self.device, config.max_model_len, progress,
-                                config.quantization)
+        self.progress = progress
+        self.startup_s: dict[str, float] = {}
         self.kernels = None
+        self.graphs = self.mixed = None
+        torch.manual_seed(config.seed)
+        if config.fused_kernels:
+            compile_watch.install()  # Triton's compiles; a CPU engine imports no Triton
+        _log_import_time(self.startup_s)
+        with compile_watch.starting():
+            with self._phase("weights"):
+                self.model = load_model(config.model, self.dtype, self.device, config.max_model_len, progress,
+                                        config.quantization)
+            with self._phase("kernels chosen"):
+                self._choose_kernels()
+            with self._phase("KV plan"):
+                self._plan_kv()
+            if config.cuda_graphs:
+                with self._phase("kernels compiled"):
+                    self._warm_up()
+                with self._phase("graph capture"):
+                    self._capture_graphs()
+            elif config.cpu_compile:  # the same interface: decode steps compiled instead of captured
+                with self._phase("CPU programs"):
+                    self.graphs = CPUGraphs(self.model, self.kv_cache, config.cpu_compile, config.max_model_len,
+                                            self.block_size, scratch_block=self.num_blocks, model_dir=config.model)
+                    self.graphs.capture(progress)
+
+    @contextmanager
+    def _phase(self, name: str) -> Iterator[None]:
+        began, compiles = time.perf_counter(), compile_watch.count()
+        yield
+        self.startup_s[name] = round(time.perf_counter() - began, 2)
+        compiled = compile_watch.count() - compiles
+        log.info("start-up: %s in %.1f s%s", name, self.startup_s[name],
+                 f" ({compiled} kernels compiled or loaded)" if compiled else "")
+
+    def _choose_kernels(self) -> None:
+        """The fused kernels and how their tiles are chosen, made here once and handed down: two
+        engines in one process (tests, benchmarks) each keep their own choices."""
+        config = self.config
         # The flash prefill kernel's work is cut into this many pieces or more (attention.prefill_plan).
         self.split_items = prefill_split_items(self.device, config.model_config.num_attention_heads)
         if config.fused_kernels:
-            # Chosen here, once, and handed down: two engines in one process (tests, benchmarks)
-            # each keep their own tile choices; tiles are timed only where graphs are captured.
+            from jetserve.engine.model import tile_tables
             from jetserve.engine.model.quant_kernels import QuantFusedKernels  # needs Triton
             from jetserve.engine.model.tile_cache import TileCache
 
             tile_cache = TileCache.for_device(config.tile_cache_dir, self.device) if config.tile_cache_dir else None
-            self.kernels = QuantFusedKernels(tile_timing=config.cuda_graphs is not None, tile_cache=tile_cache)
+            self.kernels = QuantFusedKernels(tile_timing=config.tune_tiles and config.cuda_graphs is not None,
+                                             tile_cache=tile_cache, table=tile_tables.for_device(self.device))
             self.model.use_kernels(self.kernels)
         if config.speculative and config.speculative.draft_vocab_size:
             self.model.draft_vocab_size = min(config.speculative.draft_vocab_size, self.model.config.vocab_size)
+
+    def _plan_kv(self) -> None:
+        """Size the KV cache (on a GPU, from a dry run of the largest step, its kernels compiled
+        side by side first) and allocate it."""
+        config = self.config
+        if not config.num_kv_blocks and config.fused_kernels and not config.tune_tiles:
+            with parallel_compile.compile_only():
+                kv_reserve(config, self._activation_peak)
         self.num_blocks = config.num_kv_blocks or self._fit_num_blocks()
         if self.num_blocks < config.max_blocks_per_seq:
             raise ValueError(f"num_kv_blocks={self.num_blocks} of {config.block_size} tokens cannot hold one "
@@ -131,27 +200,33 @@ class ModelRunner:
         self._last_sampled: tuple[torch.Tensor, dict[Sequence, int]] | None = None  # see launch()
         # The largest result a launch sends back: a speculative step's rows, q + 1 + k wide.
         self.copies = ResultCopies(self.device, config.max_num_seqs * (2 * config.num_speculative_tokens + 2))
-        self.graphs = self.mixed = None
-        if config.cuda_graphs:
-            prefill = min(config.max_num_batched_tokens, 1024, self.num_blocks * self.block_size)
-            tune_kernels(self.model, self.kv_cache, self.block_size, self.num_blocks, prefill, self._row_counts(),
-                         progress, self.split_items)
-            log.info("kernel tiles: %s", self.kernels.tuning_summary())
-            self.graphs = CUDAGraphs(self.model, self.kv_cache, config.cuda_graphs, config.max_model_len,
-                                     self.block_size, scratch_block=self.num_blocks)
-            pool = torch.cuda.graph_pool_handle()  # one for all: captured largest first, the mixed steps'
-            if config.cuda_graphs.token_sizes:
-                self.mixed = MixedStepGraphs(self.model, self.kv_cache, config.cuda_graphs.token_sizes,
-                                             config.max_num_seqs, self.graphs.width, self.block_size,
-                                             scratch_block=self.num_blocks, num_warmup=config.cuda_graphs.num_warmup,
-                                             split_items=self.split_items, mtp_pass=self.proposer is not None)
-                self.mixed.capture(pool, progress)
-            self.graphs.capture(pool, progress)
-            self.kernels.freeze()
-        elif config.cpu_compile:  # the same interface: decode steps compiled instead of captured
-            self.graphs = CPUGraphs(self.model, self.kv_cache, config.cpu_compile, config.max_model_len,
-                                    self.block_size, scratch_block=self.num_blocks)
-            self.graphs.capture(progress)
+
+    def _warm_up(self) -> None:
+        """Compile every kernel of every row count a step may bring, and the flash prefill kernel:
+        first a dry pass that queues them all for the compiler threads, then a real one (a tuning
+        engine compiles each shape's candidates in parallel as it times them)."""
+        prefill = min(self.config.max_num_batched_tokens, 1024, self.num_blocks * self.block_size)
+        steps = functools.partial(tune_kernels, self.model, self.kv_cache, self.block_size, self.num_blocks, prefill,
+                                  self._row_counts(), split_items=self.split_items)
+        if not self.kernels.tile_timing:
+            with parallel_compile.compile_only():
+                steps()
+        steps(progress=self.progress)
+        log.info("kernel tiles: %s", self.kernels.tuning_summary())
+
+    def _capture_graphs(self) -> None:
+        config = self.config
+        self.graphs = CUDAGraphs(self.model, self.kv_cache, config.cuda_graphs, config.max_model_len,
+                                 self.block_size, scratch_block=self.num_blocks)
+        pool = torch.cuda.graph_pool_handle()  # one for all: captured largest first, the mixed steps'
+        if config.cuda_graphs.token_sizes:
+            self.mixed = MixedStepGraphs(self.model, self.kv_cache, config.cuda_graphs.token_sizes,
+                                         config.max_num_seqs, self.graphs.width, self.block_size,
+                                         scratch_block=self.num_blocks, num_warmup=config.cuda_graphs.num_warmup,
+                                         split_items=self.split_items, mtp_pass=self.proposer is not None)
+            self.mixed.capture(pool, self.progress)
+        self.graphs.capture(pool, self.progress)
+        self.kernels.freeze()
 
     def _row_counts(self) -> list[int]:
         """The skinny-matmul row counts (powers of two) this engine's steps bring: with every

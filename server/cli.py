@@ -128,7 +128,6 @@ def run_serve(args):
 
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
     engine_args = apply_compat_gate(EngineArgs.from_cli_args(args))
-    refuse_if_it_cannot_fit(engine_args)
     options = ServeOptions(
         host=args.host, port=args.port, unix_socket=args.unix_socket, metrics_port=args.metrics_port,
         metrics_host=args.metrics_host, openai_port=args.openai_port,
@@ -140,24 +139,6 @@ def run_serve(args):
         return asyncio.run(serve(lambda on_status: open_engine(engine_args.resolve(), on_status=on_status), options))
     except StartError as exc:
         sys.exit("jetserve serve: %s" % exc)
-
-
-def refuse_if_it_cannot_fit(engine_args):
-    """Exit with the memory plan when this machine cannot hold the configuration: on a Jetson the
-    alternative is the OOM killer, later, with nothing said. Settings the engine rejects are
-    left to it (it says why, through health and the log)."""
-    if engine_args.backend != "torch":
-        return
-    from jetserve.engine.plan import memory_plan
-
-    try:
-        config = engine_args.resolve()
-        plan = memory_plan(config, "this")
-    except (ValueError, OSError):
-        return
-    if not plan.fits:
-        sys.exit("jetserve serve: this configuration does not fit in this machine's free memory:\n"
-                 + plan.table(config))
 
 
 def apply_compat_gate(engine_args, sysroot="/"):

@@ -139,23 +139,32 @@ def _merge_pieces_kernel(part_ptr, lse_ptr, out_ptr, query_start_ptr, merges_ptr
     tl.store(out_ptr + at, (acc / tl.where(l > 0, l, 1.0)[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# Tried once per (head shape, dtype) on the first launch on a GPU (the runner's memory-planning
-# dry run, at start-up): BLOCK_N keys a block, warps, software-pipelining depth. Every BLOCK_N
-# divides attention.PREFILL_MIN_PIECE, where pieces start.
+# The configurations `jetserve tune` tries once per (head shape, dtype): BLOCK_N keys a block,
+# warps, software-pipelining depth; a serving engine launches the one its tile table names
+# (tile_tables.PrefillConfig). Every BLOCK_N divides attention.PREFILL_MIN_PIECE, where pieces start.
 _CONFIGS = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s)
             for n, w, s in ((64, 4, 3), (64, 8, 3), (128, 8, 2), (32, 4, 3))]
 _tuned_kernel = triton.autotune(_CONFIGS, key=["HEAD_DIM", "NUM_HEADS", "NUM_KV_HEADS", "IEEE"])(
     _prefill_attention_kernel)
 
 
+def tuned_config(head_dim: int, num_heads: int, num_kv_heads: int, ieee: bool):
+    """The configuration autotuning chose for this head shape, as (BLOCK_N, warps, stages); None if none ran."""
+    for key, cfg in _tuned_kernel.cache.items():
+        if tuple(key[:4]) == (head_dim, num_heads, num_kv_heads, ieee):
+            return cfg.kwargs["BLOCK_N"], cfg.num_warps, cfg.num_stages
+    return None
+
+
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                       query_start_loc: torch.Tensor, context_lens: torch.Tensor, work: PrefillWork, scale: float,
-                      block_size: int, block_m: int = PREFILL_BLOCK_M) -> torch.Tensor:
+                      block_size: int, block_m: int = PREFILL_BLOCK_M, config=None) -> torch.Tensor:
     """Causal attention of every new token of a step over its sequence's cached context.
     q: [T, H, D] (sequences' tokens in order); caches: [slots, KVH, D] with this step's keys and
     values already stored; block_tables: [B, W] int32; query_start_loc: [B + 1] int32 (where each
     sequence's tokens start in q, vLLM's name); context_lens: [B] int32, after this step's
-    tokens; work: from attention.prefill_plan with the same `block_m`. Returns [T, H, D]."""
+    tokens; work: from attention.prefill_plan with the same `block_m`; `config`: a
+    tile_tables.PrefillConfig, or None to autotune among _CONFIGS. Returns [T, H, D]."""
     t, num_heads, head_dim = q.shape
     out = torch.empty_like(q)
     if t == 0:
@@ -169,8 +178,11 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
             work.items, num_items, scale * LOG2E)
     shape = dict(NUM_HEADS=num_heads, NUM_KV_HEADS=k_cache.shape[1], HEAD_DIM=head_dim, HEAD_PAD=head_pad,
                  BLOCK_SIZE=block_size, BLOCK_M=block_m, IEEE=q.dtype == torch.float32)
-    if q.is_cuda:
+    if q.is_cuda and config is None:
         _tuned_kernel[(num_items, num_heads)](*args, **shape)
+    elif q.is_cuda:
+        _prefill_attention_kernel[(num_items, num_heads)](*args, **shape, BLOCK_N=config.block_n,
+                                                           num_warps=config.warps, num_stages=config.stages)
     else:  # Triton's interpreter (tests): small blocks
         _prefill_attention_kernel[(num_items, num_heads)](*args, **shape, BLOCK_N=16)
     if num_merges:

@@ -4,9 +4,10 @@ A decode step of a small model is bound by kernel count and memory latency, not 
 - elementwise chains run as one kernel each (residual add + RMSNorm, q/k norm + RoPE + KV
   store, SiLU·up);
 - the skinny matmul: a decode step's products are matrix-vector products (a few rows), and one
-  kernel streams each weight once with the RMSNorm or SiLU·up before it fused in; its tile is
-  timed per shape on first use, against cuBLAS plus the separate kernel, which wins some big
-  shapes;
+  kernel streams each weight once with the RMSNorm or SiLU·up before it fused in; its tile per
+  shape comes from the shipped table of the GPU's family (tile_tables.py), or from `jetserve
+  tune`, which times every candidate against cuBLAS plus the separate kernel (which wins some big
+  shapes);
 - paged attention walks only each sequence's own blocks, split over the context when the batch
   is too small to fill the GPU (flash-decoding).
 Each rounds to the activation dtype exactly where the torch code it replaces rounds, so the
@@ -26,10 +27,12 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from jetserve.engine.model import parallel_compile
 from jetserve.engine.model.flash_prefill import prefill_attention
 
 if TYPE_CHECKING:
     from jetserve.engine.model.tile_cache import TileCache
+    from jetserve.engine.model.tile_tables import TileTable
 
 log = logging.getLogger(__name__)
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's interpreter runs the kernels on CPU tensors
@@ -598,39 +601,50 @@ def _cold_copies(weight: torch.Tensor) -> list[torch.Tensor]:
 class FusedKernels:
     """The Triton kernels as one engine uses them. The runner makes one and hands it to the model:
     the tile chosen for each skinny-matmul shape is this object's state, so two engines in one
-    process (tests, benchmarks) never share or clobber it. Tiles are timed at start-up, for every
-    row count a step may bring (the runner's `tune_kernels`), unless an earlier start on this GPU
-    and software timed that shape (`tile_cache`), then `freeze()` ends timing: a shape
-    first seen later takes the first tile that fits, untimed, and is recorded in `untuned` (a
-    request never pays for timing). Timing a tile captures CUDA graphs; where the engine runs
-    without them (--enforce-eager, a JetPack too old for them) `tile_timing` is off and the first
-    tile that fits serves."""
+    process (tests, benchmarks) never share or clobber it. A shape's tile is looked up, never
+    timed on the way to serving: the choice `jetserve tune` timed on this GPU and software
+    (`tile_cache`), else the shipped table of the GPU's family (`table`, tile_tables.py), else the
+    first tile that fits. Only a tuning engine (`tile_timing`: `jetserve tune`) times the shapes a
+    start brings (the runner's `tune_kernels`) and keeps them in the tile cache; timing captures
+    CUDA graphs, so it needs them. `freeze()` marks the start's end: a shape first seen later is
+    recorded in `untuned` (its kernel compiles on a request's path: the runner's warm-up missed it)."""
 
     SKINNY_MAX_ROWS = SKINNY_MAX_ROWS
     rms_norm = staticmethod(rms_norm)
     silu_mul = staticmethod(silu_mul)
     qk_norm_rope_store = staticmethod(qk_norm_rope_store)
     paged_attention = staticmethod(paged_attention)
-    prefill_attention = staticmethod(prefill_attention)
 
-    def __init__(self, tile_timing: bool, tile_cache: TileCache | None = None):
+    def __init__(self, tile_timing: bool = False, tile_cache: TileCache | None = None, table: TileTable | None = None):
+        from jetserve.engine.model.tile_tables import EMPTY
+
         self.tile_timing = tile_timing
-        self.tile_cache = tile_cache  # choices timed by earlier starts: a shape found there is not timed
+        self.tile_cache = tile_cache  # choices `jetserve tune` timed here: taken before the table's
+        self.table = table or EMPTY
         self.frozen = False
         self.untuned: set[tuple] = set()  # shapes first seen after freeze()
         self.cached: set[tuple] = set()  # shapes whose tile came from the tile cache
+        self.sources: dict[tuple, str] = {}  # where each choice came from: tuned, table, nearest, default
         self.chosen: dict[tuple, tuple[int, int, int] | None] = {}
         self.tuning_times: dict[tuple, dict[tuple[int, int, int] | None, float]] = {}  # ms per candidate tile
+
+    def prefill_attention(self, *args, **kwargs):
+        """The flash prefill kernel in the table's configuration; a tuning engine autotunes it."""
+        return prefill_attention(*args, **kwargs, config=None if self.tile_timing else self.table.prefill)
 
     def runs_on(self, x: torch.Tensor) -> bool:
         """Whether x takes these kernels: CUDA tensors, or any under Triton's interpreter (tests)."""
         return x.is_cuda or INTERPRETED
 
     def tuning_summary(self) -> str:
-        """For the start log: how many shapes the tile cache gave and how many were timed."""
+        """For the start log: where this engine's tiles came from."""
+        counts = {source: list(self.sources.values()).count(source)
+                  for source in ("tuned", "table", "nearest", "default")}
+        where = f"tuned tiles from {self.tile_cache.path}" if self.tile_cache else "no tile cache"
         timed = len(self.tuning_times) - len(self.cached)
-        where = f"kept in {self.tile_cache.path}" if self.tile_cache else "tile cache off"
-        return f"{len(self.cached)} shapes from the tile cache, {timed} timed ({where})"
+        return (f"{counts['tuned']} shapes tuned on this GPU ({timed} timed now), {counts['table']} from the "
+                f"{self.table.name} table, {counts['nearest']} from its nearest shape, {counts['default']} first-fit "
+                f"({where})")
 
     def freeze(self) -> None:
         """Start-up tuning is over: no shape is timed from now on."""
@@ -663,18 +677,14 @@ class FusedKernels:
         return _run(tile, prologue, x, weight, residual, norm_weight, eps)
 
     def _choose_tile(self, key, prologue, x, weight, residual, norm_weight, eps):
-        """A new shape's tile (None: cuBLAS), remembered: when this engine times tiles and start-up
-        tuning is still on, the tile cache's or else timed, otherwise the first tile that fits."""
+        """A new shape's tile (None: cuBLAS), remembered (see the class docstring)."""
         tiles = candidate_tiles(key[1], prologue, pdl_supported(x.device))
-        if self.frozen:
-            self.untuned.add(key)
-            log.warning("skinny matmul %s first seen after start-up tuning: untimed tile %s", key, tiles[1])
-        tuned = self.tile_timing and not self.frozen and weight.numel() * weight.element_size() >= _UNTUNED_BYTES
-        if tuned and self._from_cache(key, tiles):
+        timed = self.tile_timing and not self.frozen and weight.numel() * weight.element_size() >= _UNTUNED_BYTES
+        if self._untimed(key, tiles, timed, default=tiles[1]):
             return self.chosen[key]
-        if not tuned or torch.cuda.is_current_stream_capturing():
-            self.chosen[key] = tiles[1]
-            return tiles[1]
+        with parallel_compile.compile_only():  # every candidate's compile at once
+            for t in tiles[1:]:
+                _run(t, prologue, x, weight, residual, norm_weight, eps)
         weights = _cold_copies(weight)
         times = [self._time([lambda w=w, t=t: _run(t, prologue, x, w, residual, norm_weight, eps) for w in weights])
                  for t in tiles]
@@ -683,18 +693,33 @@ class FusedKernels:
                   min(times) * 1e3, times[0] * 1e3)
         return self.chosen[key]
 
+    def _untimed(self, key, tiles, timed: bool, default) -> bool:
+        """Choose without timing where this shape is not to be timed (or is being captured): the
+        tile cache's choice, else the table's, else `default`; True when chosen."""
+        if self.frozen:
+            self.untuned.add(key)
+            log.warning("skinny matmul %s first seen after start-up: its kernel compiles on a request's path", key)
+        if self._from_cache(key, tiles):
+            return True
+        if timed and not torch.cuda.is_current_stream_capturing():
+            return False
+        self.chosen[key], self.sources[key] = self.table.choose(key, tiles, default)
+        return True
+
     def _from_cache(self, key, tiles) -> bool:
         """Take the tile cache's choice for this shape, if it was made among these candidates."""
         entry = self.tile_cache.lookup(key, tiles) if self.tile_cache else None
         if entry:
             self.chosen[key], self.tuning_times[key] = entry.tile, dict(zip(tiles, entry.times_ms))
             self.cached.add(key)
+            self.sources[key] = "tuned"
         return entry is not None
 
     def _record(self, key, tiles, times) -> None:
         """Keep the fastest of the timed tiles, here and in the tile cache."""
         self.chosen[key] = tiles[times.index(min(times))]
         self.tuning_times[key] = dict(zip(tiles, times))
+        self.sources[key] = "tuned"
         if self.tile_cache:
             self.tile_cache.store(key, tiles, times, self.chosen[key])
 

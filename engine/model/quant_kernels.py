@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from jetserve.engine.model import parallel_compile
 from jetserve.engine.model.kernels import (ADD_NORM, NORM, PLAIN, SILU_MUL, FusedKernels, Tile, _cold_copies,
                                            _input_chunk, _normalized, _row_inv_rms, _torch_variant, launch,
                                            pdl_supported, run_apart, split_k, sum_splits, with_pdl)
@@ -356,18 +357,27 @@ class QuantFusedKernels(FusedKernels):
         return quant_matmul(tile, prologue, x, weight, residual, norm_weight, eps)
 
     def _choose_quant_tile(self, key, prologue, x, weight, residual, norm_weight, eps):
-        """As `FusedKernels._choose_tile`: while start-up tuning is on and this engine times tiles,
-        the tile cache's or else timed, otherwise the first tile that fits (recorded in `untuned`
-        after `freeze()`); None where none fits: dequantize and take the float path."""
+        """As `FusedKernels._choose_tile`; None where no tile fits: dequantize and take the float path."""
         tiles = fitting_tiles(x.shape[0], weight, prologue, pdl_supported(x.device))
-        if self.frozen:
-            self.untuned.add(key)
-        tuned = tiles and self.tile_timing and not self.frozen
-        if tuned and self._from_cache(key, tiles):
+        if not tiles:
+            self.chosen[key] = None
+            return None
+        if self._untimed(key, tiles, self.tile_timing and not self.frozen, default=tiles[0]):
             return self.chosen[key]
+        with parallel_compile.compile_only():  # every candidate's compile at once
+            for t in tiles:
+                quant_matmul(t, prologue, x, weight, residual, norm_weight, eps)
+        copies = [weight._replace(qweight=q) for q in _cold_copies(weight.qweight)]
+        times = [self._time([lambda w=w, t=t: quant_matmul(t, prologue, x, w, residual, norm_weight, eps)
+                             for w in copies]) for t in tiles]
+        self._record(key, tiles, times)
+        return self.chosen[key]
         if not tuned or torch.cuda.is_current_stream_capturing():
             self.chosen[key] = tiles[0] if tiles else None
             return self.chosen[key]
+        with parallel_compile.compile_only():  # every candidate's compile at once
+            for t in tiles:
+                quant_matmul(t, prologue, x, weight, residual, norm_weight, eps)
         copies = [weight._replace(qweight=q) for q in _cold_copies(weight.qweight)]
         times = [self._time([lambda w=w, t=t: quant_matmul(t, prologue, x, w, residual, norm_weight, eps)
                              for w in copies]) for t in tiles]

@@ -174,10 +174,15 @@ class TileCache:
     def _parse(self, doc) -> dict[str, Entry]:
         if not isinstance(doc, dict) or doc.get("fingerprint") != self.fingerprint:
             raise ValueError("written for another GPU, driver, CUDA, torch, Triton or kernel source")
-        shapes = doc.get("shapes")
-        if not isinstance(shapes, dict) or len(shapes) > MAX_SHAPES:
-            raise ValueError(f"'shapes' must be an object of at most {MAX_SHAPES} shapes")
-        return {key: _entry(key, value) for key, value in shapes.items()}
+        return parse_shapes(doc)
+
+
+def parse_shapes(doc: dict) -> dict[str, Entry]:
+    """A cache document's shapes, checked (ValueError names what is wrong)."""
+    shapes = doc.get("shapes")
+    if not isinstance(shapes, dict) or len(shapes) > MAX_SHAPES:
+        raise ValueError(f"'shapes' must be an object of at most {MAX_SHAPES} shapes")
+    return {key: _entry(key, value) for key, value in shapes.items()}
 
 
 def _entry(key: str, value) -> Entry:

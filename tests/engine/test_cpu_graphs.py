@@ -39,7 +39,13 @@ def compile_env(tmp_path_factory):
 
 
 def _engine(tiny, **kwargs):
-    return LLM(str(tiny[0]), max_num_seqs=4, block_size=8, **{"cudagraph_capture_sizes": [1, 4], **kwargs})
+    return _compiled(LLM(str(tiny[0]), max_num_seqs=4, block_size=8, **{"cudagraph_capture_sizes": [1, 4], **kwargs}))
+
+
+def _compiled(llm):
+    """The engine once the programs its start did not find in the cache are compiled and in use."""
+    llm.engine.runner.graphs.wait()
+    return llm
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +99,7 @@ def test_a_bf16_checkpoint_streams_bf16_weights_to_transformers_tokens(tmp_path,
     model.to(torch.bfloat16).save_pretrained(tmp_path)
     add_tokenizer(tmp_path)
     model.float()  # the checkpoint's values, in fp32: transformers' reference
-    llm = LLM(str(tmp_path), max_num_seqs=1, block_size=8, cudagraph_capture_sizes=[1])
+    llm = _compiled(LLM(str(tmp_path), max_num_seqs=1, block_size=8, cudagraph_capture_sizes=[1]))
     ours = llm.engine.runner.model
     with narrowed_weights(ours):
         dtypes = {name: p.dtype for name, p in ours.named_parameters() if name.endswith("proj.weight")}
@@ -196,8 +202,8 @@ def test_a_drafting_engine_decodes_plainly_through_its_compiled_step(compile_env
     path = build_drafting_model(tmp_path / "drafting", mtp_layers=1)
     prompts = [{"prompt_token_ids": p} for p in ([5, 17, 2, 9, 31], [20, 3, 8])]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    llm = LLM(path, max_num_seqs=1, cudagraph_capture_sizes=[1],
-              speculative_config={"method": "mtp", "num_speculative_tokens": 2, "adaptive": False})
+    llm = _compiled(LLM(path, max_num_seqs=1, cudagraph_capture_sizes=[1],
+                        speculative_config={"method": "mtp", "num_speculative_tokens": 2, "adaptive": False}))
     graphs = llm.engine.runner.graphs
     assert isinstance(graphs, CPUGraphs) and list(graphs.graphs) == [(None, 1, 1)]
     replays = []

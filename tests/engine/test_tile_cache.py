@@ -207,7 +207,7 @@ def test_fused_kernels_take_the_cached_tile_untimed(tmp_path, fp):
     torch.testing.assert_close(fused.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
     assert fused.chosen == {key: tiles[-1]} and fused.cached == {key}
     assert fused.tuning_times[key] == dict(zip(tiles, times_for(tiles, len(tiles) - 1)))
-    assert fused.tuning_summary().startswith("1 shapes from the tile cache, 0 timed (kept in ")
+    assert fused.tuning_summary().startswith("1 shapes tuned on this GPU (0 timed now)")
 
 
 def test_quantized_products_take_the_cached_tile_untimed(tmp_path, fp):

@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# The H200 measurements of issue 26 (serve in seconds), through the device tool: `bash
+# tools/h200_startup.sh STAGE` in the repository root there, the wheels the image lacks carried in
+# .whl/ (pyzmq, msgspec, paho-mqtt, grpcio-health-checking, grpcio-reflection). Results under $OUT.
+#   probe   — the image's versions, and Triton compiles serial vs in compile_only()'s threads
+#   start   — `bench startup` fresh + warm: 0.6B bf16 (8k prompt beside 8 streams), 4B bf16, 4B INT4
+#   tune    — `jetserve tune` for each shape and weight format: tables to ship, and the tuned cache
+#   decode  — `bench decode` batch 1: shipped table vs tuned tiles, interleaved, same run
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || exit 1
+# PYTHONSAFEPATH: the working directory (the repo root, whose jetserve/ holds only the top package) never
+# shadows the link farm.
+export PYTHONPATH=/tmp/site:$PWD/.jetserve-src PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1 PYTHONSAFEPATH=1
+# The source tree maps to `jetserve.*` through pyproject's package-dir: a link farm does it without pip.
+mkdir -p .jetserve-src/jetserve
+for part in engine server agent device wire fleet bench; do ln -sfn "$PWD/$part" ".jetserve-src/jetserve/$part"; done
+for f in jetserve/*; do ln -sfn "$PWD/$f" ".jetserve-src/jetserve/$(basename "$f")"; done
+J="python3 -m jetserve.cli"
+W=/tmp/work
+checkpoints() {  # random-weight Qwen3 shapes, made once per machine (on the GPU: seconds)
+  python3 -c "
+import torch; from pathlib import Path; from jetserve.bench.common import random_checkpoint
+for s in ('qwen3-0.6b', 'qwen3-4b'):
+    p = Path('$W/ckpt') / s
+    if not (p / 'config.json').exists(): random_checkpoint(s, p, torch.bfloat16, torch.device('cuda'))
+"
+}
+for stage in "$@"; do
+case $stage in
+probe)
+  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__,
+    torch.cuda.get_device_name(), torch.cuda.get_device_capability())'
+  python3 tools/compile_probe.py
+  python3 -X importtime -c "import jetserve.engine.core, jetserve.engine.llm_engine" 2>&1 | sort -t'|' -k2 -n | tail -12
+  ;;
+pack)  # the device tool brings back 8 files: everything in one
+  (cd "$OUT" && tar czf /tmp/results.tgz --exclude=results.tgz . && find . -mindepth 1 -delete && mv /tmp/results.tgz .)
+  ;;
+start|start06)
+  checkpoints
+  specs=("qwen3-0.6b|--dtype bfloat16 --max-model-len 9216|--long-prompt 8000 --beside 8")
+  [ "$stage" = start ] && specs+=("qwen3-4b|--dtype bfloat16|" "qwen3-4b|--dtype bfloat16 --quantization int4|")
+  for spec in "${specs[@]}"; do
+    IFS='|' read -r shape flags extra <<<"$spec"
+    name=$shape$(echo "$flags" | grep -o 'int[48]' | sed 's/^/-/')
+    timeout 420 $J bench startup --model "$W/ckpt/$shape" --serve-flags "$flags" $extra --work "$W/$name" \
+      --out "$OUT/startup-$name" 2>&1 | grep -E '^\[startup\]|Error|error' ; cp "$W/$name"/serve-*.log "$OUT/startup-$name/" 2>/dev/null
+  done
+  ;;
+tune)
+  checkpoints
+  export JETSERVE_CACHE_DIR=$W/tuned TRITON_CACHE_DIR=$W/triton
+  for spec in "qwen3-0.6b|" "qwen3-4b|" "qwen3-4b|--quantization int4" "qwen3-4b|--quantization int8" \
+              "qwen3-0.6b|--quantization int4" "qwen3-0.6b|--quantization int8"; do
+    IFS='|' read -r shape flags <<<"$spec"
+    model=$W/ckpt/$shape
+    began=$(date +%s)
+    timeout 400 $J tune --model "$model" --dtype bfloat16 $flags --out "$OUT/tiles-$shape$(echo $flags | tr -d ' -' | sed 's/quantization/-/').json" \
+      2>&1 | grep -E 'tuned in|tile table|Error' ; echo "[tune] $shape $flags: $(( $(date +%s) - began )) s"
+  done
+  cp "$JETSERVE_CACHE_DIR"/tiles/*.json "$OUT/" 2>/dev/null
+  ;;
+decode)  # after tune: its tile cache is what "tuned" reads
+  checkpoints
+  export JETSERVE_CACHE_DIR=$W/tuned TRITON_CACHE_DIR=$W/triton
+  for spec in "qwen3-0.6b|" "qwen3-4b|" "qwen3-4b|int4" "qwen3-4b|int8" "qwen3-0.6b|int8"; do
+    IFS='|' read -r shape q <<<"$spec"
+    timeout 300 $J bench decode --model "$W/ckpt/$shape" --batch-sizes 1 --steps 64 --no-hf --only ours_graphs \
+      --tiles tuned shipped ${q:+--quantization $q} --out "$OUT/decode-$shape${q:+-$q}" 2>&1 | grep -E 'Error|error'
+    python3 -c "import json,sys; r=json.load(open('$OUT/decode-$shape${q:+-$q}/result.json'))['models']['model']['configs'];
+print('[decode] $shape $q', {k: v['1'] if isinstance(v, dict) and '1' in v else v.get(1) for k, v in r.items() if k.startswith('ours')})"
+  done
+  ;;
+esac
+done
