@@ -154,18 +154,20 @@ def hold(fd: int, server_pid: int, on_gone: Callable[[], None] | None = None) ->
                 break
         gone("its end of our lifeline closed")
 
-    if _ask_parent_death_signal():
-        # The first signal may mean only that the thread that started us ended.
-        signal.signal(DEATH_SIGNAL, lambda *_: os.getppid() != server_pid and gone("parent-death signal"))
+    def on_death_signal(*_) -> None:
+        if os.getppid() != server_pid:  # not merely the end of the thread that started us
+            gone("parent-death signal")
+
+    if sys.platform.startswith("linux"):
+        signal.signal(DEATH_SIGNAL, on_death_signal)  # first: the signal may come at once
+        _ask_parent_death_signal()
     if os.getppid() != server_pid:  # gone before we asked
         gone("not our parent any more")
     threading.Thread(target=watch, name="jetserve-lifeline", daemon=True).start()
 
 
-def _ask_parent_death_signal() -> bool:
-    if not sys.platform.startswith("linux"):
-        return False
+def _ask_parent_death_signal() -> None:
     try:
-        return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(DEATH_SIGNAL), 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(DEATH_SIGNAL), 0, 0, 0)
+    except (OSError, AttributeError):  # no prctl in this libc: the lifeline alone
+        pass

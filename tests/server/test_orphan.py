@@ -4,11 +4,13 @@ that still runs is refused with its pid."""
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import grpc
 import psutil
@@ -184,22 +186,26 @@ def test_a_child_outlives_the_thread_that_started_it_but_not_its_server(how, tmp
             os.kill(pid, signal.SIGKILL)
 
 
-def test_the_next_start_clears_a_dead_servers_ipc_dir_and_refuses_one_still_held(run_dir, tmp_path, tiny_model):
-    # A server that made its IPC directory and died: nothing removed it.
+def dead_servers_ipc_dir():
+    """The IPC directory of a server that made it and died: nothing removed it."""
     made = subprocess.run([sys.executable, "-c", "from jetserve.engine import lifeline; print(lifeline.ipc_dir()[0])"],
-                          capture_output=True, text=True, check=True, env=dict(os.environ))
-    stale = run_dir / os.path.basename(made.stdout.strip())
-    (stale / "input").touch()
+                          capture_output=True, text=True, check=True)
+    return made.stdout.strip()
+
+
+def test_the_next_start_clears_a_dead_servers_ipc_dir_and_refuses_one_still_held(run_dir, tiny_model):
+    stale = dead_servers_ipc_dir()
+    assert os.path.dirname(stale) == str(run_dir)
+    Path(stale, "input").touch()
     mine, lock = lifeline.ipc_dir()  # a live server's (this process's): never touched
     try:
         assert lifeline.clear_stale(0) == []
-        assert not stale.exists() and os.path.isdir(mine)
+        assert not os.path.exists(stale) and os.path.isdir(mine)
 
         # Again, but a process of that server's still runs there (its command line names the directory).
-        made = subprocess.run([sys.executable, "-c", "from jetserve.engine import lifeline; print(lifeline.ipc_dir()[0])"],
-                              capture_output=True, text=True, check=True)
-        stale = made.stdout.strip()
+        stale = dead_servers_ipc_dir()
         orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "ipc://%s/input" % stale])
+        refused = None
         try:
             assert lifeline.clear_stale(0.2) == [(stale, [orphan.pid])] and os.path.isdir(stale)
             refused = jetserve("serve", "--model", str(tiny_model), "--device", "cpu", "--port", "0",
@@ -211,6 +217,10 @@ def test_the_next_start_clears_a_dead_servers_ipc_dir_and_refuses_one_still_held
         finally:
             orphan.kill()
             orphan.wait()
+            if refused is not None and refused.poll() is None:
+                refused.kill()
+                refused.communicate()
         assert lifeline.clear_stale(0) == [] and not os.path.exists(stale)
     finally:
+        shutil.rmtree(mine)
         os.close(lock)
