@@ -14,11 +14,13 @@ import gc
 import logging
 import os
 import pickle
+import shutil
 import signal
 import sys
 
 import msgspec
 
+from jetserve.engine import lifeline
 from jetserve.engine.config import EngineConfig
 from jetserve.engine.llm_engine import LLMEngine
 from jetserve.engine.plan import refuse_if_it_cannot_fit
@@ -213,13 +215,20 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
 
 
 def main(argv: list[str]) -> None:
-    """`python -m jetserve.engine.core INPUT OUTPUT ALIVE_FD`, the EngineConfig pickled on stdin
-    (what `MPClient` starts). ALIVE_FD stays open, uninherited by our own children, until we exit."""
-    input_address, output_address, alive = argv
-    os.set_inheritable(int(alive), False)
-    config = pickle.loads(sys.stdin.buffer.read())
+    """`python -m jetserve.engine.core INPUT OUTPUT LIFELINE_FD SERVER_PID`, the EngineConfig pickled
+    on stdin (what `MPClient` starts through `lifeline.spawn`)."""
+    input_address, output_address, lifeline_fd, server_pid = argv
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s[core]: %(message)s")
+    _live_with_server(int(lifeline_fd), int(server_pid), input_address)
+    config = pickle.loads(sys.stdin.buffer.read())
     run_engine_core(config, input_address, output_address)
+
+
+def _live_with_server(lifeline_fd: int, server_pid: int, input_address: str) -> None:
+    """Before the load: a server that dies, even mid-load, takes this process (and the model's
+    memory) with it; its IPC directory, which it can no longer remove, goes with us."""
+    ipc_dir = os.path.dirname(input_address.removeprefix("ipc://"))
+    lifeline.hold(lifeline_fd, server_pid, on_gone=lambda: shutil.rmtree(ipc_dir, ignore_errors=True))
 
 
 if __name__ == "__main__":

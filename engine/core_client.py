@@ -21,13 +21,13 @@ import queue
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 import msgspec
 
+from jetserve.engine import lifeline
 from jetserve.engine.config import EngineConfig
 from jetserve.engine.core import (
     IDLE_TICK, Abort, AddRequest, Call, CoreMessage, EngineCore, Failed, Outputs, Ready, Reply, Shutdown, Status)
@@ -182,14 +182,15 @@ class InprocClient(_CoreClient):
 class MPClient(_CoreClient):
     """The core in its own process, over ZMQ. A fresh interpreter (`python -m jetserve.engine.core`,
     the config pickled on its stdin): CUDA does not survive a fork, and unlike multiprocessing's
-    spawn it never re-runs the caller's `__main__`. The process holds the write end of a pipe
-    whose read end here turns readable the moment it exits, however it exits."""
+    spawn it never re-runs the caller's `__main__`. A lifeline joins the two (`lifeline.spawn`):
+    our end turns readable the moment the core exits, however it exits, and the core exits the
+    moment we do."""
 
     def __init__(self, config: EngineConfig, on_status, on_outputs, on_death):
         import zmq
 
         self._on_outputs, self._on_death = on_outputs, on_death
-        self._dir = tempfile.mkdtemp(prefix="jetserve-core-")
+        self._dir, self._dir_lock = lifeline.ipc_dir()
         self._context = zmq.Context(io_threads=1)
         self._inbox = self._context.socket(zmq.PUSH)  # the core's inbox
         self._inbox.setsockopt(zmq.SNDHWM, 0)  # requests are small and few: queue them, never block
@@ -204,13 +205,13 @@ class MPClient(_CoreClient):
         self._stopping = self._dead = False
         self._loop: asyncio.AbstractEventLoop | None = None  # the one that reads the core (start())
         self._loop_thread: int | None = None
-        self.sentinel, alive = os.pipe()
         try:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "jetserve.engine.core", input_address, output_address, str(alive)],
-                stdin=subprocess.PIPE, pass_fds=(alive,))
-        finally:
-            os.close(alive)
+            self.process, self.sentinel = lifeline.spawn(
+                [sys.executable, "-m", "jetserve.engine.core", input_address, output_address], stdin=subprocess.PIPE)
+        except BaseException:
+            self._context.destroy(linger=0)
+            self._remove_dir()
+            raise
         self.process.stdin.write(pickle.dumps(config))
         self.process.stdin.close()
         try:
@@ -300,7 +301,11 @@ class MPClient(_CoreClient):
             self.process.wait()
         os.close(self.sentinel)
         self._context.destroy(linger=0)
+        self._remove_dir()
+
+    def _remove_dir(self) -> None:
         shutil.rmtree(self._dir, ignore_errors=True)
+        os.close(self._dir_lock)
 
     def _send(self, request) -> None:
         import zmq

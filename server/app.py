@@ -21,6 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from jetserve import notify
+from jetserve.engine import lifeline
 from jetserve.server.auth import BearerTokenInterceptor, is_local_peer
 from jetserve.server.errors import RpcError
 from jetserve.server.guard import MAX_MESSAGE_BYTES, MalformedRequestInterceptor
@@ -38,6 +39,9 @@ STALE_AFTER_S = 2.0
 HEARTBEAT_CHECK_S = 0.1
 # After the drain's grace period: time for the aborted streams' last messages to leave.
 ABORT_FLUSH_S = 5.0
+# How long a process left by a server killed outright may take to see it gone and exit (its
+# lifeline ends it at once; freeing a loaded model's memory is what takes time).
+ORPHAN_WAIT_S = 5.0
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -190,8 +194,14 @@ class JetServer:
     # -- life cycle ----------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Listen on every configured address, then start loading the engine."""
+        """Clear what a server killed outright left, listen on every configured address, then start
+        loading the engine."""
         opts = self.options
+        held = await asyncio.to_thread(lifeline.clear_stale, ORPHAN_WAIT_S)
+        if held:  # a second model beside it would not fit in the memory the CPU and GPU share
+            pids = " ".join(str(pid) for _, found in held for pid in found)
+            raise StartError("process %s, started by an earlier jetserve server that is gone, still runs "
+                             "(holding the model it loaded): stop it (kill %s) and start again" % (pids, pids))
         token_check = [BearerTokenInterceptor(opts.api_key, opts.control_api_key)] \
             if opts.api_key or opts.control_api_key else []
         # grpcio turns SO_REUSEPORT on by default: a second server would silently share the port.
