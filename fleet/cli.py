@@ -29,6 +29,12 @@ def register(subparsers):
                      help="bearer token every HTTP request must carry (the file mode 0600)")
     run.add_argument("--http-tls-cert", metavar="PEM", help="serve HTTPS with this certificate chain")
     run.add_argument("--http-tls-key", metavar="PEM", help="... and this private key")
+    run.add_argument("--http-max-connections", type=int, default=1000, metavar="N",
+                     help="open HTTP connections at most (1..16384; fewer if the file-descriptor limit leaves "
+                          "fewer beside MQTT and the database); past it a new one gets 503 (default: %(default)s)")
+    run.add_argument("--http-header-timeout", type=float, default=10.0, metavar="SECONDS",
+                     help="a connection must send each request within this (at most 60; slowloris) "
+                          "(default: %(default)s)")
     run.add_argument("--share", metavar="GROUP", help="join $share/GROUP to split the fleet between replicas")
     run.add_argument("--client-id", help="MQTT client id (default: jetserve-fleet-<host>)")
     run.add_argument("--silence-factor", type=float, default=3.0,
@@ -72,6 +78,7 @@ def run_controller(args):
     import socket
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from jetserve import fdbudget
     from jetserve.fleet import web
     from jetserve.fleet.controller import Controller
     from jetserve.fleet.registry import Registry, RegistryError
@@ -91,8 +98,10 @@ def run_controller(args):
                                 share=args.share, silence_factor=args.silence_factor,
                                 stall_timeout=args.stall_timeout)
         if args.http:
+            budget = fdbudget.Budget({"HTTP": args.http_max_connections}, web.RESERVE_FDS)
+            logging.info("%s", budget)
             server = web.Server(registry, host, port, token, args.http_tls_cert, args.http_tls_key,
-                                controller.metrics.registry)
+                                controller.metrics.registry, budget.caps["HTTP"], args.http_header_timeout)
     except (ValueError, OSError, RegistryError, MqttConfigError) as exc:
         sys.exit("jetserve fleet run: %s" % exc)
     except ImportError as exc:

@@ -1,0 +1,194 @@
+"""A process's file descriptors, shared out once at start so that no client can take them all.
+
+Every connection a client opens costs the server a descriptor, and RLIMIT_NOFILE caps them for the
+whole process: past it accept() fails with EMFILE, and so do the MQTT reconnect, the database, the
+log and the metrics endpoint. asyncio then retries accept() in a loop that feeds itself (one
+retry timer per failed call of a batch as large as the listen backlog), so an idle flood also
+pins a core. As nginx and envoy cap each listener below the process's limit, so here:
+
+- `Budget`: the limit read at start (the soft one raised toward the hard one as far as the caps
+  ask), what is already open, a reserve for everything that is not a client, and each listener's
+  cap out of the rest.
+- `Listener`: a listening socket whose accept() keeps to its cap. Past it a connection is
+  answered 503 (plain HTTP) or closed (TLS) at once, holding a descriptor only for that moment;
+  an EMFILE anyway (something else took them) pauses accepting instead of retrying in a loop.
+- `http_protocol`: uvicorn's HTTP/1.1, whose connections must deliver each request (headers and
+  body) within a deadline: an idle or dribbling client (slowloris) is closed, not kept.
+
+gRPC's C core accepts on its own threads; `grpc_options` gives it the same cap and deadline.
+Standard library only at module level, Python 3.8 syntax (it is imported by the CLIs).
+"""
+
+import errno
+import logging
+import os
+import resource
+import socket
+import time
+
+log = logging.getLogger(__name__)
+
+MAX_CONNECTIONS = 16384  # no listener's cap goes above this, whatever the limit
+MIN_CONNECTIONS = 4  # a budget that leaves a listener fewer is a configuration error, said at start
+MAX_DEADLINE_S = 60.0  # the longest request deadline a setting may ask for
+PAUSE_S = 1.0  # accepting waits this long after an EMFILE: descriptors come back as connections close
+REFUSE_AT_ONCE = 64  # refusals per accept() call: a flood cannot keep the event loop in one call
+OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+
+
+def open_descriptors():
+    """How many descriptors this process has open now (0 where /proc and /dev/fd are missing)."""
+    for path in ("/proc/self/fd", "/dev/fd"):
+        try:
+            return len(os.listdir(path)) - 1  # listdir's own
+        except OSError:
+            continue
+    return 0
+
+
+class Budget:
+    """`wanted` maps each listener to the connections it would hold; `reserve` is what the rest of
+    the process may still open after start (MQTT, database, log, metrics, an engine). The caps are
+    the wanted ones when the limit allows, else each scaled down alike; one more descriptor per
+    listener is kept for the connection it refuses."""
+
+    def __init__(self, wanted, reserve):
+        for name, n in wanted.items():
+            if not isinstance(n, int) or not 1 <= n <= MAX_CONNECTIONS:
+                raise ValueError("%s: max connections must be 1..%d, got %r" % (name, MAX_CONNECTIONS, n))
+        self.in_use, self.reserve = open_descriptors(), reserve
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        need = self.in_use + reserve + sum(wanted.values()) + len(wanted)
+        if soft != resource.RLIM_INFINITY and soft < need:
+            raised = need if hard == resource.RLIM_INFINITY else min(need, hard)
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+                soft = raised
+            except (ValueError, OSError) as exc:  # a sandbox may forbid it: live with the soft limit
+                log.warning("cannot raise the file-descriptor limit from %d to %d: %s", soft, raised, exc)
+        self.limit = soft
+        spare = (MAX_CONNECTIONS * len(wanted) if soft == resource.RLIM_INFINITY
+                 else soft - self.in_use - reserve - len(wanted))
+        total = sum(wanted.values())
+        self.caps = {name: n if spare >= total else spare * n // total for name, n in wanted.items()}
+        if wanted and min(self.caps.values()) < MIN_CONNECTIONS:
+            raise ValueError(
+                "the file-descriptor limit (%d, %d open at start, %d kept for the rest of the process) leaves "
+                "%s fewer than %d connections: raise LimitNOFILE= (ulimit -n) to at least %d"
+                % (soft, self.in_use, reserve, min(self.caps, key=self.caps.get), MIN_CONNECTIONS, need))
+
+    def __str__(self):
+        return "file descriptors: limit %d, %d open at start, %d kept for the rest of the process; %s" % (
+            self.limit, self.in_use, self.reserve,
+            ", ".join("%s at most %d connections" % item for item in sorted(self.caps.items())))
+
+
+def http_refusal(body, content_type="text/plain; charset=utf-8"):
+    """The whole 503 a Listener sends past its cap, before it closes the connection."""
+    return (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: %s\r\nContent-Length: %d\r\nRetry-After: 1\r\n"
+            b"Cache-Control: no-store\r\nX-Content-Type-Options: nosniff\r\nConnection: close\r\n\r\n%s"
+            % (content_type.encode(), len(body), body))
+
+
+class Listener(socket.socket):
+    """A listening socket that keeps at most `cap` of the connections it accepted open (counted by
+    their sockets, so a connection a TLS handshake or the protocol dropped early is counted out
+    too). asyncio's selector loop accepts through it; give it to uvicorn as `sockets=[...]`."""
+
+    @classmethod
+    def wrap(cls, sock, cap, refusal=None):
+        """`sock` (bound) as a Listener; `refusal` is what an extra connection gets (None: closed)."""
+        listener = cls(sock.family, sock.type, sock.proto, fileno=sock.detach())
+        listener.cap, listener.refusal = cap, refusal
+        listener._open, listener._paused_until, listener.refused = [], 0.0, 0
+        return listener
+
+    def accept(self):
+        if time.monotonic() < self._paused_until:  # the caller stops its batch and waits for readiness
+            raise BlockingIOError(errno.EAGAIN, "accepting paused: out of file descriptors")
+        for _ in range(REFUSE_AT_ONCE):
+            try:
+                conn, address = super().accept()
+            except OSError as exc:
+                if exc.errno in OUT_OF_DESCRIPTORS:
+                    # asyncio drops its reader on this error and adds it back a second later; the
+                    # pause turns the rest of its batch into one quiet BlockingIOError.
+                    self._paused_until = time.monotonic() + PAUSE_S
+                raise
+            if self._room():
+                self._open.append(conn)
+                return conn, address
+            self._refuse(conn)
+        raise BlockingIOError(errno.EAGAIN, "refused %d connections past the cap" % REFUSE_AT_ONCE)
+
+    def open_connections(self):
+        self._open = [conn for conn in self._open if conn.fileno() != -1]
+        return len(self._open)
+
+    def _room(self):
+        return len(self._open) < self.cap or self.open_connections() < self.cap
+
+    def _refuse(self, conn):
+        self.refused += 1
+        try:
+            conn.setblocking(False)
+            if self.refusal is not None:
+                try:  # what the client already sent: read, so that the close is a FIN and not a reset
+                    conn.recv(65536)
+                except OSError:
+                    pass
+                conn.send(self.refusal)
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+
+def listen(host, port, cap, refusal=None):
+    """A bound Listener on host:port (an IPv6 address as `::1`, with or without brackets)."""
+    host = host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return Listener.wrap(socket.create_server((host, port), family=family), cap, refusal)
+
+
+def check_deadline(seconds):
+    if not 0 < seconds <= MAX_DEADLINE_S:
+        raise ValueError("the request deadline must be in (0, %g] seconds, got %r" % (MAX_DEADLINE_S, seconds))
+    return seconds
+
+
+def http_protocol(deadline_s):
+    """uvicorn's HTTP/1.1 protocol, whose connections must deliver each request, headers and body,
+    within `deadline_s` of opening or of their last answer (uvicorn itself times a connection out
+    only once it has answered on it, and never while a request arrives)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    check_deadline(deadline_s)
+
+    class RequestDeadline(H11Protocol):
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self._answered = 0
+            self._arm()
+
+        def on_response_complete(self):
+            super().on_response_complete()
+            self._answered += 1
+            self._arm()
+
+        def _arm(self):
+            self.loop.call_later(deadline_s, self._expire, self._answered)
+
+        def _expire(self, answered):
+            arriving = self.cycle is None or self.cycle.response_complete or self.cycle.more_body
+            if answered == self._answered and arriving and not self.transport.is_closing():
+                self.transport.close()
+
+    return RequestDeadline
+
+
+def grpc_options(cap, deadline_s):
+    """grpc.server options with the same limits: at most `cap` connections (past it grpc closes a
+    new one at once), and a client must finish its HTTP/2 handshake within `deadline_s`."""
+    return [("grpc.max_allowed_incoming_connections", cap),
+            ("grpc.server_handshake_timeout_ms", int(check_deadline(deadline_s) * 1000))]

@@ -1,0 +1,225 @@
+"""Issue 34: a flood of idle connections on the controller's HTTP port, with its descriptors
+limited as a unit would limit them, neither hides the page, nor pins a core, nor loses a report.
+
+The controller is a real `jetserve fleet run` child under a small RLIMIT_NOFILE, over a real
+mosquitto; its CPU time and open descriptors are read from /proc. A flood bigger than the limit
+itself used to fill it: the page timed out and asyncio's accept() retries ran a core flat out."""
+
+import os
+import re
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from jetserve import fdbudget
+from jetserve.fleet.registry import Registry
+from tests.agent.conftest import REPO, free_port, wait_for
+from tests.fleet.test_poison import health, publish, publisher, raw
+
+NOFILE = 64
+FLOOD = 80  # more connections than the whole limit
+REPORTS = 20
+WINDOW_S = 4.0  # CPU time is measured over at least this long, the flood open throughout
+MAX_CPU_S = 0.6  # what the controller may spend in WINDOW_S; a spinning accept() takes a core's worth
+ANSWER_S = 2.0
+
+
+class Limited:
+    """A Python child (`python ARGS...`) whose RLIMIT_NOFILE is `nofile` (soft and hard, as
+    systemd's LimitNOFILE= sets them), its output in a file."""
+
+    def __init__(self, args, log_path, nofile):
+        self.log_path = log_path
+        with open(log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable] + [str(a) for a in args], stdout=log, stderr=subprocess.STDOUT,
+                cwd=REPO, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile)))
+
+    def output(self):
+        with open(self.log_path, "rb") as f:
+            return f.read().decode("utf-8", "replace")
+
+    def cpu_seconds(self):
+        """user + system time so far, from /proc/PID/stat (fields 14 and 15)."""
+        with open("/proc/%d/stat" % self.proc.pid) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def open_fds(self):
+        return len(os.listdir("/proc/%d/fd" % self.proc.pid))
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+@pytest.fixture
+def limited(tmp_path):
+    """limited(*python_args, nofile=NOFILE) → a running Limited child, stopped at the end."""
+    started = []
+
+    def start(*args, nofile=NOFILE):
+        started.append(Limited(args, str(tmp_path / ("child-%d.log" % len(started))), nofile))
+        return started[-1]
+
+    yield start
+    for child in started:
+        child.stop()
+
+
+def flood(port, n=FLOOD):
+    """`n` idle TCP connections: each opened, nothing ever sent. The kernel completes every
+    handshake whatever the server does; the caller closes them."""
+    return [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(n)]
+
+
+def answer(url, data=None, headers=None):
+    """(status, body, seconds) of one request, given at most ANSWER_S; a reset (refused at once)
+    is status None. A timeout fails the test."""
+    start = time.monotonic()
+    try:
+        request = urllib.request.Request(url, data=data, headers=headers or {})
+        with urllib.request.urlopen(request, timeout=ANSWER_S) as response:
+            status, body = response.status, response.read()
+    except urllib.error.HTTPError as err:
+        status, body = err.code, err.read()
+    except (ConnectionResetError, urllib.error.URLError) as err:
+        if isinstance(err, urllib.error.URLError) and not isinstance(err.reason, ConnectionResetError):
+            raise
+        status, body = None, b""
+    return status, body, time.monotonic() - start
+
+
+def recorded(db, device):
+    registry = Registry(db)
+    try:
+        return registry.progress().get(("lab", device), (None, 0))[1]
+    finally:
+        registry.close()
+
+
+def test_an_idle_flood_past_the_fd_limit_leaves_the_page_the_cpu_and_ingestion_alone(broker, limited, tmp_path):
+    db, port = str(tmp_path / "fleet.db"), free_port()
+    controller = limited("-m", "jetserve.cli", "fleet", "run", "--db", db, "--mqtt-port", broker.port, "--http", "127.0.0.1:%d" % port,
+                         "--client-id", "controller-fd", "--keepalive", "5", "--silence-factor", "1000",
+                         "--http-header-timeout", "60")  # the flood stays for the whole test
+    wait_for(lambda: "subscribed" in controller.output(), 30, what="the controller's subscription")
+    cap = int(re.search(r"HTTP at most (\d+) connections", controller.output()).group(1))
+    assert fdbudget.MIN_CONNECTIONS <= cap < NOFILE // 2, controller.output()
+    assert answer("http://127.0.0.1:%d/" % port)[0] == 200
+    client = publisher(broker.port)
+    idle = flood(port)
+    try:
+        wait_for(lambda: controller.open_fds() >= cap, 10, what="the flood to fill the cap")
+        cpu, start = controller.cpu_seconds(), time.monotonic()
+        outcomes = []
+        for n in range(1, REPORTS + 1):
+            publish(client, "jetserve/v1/lab/flooded/health", raw(health(n=n)))
+            if n % 4 == 0:
+                outcomes.append(answer("http://127.0.0.1:%d/" % port))
+        time.sleep(max(0.0, WINDOW_S - (time.monotonic() - start)))
+        spent, window = controller.cpu_seconds() - cpu, time.monotonic() - start
+        fds = controller.open_fds()
+        # Every report sent during the flood is stored (qos 1, acknowledged by the broker above).
+        wait_for(lambda: recorded(db, "flooded") == REPORTS, 30, what="all %d reports recorded" % REPORTS)
+    finally:
+        for s in idle:
+            s.close()
+        client.disconnect()
+        client.loop_stop()
+    print("cap %d; page answers %s; controller CPU %.2f s over %.1f s; %d fds open of %d"
+          % (cap, [(status, round(seconds, 3)) for status, _, seconds in outcomes], spent, window, fds, NOFILE))
+    assert all(status in (200, 503, None) and seconds < ANSWER_S for status, _, seconds in outcomes), outcomes
+    assert any(status == 503 and b"connection limit" in body for status, body, _ in outcomes), outcomes
+    assert spent <= MAX_CPU_S, "the controller spent %.2f s of CPU in %.1f s under the flood" % (spent, window)
+    assert fds <= NOFILE - 8, "descriptors kept for the rest of the process"
+    assert "out of system resource" not in controller.output()
+    # The flood gone, the page is back at once.
+    wait_for(lambda: answer("http://127.0.0.1:%d/" % port)[0] == 200, 10, what="the page after the flood")
+
+
+def test_a_listener_that_hits_emfile_anyway_pauses_instead_of_spinning(limited, tmp_path):
+    """A cap above what the limit allows (the budget bypassed, as if something else took the
+    descriptors): accept() meets EMFILE, and the Listener pauses it rather than let asyncio's
+    retries multiply."""
+    port = free_port()
+    script = tmp_path / "serve.py"
+    script.write_text(
+        "import time\nfrom jetserve.fleet import web\nfrom jetserve.fleet.registry import Registry\n"
+        "server = web.Server(Registry(%r), '127.0.0.1', %d, max_connections=1000)\nprint('serving', flush=True)\n"
+        "time.sleep(600)\n" % (str(tmp_path / "fleet.db"), port))
+    child = limited(str(script), nofile=48)
+    wait_for(lambda: "serving" in child.output(), 30, what="the server")
+    idle = flood(port)
+    try:
+        wait_for(lambda: child.open_fds() >= 47, 10, what="the descriptors to run out")
+        cpu, start = child.cpu_seconds(), time.monotonic()
+        time.sleep(WINDOW_S)
+        spent, window = child.cpu_seconds() - cpu, time.monotonic() - start
+    finally:
+        for s in idle:
+            s.close()
+    errors = child.output().count("out of system resource")
+    print("CPU %.2f s over %.1f s at EMFILE; asyncio reported it %d times" % (spent, window, errors))
+    assert spent <= MAX_CPU_S
+    assert 1 <= errors <= 2 * window + 2, "about once a second, not once a failed call"
+
+
+def test_the_budget_raises_the_soft_limit_as_far_as_the_caps_ask_and_says_when_it_cannot_fit():
+    def budget(soft, hard, wanted, reserve=32):
+        code = ("import resource, sys; from jetserve.fdbudget import Budget\n"
+                "try:\n    b = Budget(%r, %d)\nexcept ValueError as exc:\n    sys.exit(str(exc))\n"
+                "print(b.caps['HTTP'], resource.getrlimit(resource.RLIMIT_NOFILE)[0], b)" % (wanted, reserve))
+        out = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             cwd=REPO, timeout=60, preexec_fn=lambda: resource.setrlimit(
+                                 resource.RLIMIT_NOFILE, (soft, hard)))
+        return out.returncode, out.stdout.decode(), out.stderr.decode()
+
+    rc, out, _ = budget(64, 4096, {"HTTP": 1000})
+    cap, soft = map(int, out.split()[:2])
+    assert rc == 0 and cap == 1000 and 1000 + 32 < soft < 1100, out  # raised toward the hard limit, not to it
+    rc, out, _ = budget(64, 64, {"HTTP": 1000})
+    cap, soft = map(int, out.split()[:2])
+    assert rc == 0 and soft == 64 and fdbudget.MIN_CONNECTIONS <= cap <= 64 - 32 - 1, out
+    rc, out, _ = budget(256, 256, {"HTTP": 300, "gRPC": 100})
+    caps = int(out.split()[0])
+    assert rc == 0 and caps < 300 and "gRPC at most" in out, out  # both scaled down alike
+    rc, _, err = budget(36, 36, {"HTTP": 1000})
+    assert rc == 1 and "raise LimitNOFILE=" in err, err
+    for wanted in (0, fdbudget.MAX_CONNECTIONS + 1):
+        rc, _, err = budget(1024, 1024, {"HTTP": wanted})
+        assert rc == 1 and "max connections must be 1..%d" % fdbudget.MAX_CONNECTIONS in err, err
+
+
+@pytest.mark.parametrize("flag, value", [("--http-max-connections", "0"), ("--http-max-connections", "20000"),
+                                         ("--http-header-timeout", "0"), ("--http-header-timeout", "600")])
+def test_connection_settings_have_bounds(flag, value, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "jetserve.cli", "fleet", "run", "--db", str(tmp_path / "f.db"),
+                          "--mqtt-port", str(free_port()), "--http", "127.0.0.1:%d" % free_port(), flag, value],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO, timeout=60)
+    assert out.returncode != 0 and b"must be" in out.stdout, out.stdout.decode()
+
+
+def test_the_fleet_unit_limit_fits_the_default_cap():
+    with open(os.path.join(REPO, "systemd", "jetserve-fleet.service")) as f:
+        limit = int(re.search(r"^LimitNOFILE=(\d+)$", f.read(), re.M).group(1))
+    code = ("from jetserve.fdbudget import Budget; from jetserve.fleet import web\n"
+            "print(Budget({'HTTP': web.MAX_CONNECTIONS}, web.RESERVE_FDS).caps['HTTP'])")
+    out = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, cwd=REPO, timeout=60, check=True,
+                         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit)))
+    from jetserve.fleet import web
+    assert int(out.stdout) == web.MAX_CONNECTIONS, "LimitNOFILE=%d leaves fewer" % limit
