@@ -122,9 +122,10 @@ def test_an_idle_flood_past_the_fd_limit_leaves_the_page_the_cpu_and_ingestion_a
     assert fdbudget.MIN_CONNECTIONS <= cap < NOFILE // 2, controller.output()
     assert answer("http://127.0.0.1:%d/" % port)[0] == 200
     client = publisher(broker.port)
+    before = controller.open_fds()
     idle = flood(port)
     try:
-        wait_for(lambda: controller.open_fds() >= cap, 10, what="the flood to fill the cap")
+        wait_for(lambda: controller.open_fds() >= before + cap, 10, what="the flood to fill the cap")
         cpu, start = controller.cpu_seconds(), time.monotonic()
         outcomes = []
         for n in range(1, REPORTS + 1):
