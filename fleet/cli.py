@@ -9,6 +9,7 @@ import signal
 import sys
 import threading
 
+from jetserve import fdbudget
 from jetserve.config import LOG_LEVELS, add_config_flag
 from jetserve.wire.mqtt import add_flags as add_mqtt_flags
 
@@ -30,11 +31,12 @@ def register(subparsers):
     run.add_argument("--http-tls-cert", metavar="PEM", help="serve HTTPS with this certificate chain")
     run.add_argument("--http-tls-key", metavar="PEM", help="... and this private key")
     run.add_argument("--http-max-connections", type=int, default=1000, metavar="N",
-                     help="open HTTP connections at most (1..16384; fewer if the file-descriptor limit leaves "
-                          "fewer beside MQTT and the database); past it a new one gets 503 (default: %(default)s)")
+                     help="open HTTP connections at most (1..%d; fewer if the file-descriptor limit leaves fewer "
+                          "beside MQTT and the database); past it a new one gets 503 (default: %%(default)s)"
+                          % fdbudget.MAX_CONNECTIONS)
     run.add_argument("--http-header-timeout", type=float, default=10.0, metavar="SECONDS",
-                     help="a connection must send each request within this (at most 60; slowloris) "
-                          "(default: %(default)s)")
+                     help="a connection must send each request within this (at most %g; slowloris) "
+                          "(default: %%(default)s)" % fdbudget.MAX_DEADLINE_S)
     run.add_argument("--share", metavar="GROUP", help="join $share/GROUP to split the fleet between replicas")
     run.add_argument("--client-id", help="MQTT client id (default: jetserve-fleet-<host>)")
     run.add_argument("--silence-factor", type=float, default=3.0,
@@ -78,7 +80,6 @@ def run_controller(args):
     import socket
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from jetserve import fdbudget
     from jetserve.fleet import web
     from jetserve.fleet.controller import Controller
     from jetserve.fleet.registry import Registry, RegistryError

@@ -8,8 +8,9 @@
   token and TLS (`check_exposure`); behind a reverse proxy, bind loopback and let it do TLS.
 - Every answer carries a strict CSP (no script at all; the one inline style by its hash),
   nosniff, frame and referrer denial and no-store.
-- Connections are capped below the process's file-descriptor budget (`jetserve.fdbudget`): past
-  the cap a new one gets a 503 at once, so MQTT, the database and the log keep their descriptors.
+- Connections are capped below the process's file-descriptor budget (`jetserve.fdbudget`), so
+  MQTT, the database and the log keep their descriptors: at the cap a new one takes an idle
+  one's place, or with none idle gets a 503 at once.
   A connection must deliver each request within HEADER_TIMEOUT_S, so nobody can keep sockets
   open by saying nothing (or by saying it slowly).
 """
@@ -226,11 +227,13 @@ class Server:
                                 log_level=logging.WARNING, timeout_keep_alive=5, server_header=False,
                                 lifespan="off")
         self._server = uvicorn.Server(config)
+        self._listener.connections = self._server.server_state.connections
         self._thread = threading.Thread(target=self._server.run, args=([self._listener],), name="fleet-http",
                                         daemon=True)
         self._thread.start()
         while not self._server.started:
             if not self._thread.is_alive():
+                self._listener.close()
                 raise OSError("cannot serve HTTP on %s:%d (see the log above)" % (host, port))
             time.sleep(0.02)
         self.address = self._server.servers[0].sockets[0].getsockname()[:2]

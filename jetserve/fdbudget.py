@@ -9,9 +9,11 @@ pins a core. As nginx and envoy cap each listener below the process's limit, so 
 - `Budget`: the limit read at start (the soft one raised toward the hard one as far as the caps
   ask), what is already open, a reserve for everything that is not a client, and each listener's
   cap out of the rest.
-- `Listener`: a listening socket whose accept() keeps to its cap. Past it a connection is
-  answered 503 (plain HTTP) or closed (TLS) at once, holding a descriptor only for that moment;
-  an EMFILE anyway (something else took them) pauses accepting instead of retrying in a loop.
+- `Listener`: a listening socket whose accept() keeps to its cap. At the cap a newcomer takes the
+  place of the connection longest idle (no request being answered: an idle flood cannot shut
+  anyone out); with none idle it is answered 503 (plain HTTP) or closed (TLS) at once, holding a
+  descriptor only for that moment. An EMFILE anyway (something else took them) pauses
+  accepting instead of retrying in a loop.
 - `http_protocol`: uvicorn's HTTP/1.1, whose connections must deliver each request (headers and
   body) within a deadline: an idle or dribbling client (slowloris) is closed, not kept.
 
@@ -33,6 +35,7 @@ MIN_CONNECTIONS = 4  # a budget that leaves a listener fewer is a configuration 
 MAX_DEADLINE_S = 60.0  # the longest request deadline a setting may ask for
 PAUSE_S = 1.0  # accepting waits this long after an EMFILE: descriptors come back as connections close
 REFUSE_AT_ONCE = 64  # refusals per accept() call: a flood cannot keep the event loop in one call
+WARN_EVERY_S = 60.0  # the log says the cap is reached at most this often, not once a refusal
 OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 
@@ -93,19 +96,29 @@ def http_refusal(body, content_type="text/plain; charset=utf-8"):
 class Listener(socket.socket):
     """A listening socket that keeps at most `cap` of the connections it accepted open (counted by
     their sockets, so a connection a TLS handshake or the protocol dropped early is counted out
-    too). asyncio's selector loop accepts through it; give it to uvicorn as `sockets=[...]`."""
+    too). asyncio's selector loop accepts through it (uvloop would accept in C, past it): give it
+    to uvicorn as `sockets=[...]`."""
 
     @classmethod
     def wrap(cls, sock, cap, refusal=None):
-        """`sock` (bound) as a Listener; `refusal` is what an extra connection gets (None: closed)."""
+        """`sock` (bound) as a Listener; `refusal` is what an extra connection gets (None: closed).
+        Set `connections` to uvicorn's `server_state.connections` (of `http_protocol`) to let a
+        newcomer at the cap take the place of the one idle longest."""
         listener = cls(sock.family, sock.type, sock.proto, fileno=sock.detach())
-        listener.cap, listener.refusal = cap, refusal
-        listener._open, listener._paused_until, listener.refused = [], 0.0, 0
+        listener.cap, listener.refusal, listener.connections = cap, refusal, None
+        listener._open, listener._paused_until, listener._warned, listener.refused = [], 0.0, -WARN_EVERY_S, 0
+        listener._waited = False
         return listener
 
     def accept(self):
         if time.monotonic() < self._paused_until:  # the caller stops its batch and waits for readiness
             raise BlockingIOError(errno.EAGAIN, "accepting paused: out of file descriptors")
+        if len(self._open) > self.cap and self.open_connections() > self.cap and not self._waited:
+            # An evicted connection closes on the loop's next turn: until then the next newcomers
+            # (a browser opens several at once) wait in the backlog rather than get a 503. Once.
+            self._waited = True
+            raise BlockingIOError(errno.EAGAIN, "waiting for an evicted connection to close")
+        self._waited = False
         for _ in range(REFUSE_AT_ONCE):
             try:
                 conn, address = super().accept()
@@ -116,6 +129,11 @@ class Listener(socket.socket):
                     self._paused_until = time.monotonic() + PAUSE_S
                 raise
             if self._room():
+                self._open.append(conn)
+                return conn, address
+            # The one descriptor kept for refusals holds the newcomer until the evicted connection
+            # closes (see above).
+            if len(self._open) == self.cap and self.connections is not None and evict_idle(self.connections):
                 self._open.append(conn)
                 return conn, address
             self._refuse(conn)
@@ -130,6 +148,10 @@ class Listener(socket.socket):
 
     def _refuse(self, conn):
         self.refused += 1
+        if time.monotonic() - self._warned >= WARN_EVERY_S:
+            self._warned = time.monotonic()
+            log.warning("%s: %d connections open, the cap: refusing new ones (%d so far)",
+                        "%s:%d" % self.getsockname()[:2], self.cap, self.refused)
         try:
             conn.setblocking(False)
             if self.refusal is not None:
@@ -149,6 +171,16 @@ def listen(host, port, cap, refusal=None):
     host = host.strip("[]")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     return Listener.wrap(socket.create_server((host, port), family=family), cap, refusal)
+
+
+def evict_idle(connections):
+    """Abort the connection of `connections` (uvicorn's `server_state.connections`, made by
+    `http_protocol`) that has waited longest for a request; False if every one is being answered."""
+    idle = [c for c in connections if getattr(c, "waiting_since", None) is not None and c.arriving()]
+    if not idle:
+        return False
+    min(idle, key=lambda c: c.waiting_since).transport.abort()  # abort: closed next turn, unsent data or not
+    return True
 
 
 def check_deadline(seconds):
@@ -177,11 +209,16 @@ def http_protocol(deadline_s):
             self._arm()
 
         def _arm(self):
+            self.waiting_since = time.monotonic()
             self.loop.call_later(deadline_s, self._expire, self._answered)
 
+        def arriving(self):
+            """No request is being answered: none yet, or one still arriving."""
+            return (self.cycle is None or self.cycle.response_complete or self.cycle.more_body) \
+                and not self.transport.is_closing()
+
         def _expire(self, answered):
-            arriving = self.cycle is None or self.cycle.response_complete or self.cycle.more_body
-            if answered == self._answered and arriving and not self.transport.is_closing():
+            if answered == self._answered and self.arriving():
                 self.transport.close()
 
     return RequestDeadline

@@ -69,9 +69,9 @@ class _Server(uvicorn.Server):
 
 
 def make_http_server(app, options, max_connections: int) -> tuple[uvicorn.Server, socket.socket]:
-    """The server and its bound socket, which keeps to `max_connections` (past it: a 503 at once):
-    a port in use or a bad certificate fail here, as OSError or ssl.SSLError, not later inside
-    uvicorn (which would exit the process)."""
+    """The server and its bound socket, which keeps to `max_connections` (at the cap a newcomer takes
+    an idle connection's place, or gets a 503 at once). A port in use or a bad certificate fail
+    here, as OSError or ssl.SSLError, not later inside uvicorn (which would exit the process)."""
     tls = {}
     if options.tls_cert:
         tls = dict(ssl_certfile=options.tls_cert, ssl_keyfile=options.tls_key)
@@ -82,7 +82,9 @@ def make_http_server(app, options, max_connections: int) -> tuple[uvicorn.Server
                             access_log=False, timeout_graceful_shutdown=1, **tls)
     config.load()
     sock = fdbudget.listen(options.host, options.openai_port, max_connections, None if tls else REFUSAL)
-    return _Server(config), sock
+    server = _Server(config)
+    sock.connections = server.server_state.connections
+    return server, sock
 
 
 class Guard:

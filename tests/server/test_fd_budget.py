@@ -85,19 +85,16 @@ def test_an_idle_flood_on_the_openai_port_leaves_it_answering_grpc_serving_and_t
     try:
         wait_for(lambda: child.open_fds() >= before + caps["OpenAI"], 10, what="the flood to fill the cap")
         cpu, start = child.cpu_seconds(), time.monotonic()
-        outcomes = [answer(base + "/health") for _ in range(3)]
-        outcomes.append(answer(base + "/v1/completions", json.dumps({"model": "demo", "prompt": "robot",
-                                                                     "max_tokens": 2}).encode(),
-                               {"Content-Type": "application/json"}))
+        outcomes = [answer(base + path) for path in ("/health", "/v1/models", "/health")]
         tokens = generate(grpc_port)  # the other front end has its own cap
         time.sleep(max(0.0, WINDOW_S - (time.monotonic() - start)))
         spent, window = child.cpu_seconds() - cpu, time.monotonic() - start
         fds = child.open_fds()
         print("caps %s; OpenAI answers %s; gRPC %d tokens; CPU %.2f s over %.1f s (a generation included); "
               "%d fds of %d" % (caps, [(s, round(t, 3)) for s, _, t in outcomes], tokens, spent, window, fds, NOFILE))
-        assert all(status in (200, 503, None) and seconds < ANSWER_S for status, _, seconds in outcomes), outcomes
-        refused = [json.loads(body) for status, body, _ in outcomes if status == 503]
-        assert refused and all(r["error"]["type"] == "service_unavailable" for r in refused), outcomes
+        # Idle connections give their places up: the API itself answers.
+        assert all(status == 200 and seconds < ANSWER_S for status, _, seconds in outcomes), outcomes
+        assert json.loads(outcomes[1][1])["data"][0]["id"] == "demo"
         assert tokens == 4
         assert spent <= MAX_CPU_S + 1.0, "%.2f s of CPU in %.1f s" % (spent, window)
         assert fds <= NOFILE - app.RESERVE_FDS // 2, "descriptors kept for the rest of the process"
