@@ -10,9 +10,9 @@ pins a core. As nginx and envoy cap each listener below the process's limit, so 
   ask), what is already open, a reserve for everything that is not a client, and each listener's
   cap out of the rest.
 - `Listener`: a listening socket whose accept() keeps to its cap. At the cap a newcomer takes the
-  place of the connection longest idle (no request being answered: an idle flood cannot shut
-  anyone out); with none idle it is answered 503 (plain HTTP) or closed (TLS) at once, holding a
-  descriptor only for that moment. An EMFILE anyway (something else took them) pauses
+  place of the oldest connection not being answered (so an idle flood cannot shut anyone out);
+  with none such it is answered 503 (plain HTTP) or closed (TLS) at once, holding a descriptor
+  only for that moment. An EMFILE anyway (something else took them) pauses
   accepting instead of retrying in a loop.
 - `http_protocol`: uvicorn's HTTP/1.1, whose connections must deliver each request (headers and
   body) within a deadline: an idle or dribbling client (slowloris) is closed, not kept.
@@ -35,6 +35,7 @@ MIN_CONNECTIONS = 4  # a budget that leaves a listener fewer is a configuration 
 MAX_DEADLINE_S = 60.0  # the longest request deadline a setting may ask for
 PAUSE_S = 1.0  # accepting waits this long after an EMFILE: descriptors come back as connections close
 REFUSE_AT_ONCE = 64  # refusals per accept() call: a flood cannot keep the event loop in one call
+EVICTION_TURNS = 8  # event-loop turns newcomers may wait for an evicted connection to close
 WARN_EVERY_S = 60.0  # the log says the cap is reached at most this often, not once a refusal
 OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
@@ -94,31 +95,27 @@ def http_refusal(body, content_type="text/plain; charset=utf-8"):
 
 
 class Listener(socket.socket):
-    """A listening socket that keeps at most `cap` of the connections it accepted open (counted by
-    their sockets, so a connection a TLS handshake or the protocol dropped early is counted out
-    too). asyncio's selector loop accepts through it (uvloop would accept in C, past it): give it
-    to uvicorn as `sockets=[...]`."""
+    """A listening socket that keeps at most `cap` of the connections it accepted open, counted by
+    their sockets (so one that a TLS handshake or the protocol dropped is counted out too).
+    asyncio's selector loop accepts through it (uvloop would accept in C, past it): give it to
+    uvicorn as `sockets=[...]`, and set `connections` to uvicorn's `server_state.connections` (of
+    `http_protocol`) so that at the cap the oldest connection not being answered makes room,
+    whatever it is waiting for: a TLS handshake, its request, the next one on a kept-alive
+    connection. Only when every one is being answered is the newcomer refused."""
 
     @classmethod
     def wrap(cls, sock, cap, refusal=None):
-        """`sock` (bound) as a Listener; `refusal` is what an extra connection gets (None: closed).
-        Set `connections` to uvicorn's `server_state.connections` (of `http_protocol`) to let a
-        newcomer at the cap take the place of the one idle longest."""
+        """`sock` (bound) as a Listener; `refusal` is what a refused connection gets (None: closed)."""
         listener = cls(sock.family, sock.type, sock.proto, fileno=sock.detach())
-        listener.cap, listener.refusal, listener.connections = cap, refusal, None
-        listener._open, listener._paused_until, listener._warned, listener.refused = [], 0.0, -WARN_EVERY_S, 0
-        listener._waited = False
+        listener.cap, listener.refusal, listener.connections, listener.refused = cap, refusal, None, 0
+        listener._open, listener._paused_until, listener._warned, listener._waits = [], 0.0, -WARN_EVERY_S, 0
         return listener
 
     def accept(self):
         if time.monotonic() < self._paused_until:  # the caller stops its batch and waits for readiness
             raise BlockingIOError(errno.EAGAIN, "accepting paused: out of file descriptors")
-        if len(self._open) > self.cap and self.open_connections() > self.cap and not self._waited:
-            # An evicted connection closes on the loop's next turn: until then the next newcomers
-            # (a browser opens several at once) wait in the backlog rather than get a 503. Once.
-            self._waited = True
+        if self._evicting():
             raise BlockingIOError(errno.EAGAIN, "waiting for an evicted connection to close")
-        self._waited = False
         for _ in range(REFUSE_AT_ONCE):
             try:
                 conn, address = super().accept()
@@ -128,12 +125,9 @@ class Listener(socket.socket):
                     # pause turns the rest of its batch into one quiet BlockingIOError.
                     self._paused_until = time.monotonic() + PAUSE_S
                 raise
-            if self._room():
-                self._open.append(conn)
-                return conn, address
-            # The one descriptor kept for refusals holds the newcomer until the evicted connection
-            # closes (see above).
-            if len(self._open) == self.cap and self.connections is not None and evict_idle(self.connections):
+            # At the cap the descriptor kept for refusals holds the newcomer while an evicted
+            # connection closes: never more than cap + 1 open.
+            if self._room() or (len(self._open) == self.cap and self._evict()):
                 self._open.append(conn)
                 return conn, address
             self._refuse(conn)
@@ -146,11 +140,39 @@ class Listener(socket.socket):
     def _room(self):
         return len(self._open) < self.cap or self.open_connections() < self.cap
 
+    def _evicting(self):
+        """An evicted connection is still closing (its transport sees the shutdown on the loop's
+        next turns): newcomers wait in the backlog, not refused (a browser opens several at once),
+        for a few turns at most."""
+        if len(self._open) <= self.cap or self.open_connections() <= self.cap or self._waits >= EVICTION_TURNS:
+            self._waits = 0 if len(self._open) <= self.cap else self._waits
+            return False
+        self._waits += 1
+        return True
+
+    def _evict(self):
+        """Shut down the oldest connection not being answered; False if there is none."""
+        if self.connections is None:
+            return False
+        answering = set()
+        for protocol in list(self.connections):
+            sock = protocol.transport.get_extra_info("socket") if not protocol.arriving() else None
+            if sock is not None:
+                answering.add(sock.fileno())
+        for conn in self._open:
+            if conn.fileno() not in answering:
+                try:  # its transport reads the end and closes it: the descriptor stays asyncio's to close
+                    conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                return True
+        return False
+
     def _refuse(self, conn):
         self.refused += 1
         if time.monotonic() - self._warned >= WARN_EVERY_S:
             self._warned = time.monotonic()
-            log.warning("%s: %d connections open, the cap: refusing new ones (%d so far)",
+            log.warning("%s: %d connections open, the cap, all being answered: refusing new ones (%d so far)",
                         "%s:%d" % self.getsockname()[:2], self.cap, self.refused)
         try:
             conn.setblocking(False)
@@ -171,16 +193,6 @@ def listen(host, port, cap, refusal=None):
     host = host.strip("[]")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     return Listener.wrap(socket.create_server((host, port), family=family), cap, refusal)
-
-
-def evict_idle(connections):
-    """Abort the connection of `connections` (uvicorn's `server_state.connections`, made by
-    `http_protocol`) that has waited longest for a request; False if every one is being answered."""
-    idle = [c for c in connections if getattr(c, "waiting_since", None) is not None and c.arriving()]
-    if not idle:
-        return False
-    min(idle, key=lambda c: c.waiting_since).transport.abort()  # abort: closed next turn, unsent data or not
-    return True
 
 
 def check_deadline(seconds):
@@ -209,7 +221,6 @@ def http_protocol(deadline_s):
             self._arm()
 
         def _arm(self):
-            self.waiting_since = time.monotonic()
             self.loop.call_later(deadline_s, self._expire, self._answered)
 
         def arriving(self):

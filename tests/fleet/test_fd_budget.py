@@ -13,8 +13,10 @@ import threading
 import os
 import re
 import resource
+import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -25,6 +27,7 @@ import pytest
 import uvicorn
 
 from jetserve import fdbudget
+from jetserve.fleet import web
 from jetserve.fleet.registry import Registry
 from tests.agent.conftest import REPO, free_port, wait_for
 from tests.fleet.test_poison import health, publish, publisher, raw
@@ -159,7 +162,7 @@ def test_an_idle_flood_past_the_fd_limit_leaves_the_page_the_cpu_and_ingestion_a
     wait_for(lambda: answer("http://127.0.0.1:%d/" % port)[0] == 200, 10, what="the page after the flood")
 
 
-def test_at_the_cap_a_newcomer_replaces_the_longest_idle_and_with_none_idle_gets_a_503(caplog):
+def test_at_the_cap_a_newcomer_replaces_the_oldest_not_being_answered_and_with_none_gets_a_503(caplog):
     release = threading.Event()
 
     async def app(scope, receive, send):
@@ -182,7 +185,7 @@ def test_at_the_cap_a_newcomer_replaces_the_longest_idle_and_with_none_idle_gets
         wait_for(lambda: len(server.server_state.connections) == 3, 10, what="3 idle connections")
         assert answer(url)[:2] == (200, b"served")
         idle[0].settimeout(5)
-        assert idle[0].recv(1) == b"", "the longest idle made room"
+        assert idle[0].recv(1) == b"", "the oldest idle one made room"
         held = flood(port, 3)  # each takes an idle one's place (the page's was closed after its answer)
         for s in held:
             s.sendall(b"GET /hold HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -204,6 +207,31 @@ def test_at_the_cap_a_newcomer_replaces_the_longest_idle_and_with_none_idle_gets
         release.set()
         server.should_exit = True
         thread.join(10)
+
+
+def test_on_tls_connections_stuck_before_their_handshake_make_room_too(tmp_path):
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    cert, key = str(tmp_path / "cert.pem"), str(tmp_path / "key.pem")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert,
+                    "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True, timeout=60)
+    registry = Registry(str(tmp_path / "fleet.db"))
+    server = web.Server(registry, "127.0.0.1", 0, tls_cert=cert, tls_key=key, max_connections=3)
+    try:
+        idle = flood(server.address[1], 6)  # never a ClientHello
+        context = ssl.create_default_context(cafile=cert)
+        for _ in range(3):
+            with urllib.request.urlopen("https://127.0.0.1:%d/api/alerts" % server.address[1], timeout=ANSWER_S,
+                                        context=context) as response:
+                assert response.status == 200
+        idle[0].settimeout(5)
+        assert idle[0].recv(1) == b"", "the oldest handshake never begun made room"
+        for s in idle:
+            s.close()
+    finally:
+        server.stop()
+        registry.close()
 
 
 def test_a_listener_that_hits_emfile_anyway_pauses_instead_of_spinning(limited, tmp_path):
