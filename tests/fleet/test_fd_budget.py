@@ -123,9 +123,9 @@ def recorded(db, device):
 
 def test_an_idle_flood_past_the_fd_limit_leaves_the_page_the_cpu_and_ingestion_alone(broker, limited, tmp_path):
     db, port = str(tmp_path / "fleet.db"), free_port()
-    controller = limited("-m", "jetserve.cli", "fleet", "run", "--db", db, "--mqtt-port", broker.port, "--http", "127.0.0.1:%d" % port,
-                         "--client-id", "controller-fd", "--keepalive", "5", "--silence-factor", "1000",
-                         "--http-header-timeout", "60")  # the flood stays for the whole test
+    controller = limited("-m", "jetserve.cli", "fleet", "run", "--db", db, "--mqtt-port", broker.port,
+                         "--http", "127.0.0.1:%d" % port, "--client-id", "controller-fd", "--keepalive", "5",
+                         "--silence-factor", "1000", "--http-header-timeout", "60")  # the flood stays throughout
     wait_for(lambda: "subscribed" in controller.output(), 30, what="the controller's subscription")
     cap = int(re.search(r"HTTP at most (\d+) connections", controller.output()).group(1))
     assert fdbudget.MIN_CONNECTIONS <= cap < NOFILE // 2, controller.output()

@@ -10,7 +10,6 @@ import json
 import os
 import re
 import resource
-import socket
 import subprocess
 import sys
 import time
