@@ -32,8 +32,8 @@ def register(subparsers):
     run.add_argument("--http-tls-key", metavar="PEM", help="... and this private key")
     run.add_argument("--http-max-connections", type=int, default=1000, metavar="N",
                      help="open HTTP connections at most (1..%d; fewer if the file-descriptor limit leaves fewer "
-                          "beside MQTT and the database); past it a new one gets 503 (default: %%(default)s)"
-                          % fdbudget.MAX_CONNECTIONS)
+                          "beside MQTT and the database); at the cap an idle one makes room, with none idle a new "
+                          "one gets 503 (default: %%(default)s)" % fdbudget.MAX_CONNECTIONS)
     run.add_argument("--http-header-timeout", type=float, default=10.0, metavar="SECONDS",
                      help="a connection must send each request within this (at most %g; slowloris) "
                           "(default: %%(default)s)" % fdbudget.MAX_DEADLINE_S)

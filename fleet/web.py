@@ -9,8 +9,8 @@
 - Every answer carries a strict CSP (no script at all; the one inline style by its hash),
   nosniff, frame and referrer denial and no-store.
 - Connections are capped below the process's file-descriptor budget (`jetserve.fdbudget`), so
-  MQTT, the database and the log keep their descriptors: at the cap a new one takes an idle
-  one's place, or with none idle gets a 503 at once.
+  MQTT, the database and the log keep their descriptors: at the cap a new one takes the place
+  of the oldest not being answered, or with none such gets a 503 at once.
   A connection must deliver each request within HEADER_TIMEOUT_S, so nobody can keep sockets
   open by saying nothing (or by saying it slowly).
 """
@@ -25,6 +25,8 @@ import socket
 import stat
 import threading
 import time
+
+from jetserve import fdbudget
 
 HEADER_TIMEOUT_S = 10.0
 MAX_CONNECTIONS = 1000  # wanted; the fd budget may grant fewer
@@ -214,8 +216,6 @@ class Server:
         import logging
 
         import uvicorn
-
-        from jetserve import fdbudget
 
         refusal = None if tls_cert else fdbudget.http_refusal(
             b"the fleet page is at its connection limit; retry in a moment\n")
