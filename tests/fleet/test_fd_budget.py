@@ -8,6 +8,7 @@ The cap's two ways (an idle connection makes room; with none idle, a 503) are sh
 uvicorn in this process."""
 
 import asyncio
+import contextlib
 import threading
 
 import os
@@ -163,25 +164,52 @@ def test_an_idle_flood_past_the_fd_limit_leaves_the_page_the_cpu_and_ingestion_a
     wait_for(lambda: answer("http://127.0.0.1:%d/" % port)[0] == 200, 10, what="the page after the flood")
 
 
-def test_at_the_cap_a_newcomer_replaces_the_oldest_not_being_answered_and_with_none_gets_a_503(caplog):
+@contextlib.contextmanager
+def uvicorn_on_a_listener(cap, deadline_s):
+    """A real uvicorn as the fleet and the service build theirs (Listener, http_protocol) on a
+    thread, over an app that reads the whole request, then answers "served" (/hold: once `release`
+    is set; /slow: a second later). Yields (server, listener, base URL, release)."""
     release = threading.Event()
 
     async def app(scope, receive, send):
+        while (await receive())["more_body"]:
+            pass
         while scope["path"] == "/hold" and not release.is_set():
             await asyncio.sleep(0.01)
+        if scope["path"] == "/slow":
+            await asyncio.sleep(1.0)
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"served"})
 
-    listener = fdbudget.listen("127.0.0.1", 0, 3, fdbudget.http_refusal(b"full\n"))
-    server = uvicorn.Server(uvicorn.Config(app, loop="asyncio", http=fdbudget.http_protocol(30), lifespan="off",
-                                           log_level="warning"))
+    listener = fdbudget.listen("127.0.0.1", 0, cap, fdbudget.http_refusal(b"full\n"))
+    server = uvicorn.Server(uvicorn.Config(app, loop="asyncio", http=fdbudget.http_protocol(deadline_s),
+                                           lifespan="off", log_level="warning"))
     listener.connections = server.server_state.connections
     thread = threading.Thread(target=server.run, args=([listener],), daemon=True)
     thread.start()
     try:
         wait_for(lambda: server.started, 10, what="uvicorn")
+        yield server, listener, "http://127.0.0.1:%d/" % listener.getsockname()[1], release
+    finally:
+        release.set()
+        server.should_exit = True
+        thread.join(10)
+
+
+def test_a_request_must_arrive_within_the_deadline_but_its_answer_may_take_longer():
+    with uvicorn_on_a_listener(100, 0.5) as (server, listener, url, _):
         port = listener.getsockname()[1]
-        url = "http://127.0.0.1:%d/" % port
+        silent, dribbling = flood(port, 2)
+        dribbling.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\nab")  # 98 bytes never come
+        for s in (silent, dribbling):
+            s.settimeout(10)
+            assert s.recv(1) == b"", "closed at the deadline"
+        assert answer(url + "slow", data=b"x" * 1000)[:2] == (200, b"served"), "an answer is not timed"
+
+
+def test_at_the_cap_a_newcomer_replaces_the_oldest_not_being_answered_and_with_none_gets_a_503(caplog):
+    with uvicorn_on_a_listener(3, 30) as (server, listener, url, release):
+        port = listener.getsockname()[1]
         idle = flood(port, 3)
         wait_for(lambda: len(server.server_state.connections) == 3, 10, what="3 idle connections")
         assert answer(url)[:2] == (200, b"served")
@@ -204,10 +232,6 @@ def test_at_the_cap_a_newcomer_replaces_the_oldest_not_being_answered_and_with_n
             s.close()
         for s in idle:
             s.close()
-    finally:
-        release.set()
-        server.should_exit = True
-        thread.join(10)
 
 
 def test_on_tls_connections_stuck_before_their_handshake_make_room_too(tmp_path):
