@@ -9,6 +9,7 @@ import signal
 import sys
 import threading
 
+from jetserve import fdbudget
 from jetserve.config import LOG_LEVELS, add_config_flag
 from jetserve.wire.mqtt import add_flags as add_mqtt_flags
 
@@ -29,6 +30,13 @@ def register(subparsers):
                      help="bearer token every HTTP request must carry (the file mode 0600)")
     run.add_argument("--http-tls-cert", metavar="PEM", help="serve HTTPS with this certificate chain")
     run.add_argument("--http-tls-key", metavar="PEM", help="... and this private key")
+    run.add_argument("--http-max-connections", type=int, default=1000, metavar="N",
+                     help="open HTTP connections at most (1..%d; fewer if the file-descriptor limit leaves fewer "
+                          "beside MQTT and the database); at the cap an idle one makes room, with none idle a new "
+                          "one gets 503 (default: %%(default)s)" % fdbudget.MAX_CONNECTIONS)
+    run.add_argument("--http-header-timeout", type=float, default=10.0, metavar="SECONDS",
+                     help="a connection must send each request within this (at most %g; slowloris) "
+                          "(default: %%(default)s)" % fdbudget.MAX_DEADLINE_S)
     run.add_argument("--share", metavar="GROUP", help="join $share/GROUP to split the fleet between replicas")
     run.add_argument("--client-id", help="MQTT client id (default: jetserve-fleet-<host>)")
     run.add_argument("--silence-factor", type=float, default=3.0,
@@ -91,8 +99,10 @@ def run_controller(args):
                                 share=args.share, silence_factor=args.silence_factor,
                                 stall_timeout=args.stall_timeout)
         if args.http:
+            budget = fdbudget.Budget({"HTTP": args.http_max_connections}, web.RESERVE_FDS)
+            logging.info("%s", budget)
             server = web.Server(registry, host, port, token, args.http_tls_cert, args.http_tls_key,
-                                controller.metrics.registry)
+                                controller.metrics.registry, budget.caps["HTTP"], args.http_header_timeout)
     except (ValueError, OSError, RegistryError, MqttConfigError) as exc:
         sys.exit("jetserve fleet run: %s" % exc)
     except ImportError as exc:

@@ -8,8 +8,11 @@
   token and TLS (`check_exposure`); behind a reverse proxy, bind loopback and let it do TLS.
 - Every answer carries a strict CSP (no script at all; the one inline style by its hash),
   nosniff, frame and referrer denial and no-store.
-- uvicorn's event loop holds idle connections for free; a connection must still finish each
-  request's headers within HEADER_TIMEOUT_S, so nobody can keep sockets open by saying nothing.
+- Connections are capped below the process's file-descriptor budget (`jetserve.fdbudget`), so
+  MQTT, the database and the log keep their descriptors: at the cap a new one takes the place
+  of the oldest not being answered, or with none such gets a 503 at once.
+  A connection must deliver each request within HEADER_TIMEOUT_S, so nobody can keep sockets
+  open by saying nothing (or by saying it slowly).
 """
 
 import base64
@@ -23,8 +26,11 @@ import stat
 import threading
 import time
 
+from jetserve import fdbudget
+
 HEADER_TIMEOUT_S = 10.0
-MAX_CONNECTIONS = 1000  # beyond this uvicorn answers 503 until some close
+MAX_CONNECTIONS = 1000  # wanted; the fd budget may grant fewer
+RESERVE_FDS = 32  # for what opens after start: MQTT (re)connects, PostgreSQL reconnects, SQLite temp files, logs
 NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"  # fleet and device names, as topic levels allow them
 STYLE = ("body{font-family:system-ui,sans-serif;margin:1.5em}table{border-collapse:collapse;margin-bottom:1.5em}"
          "th,td{padding:3px 10px;text-align:left;border-bottom:1px solid #ddd;white-space:nowrap}th{background:#f3f3f3}"
@@ -201,50 +207,33 @@ def create_app(registry, token=None, tls=False, metrics=None):
     return app
 
 
-def _protocol():
-    """uvicorn's HTTP/1.1 protocol, with a deadline on each request's headers (uvicorn itself
-    times a connection out only once it has answered on it)."""
-    from uvicorn.protocols.http.h11_impl import H11Protocol
-
-    class HeaderDeadline(H11Protocol):
-        def connection_made(self, transport):
-            super().connection_made(transport)
-            self._answered = 0
-            self._arm()
-
-        def on_response_complete(self):
-            super().on_response_complete()
-            self._answered += 1
-            self._arm()
-
-        def _arm(self):
-            self.loop.call_later(HEADER_TIMEOUT_S, self._expire, self._answered)
-
-        def _expire(self, answered):
-            waiting = self.cycle is None or self.cycle.response_complete  # no request under way
-            if answered == self._answered and waiting and not self.transport.is_closing():
-                self.transport.close()
-
-    return HeaderDeadline
-
-
 class Server:
-    """uvicorn on a thread of its own; `address` is where it listens (port 0 → the real one)."""
+    """uvicorn on a thread of its own; `address` is where it listens (port 0 → the real one).
+    At most `max_connections` are open at once (`Budget.caps`, below the process's fd limit)."""
 
-    def __init__(self, registry, host, port, token=None, tls_cert=None, tls_key=None, metrics=None):
+    def __init__(self, registry, host, port, token=None, tls_cert=None, tls_key=None, metrics=None,
+                 max_connections=MAX_CONNECTIONS, header_timeout=None):
         import logging
 
         import uvicorn
 
-        config = uvicorn.Config(create_app(registry, token, tls=bool(tls_cert), metrics=metrics), host=host, port=port,
-                                http=_protocol(), ssl_certfile=tls_cert, ssl_keyfile=tls_key, access_log=False,
-                                log_level=logging.WARNING, timeout_keep_alive=5, limit_concurrency=MAX_CONNECTIONS,
-                                server_header=False, lifespan="off")
+        refusal = None if tls_cert else fdbudget.http_refusal(
+            b"the fleet page is at its connection limit; retry in a moment\n")
+        self._listener = fdbudget.listen(host, port, max_connections, refusal)
+        config = uvicorn.Config(create_app(registry, token, tls=bool(tls_cert), metrics=metrics), loop="asyncio",
+                                http=fdbudget.http_protocol(
+                                    HEADER_TIMEOUT_S if header_timeout is None else header_timeout),
+                                ssl_certfile=tls_cert, ssl_keyfile=tls_key, access_log=False,
+                                log_level=logging.WARNING, timeout_keep_alive=5, server_header=False,
+                                lifespan="off")
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, name="fleet-http", daemon=True)
+        self._listener.connections = self._server.server_state.connections
+        self._thread = threading.Thread(target=self._server.run, args=([self._listener],), name="fleet-http",
+                                        daemon=True)
         self._thread.start()
         while not self._server.started:
             if not self._thread.is_alive():
+                self._listener.close()
                 raise OSError("cannot serve HTTP on %s:%d (see the log above)" % (host, port))
             time.sleep(0.02)
         self.address = self._server.servers[0].sockets[0].getsockname()[:2]

@@ -20,7 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from jetserve import notify
+from jetserve import fdbudget, notify
 from jetserve.engine import lifeline
 from jetserve.server.auth import BearerTokenInterceptor, is_local_peer
 from jetserve.server.errors import RpcError
@@ -44,6 +44,11 @@ ABORT_FLUSH_S = 5.0
 ORPHAN_WAIT_S = 5.0
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+# Connections each front end may hold (the fd budget may grant fewer), beside what the process opens
+# after start: the engine's pipes and ZMQ sockets, the weights' files while they load, metrics scrapes.
+MAX_CONNECTIONS = {"gRPC": 512, "OpenAI": 512}
+RESERVE_FDS = 64
+HANDSHAKE_TIMEOUT_S = 10.0  # a connection that has not finished its gRPC handshake by then is closed
 
 
 class StartError(Exception):
@@ -125,6 +130,7 @@ class JetServer:
         self._metrics_http = None
         self._openai_http = None  # uvicorn.Server
         self._openai_task: asyncio.Task | None = None
+        self.budget: fdbudget.Budget | None = None
         self._heartbeat: asyncio.Task | None = None
 
     # -- what the front ends ask -------------------------------------------------------------
@@ -204,10 +210,17 @@ class JetServer:
                              "(holding the model it loaded): stop it (kill %s) and start again" % (pids, pids))
         token_check = [BearerTokenInterceptor(opts.api_key, opts.control_api_key)] \
             if opts.api_key or opts.control_api_key else []
+        try:
+            self.budget = fdbudget.Budget({name: n for name, n in MAX_CONNECTIONS.items()
+                                           if name == "gRPC" or opts.openai_port}, RESERVE_FDS)
+        except ValueError as exc:
+            raise StartError(str(exc)) from None
+        log.info("%s", self.budget)
         # grpcio turns SO_REUSEPORT on by default: a second server would silently share the port.
         self._grpc = grpc.aio.server(interceptors=token_check + [MalformedRequestInterceptor()],
                                      options=[("grpc.so_reuseport", 0),
-                                              ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+                                              ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+                                     + fdbudget.grpc_options(self.budget.caps["gRPC"], HANDSHAKE_TIMEOUT_S))
         pb_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(self), self._grpc)
         pb_grpc.add_ControlServiceServicer_to_server(ControlServicer(self), self._grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
@@ -250,7 +263,7 @@ class JetServer:
     async def _start_openai(self, host: str) -> None:
         from jetserve.server.openai_api import create_app, make_http_server
 
-        self._openai_http, sock = make_http_server(create_app(self), self.options)
+        self._openai_http, sock = make_http_server(create_app(self), self.options, self.budget.caps["OpenAI"])
         self._openai_task = asyncio.create_task(self._openai_http.serve(sockets=[sock]))
         self.openai_port = sock.getsockname()[1]
         log.info("OpenAI-compatible API on http%s://%s:%d/v1", "s" if self.options.tls_cert else "", host,

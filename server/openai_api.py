@@ -24,6 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from jetserve import fdbudget
 from jetserve.server.errors import RpcError, status_for
 from jetserve.server.guard import tokenized
 from jetserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest
@@ -37,6 +38,10 @@ HTTP_STATUS = {
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
 }
 OPEN_PATHS = ("/health",)  # probes need no secret, as gRPC health
+REQUEST_DEADLINE_S = 10.0  # a connection must deliver each request (headers and body) within this
+REFUSAL = fdbudget.http_refusal(json.dumps({"error": {
+    "message": "the server is at its connection limit; retry in a moment", "type": "service_unavailable",
+    "param": None, "code": 503}}).encode(), "application/json")
 
 
 def error_response(status: int, kind: str, message: str, param: str | None = None) -> JSONResponse:
@@ -63,20 +68,23 @@ class _Server(uvicorn.Server):
         yield
 
 
-def make_http_server(app, options) -> tuple[uvicorn.Server, socket.socket]:
-    """The server and its bound socket: a port in use or a bad certificate fail here, as OSError or
-    ssl.SSLError, not later inside uvicorn (which would exit the process)."""
+def make_http_server(app, options, max_connections: int) -> tuple[uvicorn.Server, socket.socket]:
+    """The server and its bound socket, which keeps to `max_connections` (at the cap a newcomer takes
+    an idle connection's place, or gets a 503 at once). A port in use or a bad certificate fail
+    here, as OSError or ssl.SSLError, not later inside uvicorn (which would exit the process)."""
     tls = {}
     if options.tls_cert:
         tls = dict(ssl_certfile=options.tls_cert, ssl_keyfile=options.tls_key)
         if options.tls_client_ca:
             tls.update(ssl_ca_certs=options.tls_client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
     config = uvicorn.Config(app, host=options.host, port=options.openai_port, lifespan="off",
-                            log_level="warning", access_log=False, timeout_graceful_shutdown=1, **tls)
+                            http=fdbudget.http_protocol(REQUEST_DEADLINE_S), log_level="warning",
+                            access_log=False, timeout_graceful_shutdown=1, **tls)
     config.load()
-    family = socket.AF_INET6 if ":" in options.host else socket.AF_INET
-    sock = socket.create_server((options.host.strip("[]"), options.openai_port), family=family)
-    return _Server(config), sock
+    sock = fdbudget.listen(options.host, options.openai_port, max_connections, None if tls else REFUSAL)
+    server = _Server(config)
+    sock.connections = server.server_state.connections
+    return server, sock
 
 
 class Guard:
