@@ -28,7 +28,8 @@ def default_state_dir(environ=os.environ, euid=None):
         return environ["STATE_DIRECTORY"].split(":")[0]
     if (os.geteuid() if euid is None else euid) == 0:
         return SERVICE_STATE_DIR
-    home = environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    home = environ.get("XDG_STATE_HOME") or os.path.join(environ.get("HOME") or os.path.expanduser("~"),
+                                                         ".local", "state")
     return os.path.join(home, "jetserve-agent")
 
 
@@ -68,7 +69,7 @@ def register(subparsers):
     doctor = subparsers.add_parser("doctor", help="what this device may run (JetPack gate)")
     add_flags(doctor, AgentOptions, only=("sysroot",))
     doctor.add_argument("--json", action="store_true", help="machine-readable verdict")
-    add_config_flag(doctor, "agent", AgentOptions, only=("sysroot",))
+    add_config_flag(doctor, "agent", AgentOptions, ThermalPolicy, MqttOptions)  # the table is the agent's
     doctor.set_defaults(func=run_doctor)
 
 

@@ -201,7 +201,7 @@ def _engine_alone(args, engine_flags, settings) -> dict:
                                          "ttft_ms_p50": median([r["ttft_ms_p50"] for r in runs])}
         _progress("engine alone, workload %s: %.0f tok/s" % (setting.name,
                                                               out["workload"][setting.name]["tok_s_median"]))
-    del engine
+    engine = None  # freed (the closures above share the name, so not `del`) before _free
     _free(config.device)
     return out
 
