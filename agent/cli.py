@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from jetserve.agent.thermal import ThermalPolicy
-from jetserve.config import DEFAULT_ADDRESS, LOG_LEVELS, add_config_flag, add_flags, log_level, setting
+from jetserve.config import DEFAULT_ADDRESS, add_config_flag, add_flags, log_level_setting, setting
 from jetserve.wire.mqtt import MqttOptions
 
 SERVICE_STATE_DIR = "/var/lib/jetserve-agent"  # systemd's StateDirectory=jetserve-agent
@@ -53,7 +53,7 @@ class AgentOptions:
     once_timeout: float = setting(10.0, "with --once, seconds to wait for the broker", type=float)
     reconnect_max: int = setting(30, "longest reconnect backoff, s", type=int)
     no_jtop: bool = setting(False, "never use jetson-stats", action="store_true")
-    log_level: str = setting("INFO", "any case", type=log_level, choices=LOG_LEVELS)
+    log_level: str = log_level_setting()
 
 
 def register(subparsers):

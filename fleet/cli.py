@@ -11,7 +11,7 @@ import threading
 from dataclasses import dataclass
 from typing import Optional
 
-from jetserve.config import LOG_LEVELS, add_config_flag, add_flags, log_level, setting
+from jetserve.config import add_config_flag, add_flags, log_level_setting, setting
 from jetserve.wire.mqtt import MqttOptions
 
 
@@ -33,7 +33,7 @@ class FleetOptions:
     silence_factor: float = setting(3.0, "offline after this many report intervals without a message", type=float)
     stall_timeout: float = setting(30.0, "exit (to be restarted) when ingestion is stuck on one step this many "
                                          "seconds", type=float)
-    log_level: str = setting("INFO", "any case", type=log_level, choices=LOG_LEVELS)
+    log_level: str = log_level_setting()
     fleet: Optional[str] = setting(None, "only this fleet (default: every fleet)")
 
 

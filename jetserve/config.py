@@ -44,6 +44,11 @@ def setting(default=None, help=None, name=None, **flag):
     return dataclasses.field(default=default, metadata={"setting": dict(flag, help=help, name=name)})
 
 
+def log_level_setting():
+    """Every long-running command's `--log-level` (a function: a dataclass field is one class's)."""
+    return setting("INFO", "logging threshold, in any case", type=log_level, choices=LOG_LEVELS)
+
+
 def settings(cls):
     """(key, field) of every setting of a dataclass: its flag's dest and the TOML key."""
     return [(f.metadata["setting"]["name"] or f.name, f) for f in dataclasses.fields(cls) if "setting" in f.metadata]
@@ -58,7 +63,7 @@ def add_flags(parser, cls, title=None, only=None):
         flag = dict(field.metadata["setting"])
         del flag["name"]
         aliases = flag.pop("aliases", ())
-        if field.default not in (None, False) and "default" not in (flag["help"] or ""):
+        if field.default is not None and field.default is not False and "default" not in (flag["help"] or ""):
             flag["help"] = ((flag["help"] or "") + " (default: %(default)s)").lstrip()
         target.add_argument("--" + key.replace("_", "-"), *aliases, dest=key, default=field.default, **flag)
     return target

@@ -8,7 +8,7 @@ syntax: `jetserve --help` builds the flags from here on a device without grpc.
 from dataclasses import dataclass
 from typing import Optional
 
-from jetserve.config import DEFAULT_HOST, DEFAULT_PORT, LOG_LEVELS, log_level, setting
+from jetserve.config import DEFAULT_HOST, DEFAULT_PORT, log_level_setting, setting
 
 
 @dataclass
@@ -33,6 +33,6 @@ class ServeOptions:
                                            metavar="PEM")
     drain_grace_period: float = setting(30.0, "on SIGTERM, how long open streams may finish", type=float,
                                         metavar="SECONDS")
-    log_level: str = setting("INFO", "any case", type=log_level, choices=LOG_LEVELS)
+    log_level: str = log_level_setting()
     # No flag (a token on the command line is visible in ps): read from control_api_key_file.
     control_api_key: Optional[str] = None  # None: Control only from local peers

@@ -626,7 +626,7 @@ def test_a_draft_length_priced_out_skips_the_mtp_pass_for_prompts_too(model, ref
     for key, seconds in (((0, 0, 1), 1e-3), ((2, 2, 1), 4e-3)):  # k = 2 costs 4 plain steps: 3 tokens can't pay
         lengths.record_step(*key, seconds)
         lengths.record_step(*key, seconds)
-    llm.engine.draft_length = lengths = lengths.fresh()
+    lengths.start_afresh()  # in place, as `jetserve bench mtp` between workloads
     assert lengths.priced_out and [move[:4] for move in lengths.moves] == [(0, 2, 0, "k=2 cannot pay")]
     calls = []
     llm.engine.runner.model.mtp[0].register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
