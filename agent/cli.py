@@ -5,47 +5,71 @@ Standard library only at module level: this parses on the device's Python 3.8 wi
 
 import json
 import logging
+import os
 import signal
 import sys
+from dataclasses import dataclass
+from typing import Optional
 
-from jetserve.config import LOG_LEVELS, add_config_flag
-from jetserve.wire.mqtt import add_flags as add_mqtt_flags
+from jetserve.agent.thermal import ThermalPolicy
+from jetserve.config import DEFAULT_ADDRESS, add_config_flag, add_flags, log_level_setting, setting
+from jetserve.wire.mqtt import MqttOptions
+
+SERVICE_STATE_DIR = "/var/lib/jetserve-agent"  # systemd's StateDirectory=jetserve-agent
+
+
+def default_state_dir(environ=os.environ, euid=None):
+    """Where the outbox lives unless --state-dir says: the service's StateDirectory= (systemd
+    passes it as $STATE_DIRECTORY), root's /var/lib/jetserve-agent, and for anyone else (a
+    `jetserve agent --once` tried by hand) $XDG_STATE_HOME/jetserve-agent, else
+    ~/.local/state/jetserve-agent: a user may not write /var/lib, and an outbox is state that
+    should outlive the run (XDG's state directory, not its cache)."""
+    if environ.get("STATE_DIRECTORY"):
+        return environ["STATE_DIRECTORY"].split(":")[0]
+    if (os.geteuid() if euid is None else euid) == 0:
+        return SERVICE_STATE_DIR
+    home = environ.get("XDG_STATE_HOME") or os.path.join(environ.get("HOME") or os.path.expanduser("~"),
+                                                         ".local", "state")
+    return os.path.join(home, "jetserve-agent")
+
+
+@dataclass
+class AgentOptions:
+    """The agent's settings, besides the thermal margins (ThermalPolicy) and the broker's (MqttOptions)."""
+
+    sysroot: str = setting("/", "read /sys, /proc, /etc under this root")
+    device_id: Optional[str] = setting(None, "device name (default: the host name)")
+    fleet: str = setting("default", "fleet name (a topic level)")
+    service: str = setting(DEFAULT_ADDRESS, "inference service gRPC address (or unix:///run/jetserve/grpc.sock)")
+    service_timeout: float = setting(2.0, "seconds per gRPC call", type=float)
+    service_token_file: Optional[str] = setting(None, "the service's control-plane token (its "
+                                                      "--control-api-key-file)", metavar="FILE")
+    interval: float = setting(10.0, "seconds between health reports", type=float)
+    state_dir: str = setting(default_state_dir(), "where the outbox lives (as the service: $STATE_DIRECTORY; "
+                                                  "root: %s; else $XDG_STATE_HOME/jetserve-agent; default: "
+                                                  "%%(default)s)" % SERVICE_STATE_DIR)
+    outbox_limit: int = setting(10000, "messages kept while the broker is away (oldest health dropped first)",
+                                type=int)
+    once_timeout: float = setting(10.0, "with --once, seconds to wait for the broker", type=float)
+    reconnect_max: int = setting(30, "longest reconnect backoff, s", type=int)
+    no_jtop: bool = setting(False, "never use jetson-stats", action="store_true")
+    log_level: str = log_level_setting()
+
 
 def register(subparsers):
     agent = subparsers.add_parser("agent", help="run the on-device agent (health, thermals, MQTT)",
                                   description=__doc__.splitlines()[0])
-    agent.add_argument("--sysroot", default="/", help="read /sys, /proc, /etc under this root")
     agent.add_argument("--once", action="store_true", help="probe, publish one report, exit")
-    agent.add_argument("--device-id", help="device name (default: the host name)")
-    agent.add_argument("--service", default="127.0.0.1:50051",
-                       help="inference service gRPC address (or unix:///run/jetserve/grpc.sock)")
-    agent.add_argument("--service-timeout", type=float, default=2.0, help="seconds per gRPC call")
-    agent.add_argument("--service-token-file", metavar="FILE",
-                       help="the service's control-plane token (its --control-api-key-file)")
-    agent.add_argument("--interval", type=float, default=10.0, help="seconds between health reports")
-    agent.add_argument("--state-dir", default="/var/lib/jetserve-agent", help="where the outbox lives")
-    agent.add_argument("--outbox-limit", type=int, default=10000,
-                       help="messages kept while the broker is away (oldest health dropped first)")
-    agent.add_argument("--once-timeout", type=float, default=10.0,
-                       help="with --once, seconds to wait for the broker")
-    agent.add_argument("--reconnect-max", type=int, default=30, help="longest reconnect backoff, s")
-    agent.add_argument("--passive-margin", type=float, default=5.0,
-                       help="shed load this many degrees below a zone's passive trip")
-    agent.add_argument("--critical-margin", type=float, default=3.0,
-                       help="drain this many degrees below a zone's critical trip")
-    agent.add_argument("--hysteresis", type=float, default=5.0,
-                       help="degrees below a threshold before restoring a level")
-    agent.add_argument("--no-jtop", action="store_true", help="never use jetson-stats")
-    agent.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
-    agent.add_argument("--fleet", default="default", help="fleet name (a topic level)")
-    add_mqtt_flags(agent)
-    add_config_flag(agent, "agent")
+    add_flags(agent, AgentOptions)
+    add_flags(agent, ThermalPolicy, "thermal load shedding")
+    add_flags(agent, MqttOptions, "MQTT")
+    add_config_flag(agent, "agent", AgentOptions, ThermalPolicy, MqttOptions)
     agent.set_defaults(func=run_agent)
 
     doctor = subparsers.add_parser("doctor", help="what this device may run (JetPack gate)")
-    doctor.add_argument("--sysroot", default="/", help="read /etc, /proc, /sys under this root")
+    add_flags(doctor, AgentOptions, only=("sysroot",))
     doctor.add_argument("--json", action="store_true", help="machine-readable verdict")
-    add_config_flag(doctor, "agent")
+    add_config_flag(doctor, "agent", AgentOptions, ThermalPolicy, MqttOptions)  # the table is the agent's
     doctor.set_defaults(func=run_doctor)
 
 

@@ -15,6 +15,7 @@ from jetserve.agent import commands, health, thermal
 from jetserve.agent.outbox import Outbox
 from jetserve.agent.publisher import Publisher
 from jetserve.agent.service import ServiceClient, read_control_token
+from jetserve.config import from_args
 from jetserve.device import compat
 from jetserve.device.probe import JtopReader, probe
 from jetserve.wire.mqtt import MqttOptions
@@ -32,7 +33,7 @@ class Agent:
         self.verdict = compat.check(first)
         self.service = ServiceClient(args.service, timeout=args.service_timeout,
                                      control_token=read_control_token(args.service_token_file))
-        self.policy = thermal.ThermalPolicy(args.passive_margin, args.critical_margin, args.hysteresis)
+        self.policy = from_args(thermal.ThermalPolicy, args)
         self.shedder = thermal.Shedder(self.service)
         self.manual_drain = False
         self._last_shed_error = None

@@ -46,10 +46,12 @@ class Publisher:
         self._last_handed = 0
         self._stopping = False
         self._refused = None
+        self._unreachable = False  # the last connect attempt failed: said once per outage
         self.client = new_client("jetserve-%s-%s" % (self.fleet, self.device), mqtt_options)
         self.client.reconnect_delay_set(1, reconnect_max)
         self.client.on_pre_connect = self._on_pre_connect
         self.client.on_connect = self._on_connect
+        self.client.on_connect_fail = self._on_connect_fail
         self.client.on_disconnect = self._on_disconnect
         self.client.on_publish = self._on_publish
         self.client.on_message = self._on_message
@@ -144,12 +146,19 @@ class Publisher:
             self._refused = str(reason_code)
             return
         self._refused = None
+        self._unreachable = False
         log.info("connected to %s, bdSeq %d", self.mqtt.address, self.bdseq)
         self._publish_birth(client)
         client.subscribe(self.topic(topics.CMD), qos=1)
         self._generation += 1
         self.connected.set()
         self._wake.set()
+
+    def _on_connect_fail(self, client, userdata):
+        """No broker at the address (refused, unreachable): said at once, not after a wait."""
+        if not self._unreachable:
+            log.warning("no broker reachable at %s; messages wait in the outbox while it retries", self.mqtt.address)
+        self._unreachable = True
 
     def _on_disconnect(self, client, userdata, flags, reason_code, properties):
         self.connected.clear()

@@ -8,6 +8,9 @@ threshold does not flap the service.
 """
 
 import collections
+from dataclasses import dataclass, field
+
+from jetserve.config import setting
 
 NORMAL, SHED, DRAIN = 0, 1, 2
 LEVELS = ("normal", "shed", "drain")
@@ -21,11 +24,14 @@ def _trip(zone, kind):
     return min(temps) if temps else None
 
 
+@dataclass
 class ThermalPolicy:
-    def __init__(self, passive_margin=5.0, critical_margin=3.0, hysteresis=5.0):
-        self.passive_margin, self.critical_margin = passive_margin, critical_margin
-        self.hysteresis = hysteresis
-        self.level = NORMAL
+    """The margins are the agent's settings (flags `--passive-margin` ..., keys of `[agent]`)."""
+
+    passive_margin: float = setting(5.0, "shed load this many degrees below a zone's passive trip", type=float)
+    critical_margin: float = setting(3.0, "drain this many degrees below a zone's critical trip", type=float)
+    hysteresis: float = setting(5.0, "degrees below a threshold before restoring a level", type=float)
+    level: int = field(default=NORMAL, init=False)
 
     def _thresholds(self, zone):
         """{level: temperature at which that level starts} for one zone."""

@@ -213,7 +213,7 @@ def _time_engine(args, model_dir, device, batches, enforce_eager, plain=False, a
         tpot[batch] = _engine_tpot(engine, batch, args.prompt_len, args.steps, rng)
         graphs = engine.runner.graphs
         if graphs:
-            replay[batch] = _replay_ms(graphs, batch)
+            replay[batch] = replay_ms(graphs, batch)
     del engine
     if not replay:
         return tpot
@@ -367,7 +367,7 @@ def _profile_hf(model, batch, prompt_len, rng, steps=64) -> dict:
     return {name: round(ms - runs[1].get(name, 0), 3) for name, ms in runs[0].items()}
 
 
-def _replay_ms(graphs, batch) -> float | None:
+def replay_ms(graphs, batch) -> float | None:
     """GPU time of one replay of the decode graph of this batch's bucket (forward, vocab
     projection and argmax), over the inputs the last step left."""
     import torch

@@ -509,6 +509,7 @@ def _documents():
     """A real agent's health document and birth (from a bundled device's files), to send as is."""
     from jetserve import __version__
     from jetserve.agent import health
+    from jetserve.config import DEFAULT_ADDRESS
     from jetserve.device import compat
     from jetserve.device.probe import probe
 
@@ -518,7 +519,7 @@ def _documents():
     service = {"health": "SERVING", "stats": {"max_num_seqs": 8, "num_requests_running": 1}}
     doc = health.build(found, verdict, service, 0, {"pending": 0, "dropped": {"health": 0, "alert": 0}})
     birth = {"model": found.get("model"), "soc": found.get("soc"), "serial": found.get("serial"),
-             "service": "127.0.0.1:50051", "compat": verdict.to_dict(),
+             "service": DEFAULT_ADDRESS, "compat": verdict.to_dict(),
              "versions": {"jetserve": __version__, "python": found.get("python"), "l4t": found.get("l4t"),
                           "jetpack": found.get("jetpack"), "cuda": found.get("cuda")}}
     return doc, birth

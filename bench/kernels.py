@@ -22,7 +22,7 @@ def run(args) -> dict:
     from tqdm import tqdm
 
     from jetserve.bench.common import SHAPES, environment, read_bandwidth, write_results
-    from jetserve.bench.quant import _operands, _projections, main_choice, precompile, projection_variants
+    from jetserve.bench.quant import main_choice, operands, precompile, projection_variants, shape_projections
     from jetserve.engine.model import kernels
 
     device = torch.device("cuda")
@@ -41,9 +41,9 @@ def run(args) -> dict:
         s = SHAPES[shape]
         heads, kv, d = s["num_attention_heads"], s["num_key_value_heads"], s["head_dim"]
         table = result["matmul"][shape] = {}
-        for name, (prologue, n, k) in tqdm(_projections(shape).items(), desc=f"[kernels] {shape} matmuls"):
+        for name, (prologue, n, k) in tqdm(shape_projections(shape).items(), desc=f"[kernels] {shape} matmuls"):
             for m in rows:
-                x, w, res, norm_w = _operands(prologue, n, k, "bf16", device, m)
+                x, w, res, norm_w = operands(prologue, n, k, "bf16", device, m)
                 tuned = kernels.FusedKernels(tile_timing=True)
                 tuned.skinny_matmul(prologue, x, w, res, norm_w, 1e-6)  # tunes this shape
                 tile, tried = next(iter(tuned.chosen.values())), next(iter(tuned.tuning_times.values()))

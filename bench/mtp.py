@@ -393,7 +393,7 @@ def run(args) -> dict:
         # shared machine's load, which moves within minutes, weighs on all alike.
         for _, llm, _, adaptive in configs:
             if adaptive:  # as a server meeting this workload afresh: step times known, no acceptance
-                llm.engine.draft_length = llm.engine.draft_length.fresh()
+                llm.engine.draft_length.start_afresh()
         runs = {label: [] for label, *_ in configs}
         for r in range(args.repeats):
             for label, llm, k, _ in configs:

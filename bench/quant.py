@@ -29,7 +29,7 @@ def add_arguments(p):
     p.add_argument("--skip-engine", action="store_true", help="the kernel table only")
 
 
-def _projections(shape: str) -> dict:
+def shape_projections(shape: str) -> dict:
     """name → (prologue, out features, in features) of one decoder layer of `shape`."""
     from jetserve.bench.common import SHAPES
     from jetserve.engine.model import kernels
@@ -46,7 +46,7 @@ def _methods(name: str, methods: list[str]) -> list[str]:
     return ["bf16"] if name == "lm_head" else methods
 
 
-def _operands(prologue: int, n: int, k: int, method: str, device, rows: int = 1):
+def operands(prologue: int, n: int, k: int, method: str, device, rows: int = 1):
     """(x, weight, residual, norm weight) of one product of `rows` rows, random."""
     import torch
 
@@ -82,7 +82,7 @@ def projection_variants(shapes, methods, rows: int) -> list[tuple]:
     (all real ones multiples of 16, as Triton specializes them), K and the tile are compiled in."""
     seen = []
     for shape in shapes:
-        for name, (prologue, _, k) in _projections(shape).items():
+        for name, (prologue, _, k) in shape_projections(shape).items():
             for method in _methods(name, methods):
                 seen += [v for v in ((method, prologue, k, rows, t) for t in _tiles(method, prologue, k, rows))
                          if v not in seen]
@@ -110,7 +110,7 @@ def _compile(variant) -> str | None:
     import torch
 
     method, prologue, k, rows, tile = variant
-    x, weight, residual, norm = _operands(prologue, 128, k, method, torch.device("cuda"), rows)
+    x, weight, residual, norm = operands(prologue, 128, k, method, torch.device("cuda"), rows)
     try:
         _runner(method)(tile, prologue, x, weight, residual, norm, 1e-6)
         torch.cuda.synchronize()
@@ -179,9 +179,9 @@ def kernel_table(shapes, methods, bandwidth: float) -> dict:
     table = {}
     for shape in shapes:
         rows = table[shape] = {}
-        for name, (prologue, n, k) in _projections(shape).items():
+        for name, (prologue, n, k) in shape_projections(shape).items():
             for method in _methods(name, methods):
-                x, weight, residual, norm = _operands(prologue, n, k, method, device)
+                x, weight, residual, norm = operands(prologue, n, k, method, device)
                 fused = QuantFusedKernels(tile_timing=True)
                 fused.skinny_matmul(prologue, x, weight, residual, norm, 1e-6)
                 (key, tile), = fused.chosen.items()
@@ -221,7 +221,7 @@ def _time_decode(engine, args, rng) -> tuple[float, float | None]:
     import torch
 
     from jetserve.bench.common import median
-    from jetserve.bench.decode import _replay_ms
+    from jetserve.bench.decode import replay_ms
     from jetserve.engine.sampling_params import SamplingParams
 
     vocab = engine.config.model_config.vocab_size
@@ -237,7 +237,7 @@ def _time_decode(engine, args, rng) -> tuple[float, float | None]:
         times.append(time.perf_counter() - start)
     while engine.has_unfinished_requests():
         engine.step()
-    return median(times) * 1e3, _replay_ms(engine.runner.graphs, 1) if engine.runner.graphs else None
+    return median(times) * 1e3, replay_ms(engine.runner.graphs, 1) if engine.runner.graphs else None
 
 
 def run(args) -> dict:

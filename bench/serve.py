@@ -201,7 +201,7 @@ def _engine_alone(args, engine_flags, settings) -> dict:
                                          "ttft_ms_p50": median([r["ttft_ms_p50"] for r in runs])}
         _progress("engine alone, workload %s: %.0f tok/s" % (setting.name,
                                                               out["workload"][setting.name]["tok_s_median"]))
-    del engine
+    engine = None  # freed (the closures above share the name, so not `del`) before _free
     _free(config.device)
     return out
 
@@ -355,7 +355,7 @@ def _load_all(args, target, settings, engine, server_pid) -> dict:
             c, n = setting.concurrency, min(processes, setting.concurrency)
             _run_jobs(pool, _jobs(args, setting, n, job))  # warm-up: the timed settings once
             cpu0, wall0 = _server_cpu(server_pid), time.monotonic()
-            runs = [_summary(_run_jobs(pool, _jobs(args, setting, n, job))) for _ in range(args.repeats)]
+            runs = [summarize(_run_jobs(pool, _jobs(args, setting, n, job))) for _ in range(args.repeats)]
             cpu1, wall = _server_cpu(server_pid), time.monotonic() - wall0
             tokens = sum(r["tokens"] for r in runs)
             # a closed loop of c streams runs batches of c; Poisson arrivals run whatever has come
@@ -402,7 +402,7 @@ def _run_jobs(pool, jobs) -> dict:
     return {"start": start, "results": results, "client_cpu": max(d["cpu"] / d["wall"] for d in done)}
 
 
-def _summary(run) -> dict:
+def summarize(run) -> dict:
     """A timed run's latencies and tok/s: whole run, and steady state (closed loop: while every
     stream decodes, from the last stream's first token to the first stream's last)."""
     results = run["results"]

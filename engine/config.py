@@ -17,6 +17,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from jetserve import DEMO_MODEL, demo_model_dir
+from jetserve.config import add_flags, setting
 from jetserve.engine.model.checkpoint import CheckpointError, num_mtp_layers, read_json
 
 DEFAULT_MAX_MODEL_LEN = 4096  # when the model allows more: KV for a longer default rarely fits a Jetson
@@ -30,6 +31,9 @@ DEFAULT_TARGET_BUDGET = 2048
 MAX_STEP_LATENCY_MS = 1000.0  # a target beyond a second paces nothing a user would notice
 FINE_TOKEN_STEP = 128  # mixed-step buckets with a latency target: every flash prefill tile (PREFILL_BLOCK_M)
 HAS_TRITON = importlib.util.find_spec("triton") is not None  # the fused CUDA kernels and the graphs need it
+# Triton's interpreter runs the kernels on CPU tensors (the tests without a GPU). Read once, at import, as
+# Triton itself reads it when it is first imported: a process runs its kernels one way throughout.
+TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
 
@@ -344,100 +348,79 @@ class EngineConfig:
 
 @dataclass
 class EngineArgs:
-    """Everything that shapes an engine; the CLI flags are these fields with dashes (vLLM's names)."""
+    """Everything that shapes an engine; the CLI flags and the `[serve]` TOML keys are these fields
+    (vLLM's names, with dashes on the command line: jetserve.config.setting)."""
 
-    model: str | None = None
-    served_model_name: str | None = None  # the name clients and metrics use (default: model)
-    backend: str = "torch"  # or "tensorrt-llm", where TensorRT-LLM is installed
-    dtype: str = "auto"  # auto: the checkpoint's dtype on a GPU, float32 on the CPU
-    device: str = "auto"  # auto: cuda when available, else cpu
-    max_model_len: int | None = None  # default: the model's max_position_embeddings, capped at 4096
-    max_num_seqs: int = 16
-    max_num_batched_tokens: int | None = None  # default: DEFAULT_CHUNK_BUDGET with chunking (DEFAULT_TARGET_BUDGET
-    # with a latency target), max_model_len without
-    max_step_latency_ms: float | None = None  # None: DEFAULT_STEP_LATENCY_MS on a discrete GPU, else off; 0: off
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True  # reuse the KV of prompt prefixes seen before
-    gpu_memory_utilization: float = 0.9
-    enforce_eager: bool = False
-    async_scheduling: bool | None = None  # launch step N+1 before reading step N's tokens; None: on a GPU
-    speculative_config: dict | None = None
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # override the computed KV pool size (tests, tight devices)
-    max_waiting: int = 256  # bounded queue of not-yet-running requests
-    seed: int = 0
-    cudagraph_capture_sizes: list[int] | None = None
-    max_cudagraph_capture_size: int | None = None
-    cuda_graph_num_warmup_steps: int = 2  # eager runs of each step shape before it is captured
-    cudagraph_mode: str = "full"  # vLLM's: "full" graphs every step (mixed ones by token count); "full_decode_only"
-    engine_core_process: bool = True  # False: in a thread; a process on CPUs too (bench/results/serve-cpu)
-    quantization: str | None = None  # weight-only: int8/int4 on the fly; awq/gptq come from the checkpoint
-    tile_cache_dir: str | None = None  # None: cache_root()/tiles; "none": read and keep no tuned tiles
+    model: str | None = setting(None, "checkpoint directory (Hugging Face layout)")
+    # The name clients and metrics use (default: model).
+    served_model_name: str | None = setting(None, "the name the API reports and metrics carry (default: --model); "
+                                                  "with several, the first is used", nargs="+")
+    backend: str = setting("torch", "torch runs everywhere; tensorrt-llm where NVIDIA ships it",
+                           choices=["torch", "tensorrt-llm"])
+    dtype: str = setting("auto", "half = float16, float = float32; auto: the checkpoint's dtype on a GPU, float32 on "
+                                 "the CPU", choices=DTYPES)
+    device: str = setting("auto", "auto (cuda when available, else cpu), cpu, cuda or cuda:N")
+    # Default: the model's max_position_embeddings, capped at DEFAULT_MAX_MODEL_LEN.
+    max_model_len: int | None = setting(None, "e.g. 4096, 4k or 4K", type=human_int)
+    max_num_seqs: int = setting(16, type=int)
+    # Default: DEFAULT_CHUNK_BUDGET with chunking (DEFAULT_TARGET_BUDGET with a latency target), max_model_len without.
+    max_num_batched_tokens: int | None = setting(None, type=int)
+    enable_chunked_prefill: bool = setting(True, action=argparse.BooleanOptionalAction)
+    # None: DEFAULT_STEP_LATENCY_MS on a discrete GPU, else off; 0: off.
+    max_step_latency_ms: float | None = setting(
+        None, "size each prefill chunk so the step's predicted time (a model fitted to the steps observed) stays "
+              "under this, so streams decoding beside a long prompt keep their pace (not a vLLM flag); "
+              f"--max-num-batched-tokens stays the hard cap (default {DEFAULT_TARGET_BUDGET} with a target). 0: "
+              "off, chunks by the token budget alone; default: off (a discrete GPU's default awaits its "
+              "measurement; CPUs and Jetsons keep it off)", type=float)
+    # Reuse the KV of prompt prefixes seen before.
+    enable_prefix_caching: bool = setting(True, action=argparse.BooleanOptionalAction)
+    gpu_memory_utilization: float = setting(0.9, type=float)
+    enforce_eager: bool = setting(False, "never capture CUDA graphs nor compile CPU decode steps", action="store_true")
+    # Launch step N+1 before reading step N's tokens; None: on a GPU.
+    async_scheduling: bool | None = setting(
+        None, "overlap the host's work on one step with the device's on the next (default: on a GPU, where it "
+              "hides the host's share of a step; off on a CPU, which does both). With --speculative-config, and "
+              "while a request reads tokens or logits on the host (penalties, bad_words, min_tokens, logprobs), "
+              "steps run one at a time", action=argparse.BooleanOptionalAction)
+    speculative_config: dict | None = setting(None, 'e.g. \'{"method": "mtp", "num_speculative_tokens": 3}\'',
+                                              type=_json_dict)
+    block_size: int = setting(16, type=int)
+    # Override the computed KV pool size (tests, tight devices).
+    num_kv_blocks: int | None = setting(None, type=int)
+    max_waiting: int = setting(256, "bounded queue of requests not yet running", type=int)
+    seed: int = setting(0, type=int)
+    cudagraph_capture_sizes: list[int] | None = setting(
+        None, "batch sizes to capture (on a CPU: to compile), e.g. 1 2 4 8", type=_int_list, nargs="+",
+        action=_IntList, aliases=("--cuda-graph-batch-sizes",))
+    max_cudagraph_capture_size: int | None = setting(None, type=int, aliases=("--cuda-graph-max-batch-size",))
+    cuda_graph_num_warmup_steps: int = setting(2, "eager runs of each step shape before its CUDA graph is captured",
+                                               type=int)
+    # vLLM's: "full" graphs every step (mixed ones by token count); "full_decode_only".
+    cudagraph_mode: str = setting(
+        "full", "FULL: every step replays a CUDA graph (steps with prefill chunks bucketed by token count, "
+                "non-speculative); FULL_DECODE_ONLY: decode and verify steps only", type=str.lower,
+        choices=CUDAGRAPH_MODES)
+    # False: in a thread; a process on CPUs too (bench/results/serve-cpu).
+    engine_core_process: bool = setting(True, "run the step loop in its own process (default); "
+                                              "--no-engine-core-process: in a thread of the server",
+                                        action=argparse.BooleanOptionalAction)
+    # Weight-only: int8/int4 on the fly; awq/gptq come from the checkpoint.
+    quantization: str | None = setting(
+        None, "weight-only: int8 (per channel) or int4 (group 128) quantizes a float checkpoint while loading; "
+              "AWQ and GPTQ checkpoints are recognised without it", choices=QUANTIZATION_METHODS)
+    # None: cache_root()/tiles; "none": the shipped table alone.
+    tile_cache_dir: str | None = setting(
+        None, "where `jetserve tune` keeps the matmul tiles it timed on this GPU and software, read at every start "
+              "before the shipped tile table (default: $JETSERVE_CACHE_DIR/tiles, else $XDG_CACHE_HOME/jetserve/tiles, "
+              "else ~/.cache/jetserve/tiles); 'none': the shipped table alone")
     tune_tiles: bool = False  # `jetserve tune` sets it: no serving flag times tiles
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        d = EngineArgs()
-        g = parser.add_argument_group("engine (vLLM's flags)")
         parser.add_argument("model_tag", nargs="?", metavar="MODEL",
                             help="checkpoint directory (Hugging Face layout); the same as --model")
-        g.add_argument("--model", default=d.model, help="checkpoint directory (Hugging Face layout)")
-        g.add_argument("--served-model-name", nargs="+", default=d.served_model_name,
-                       help="the name the API reports and metrics carry (default: --model); "
-                            "with several, the first is used")
-        g.add_argument("--backend", default=d.backend, choices=["torch", "tensorrt-llm"],
-                       help="torch runs everywhere; tensorrt-llm where NVIDIA ships it")
-        g.add_argument("--dtype", default=d.dtype, choices=DTYPES, help="half = float16, float = float32")
-        g.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
-        g.add_argument("--max-model-len", type=human_int, default=d.max_model_len, help="e.g. 4096, 4k or 4K")
-        g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-        g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
-        g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
-                       default=d.enable_chunked_prefill)
-        g.add_argument("--max-step-latency-ms", type=float, default=d.max_step_latency_ms,
-                       help="size each prefill chunk so the step's predicted time (a model fitted to the steps "
-                            "observed) stays under this, so streams decoding beside a long prompt keep their "
-                            f"pace (not a vLLM flag); --max-num-batched-tokens stays the hard cap (default "
-                            f"{DEFAULT_TARGET_BUDGET} with a target). 0: off, chunks by the token budget alone; "
-                            "default: off (a discrete GPU's default awaits its measurement; CPUs and Jetsons keep "
-                            "it off)")
-        g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                       default=d.enable_prefix_caching)
-        g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
-        g.add_argument("--enforce-eager", action="store_true", default=d.enforce_eager,
-                       help="never capture CUDA graphs nor compile CPU decode steps")
-        g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
-                       help="overlap the host's work on one step with the device's on the next (default: on "
-                            "a GPU, where it hides the host's share of a step; off on a CPU, which does both). "
-                            "With --speculative-config, and while a request reads tokens or logits on the "
-                            "host (penalties, bad_words, min_tokens, logprobs), steps run one at a time")
-        g.add_argument("--speculative-config", type=_json_dict, default=d.speculative_config,
-                       help='e.g. \'{"method": "mtp", "num_speculative_tokens": 3}\'')
-        g.add_argument("--block-size", type=int, default=d.block_size)
-        g.add_argument("--num-kv-blocks", type=int, default=d.num_kv_blocks)
-        g.add_argument("--max-waiting", type=int, default=d.max_waiting)
-        g.add_argument("--seed", type=int, default=d.seed)
-        g.add_argument("--cudagraph-capture-sizes", "--cuda-graph-batch-sizes", type=_int_list, nargs="+",
-                       action=_IntList, default=d.cudagraph_capture_sizes, dest="cudagraph_capture_sizes",
-                       help="batch sizes to capture (on a CPU: to compile), e.g. 1 2 4 8")
-        g.add_argument("--max-cudagraph-capture-size", "--cuda-graph-max-batch-size", type=int,
-                       default=d.max_cudagraph_capture_size, dest="max_cudagraph_capture_size")
-        g.add_argument("--quantization", default=d.quantization, choices=QUANTIZATION_METHODS,
-                       help="weight-only: int8 (per channel) or int4 (group 128) quantizes a float checkpoint "
-                            "while loading; AWQ and GPTQ checkpoints are recognised without it")
-        g.add_argument("--cudagraph-mode", type=str.lower, default=d.cudagraph_mode, choices=CUDAGRAPH_MODES,
-                       help="FULL: every step replays a CUDA graph (steps with prefill chunks bucketed by token "
-                            "count, non-speculative); FULL_DECODE_ONLY: decode and verify steps only")
-        g.add_argument("--cuda-graph-num-warmup-steps", type=int, default=d.cuda_graph_num_warmup_steps,
-                       help="eager runs of each step shape before its CUDA graph is captured")
-        g.add_argument("--engine-core-process", action=argparse.BooleanOptionalAction, default=d.engine_core_process,
-                       help="run the step loop in its own process (default); --no-engine-core-process: "
-                            "in a thread of the server")
-        g.add_argument("--tile-cache-dir", default=d.tile_cache_dir,
-                       help="where `jetserve tune` keeps the matmul tiles it timed on this GPU and software, "
-                            "read at every start before the shipped tile table (default: $JETSERVE_CACHE_DIR/tiles, "
-                            "else $XDG_CACHE_HOME/jetserve/tiles, else ~/.cache/jetserve/tiles); 'none': the "
-                            "shipped table alone")
+        add_flags(parser, EngineArgs, "engine (vLLM's flags)")
         return parser
 
     @classmethod

@@ -122,7 +122,7 @@ def speculative_step(model, kv_cache: torch.Tensor, ids: torch.Tensor, positions
         logits, total = model.draft_logits(step, x, residual)
         column = packed[:, q + 1 + step]
         if step == num_drafts - 1:
-            if model.lm_head._skinny(total) and runs_triton(total):
+            if model.lm_head.skinny(total) and runs_triton(total):
                 from jetserve.engine.model.spec_kernels import argmax_into  # needs Triton
 
                 argmax_into(logits, column)
@@ -346,6 +346,11 @@ class DraftLength:
         new.k_since = -1  # the known times count as measured at k_max
         new.update()  # judged before the first step
         return new
+
+    def start_afresh(self) -> None:
+        """Become `fresh()` in place: how a live engine's draft length meets a new workload (`jetserve
+        bench mtp` between temperatures), by its own method rather than swapped in from outside."""
+        vars(self).update(vars(self.fresh()))
 
     @property
     def priced_out(self) -> bool:

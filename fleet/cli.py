@@ -8,10 +8,41 @@ import logging
 import signal
 import sys
 import threading
+from dataclasses import dataclass
+from typing import Optional
 
 from jetserve import fdbudget
-from jetserve.config import LOG_LEVELS, add_config_flag
-from jetserve.wire.mqtt import add_flags as add_mqtt_flags
+from jetserve.config import add_config_flag, add_flags, log_level_setting, setting
+from jetserve.wire.mqtt import MqttOptions
+
+
+@dataclass
+class FleetOptions:
+    """The controller's settings (`jetserve fleet run`; `status` shares `db` and `fleet`)."""
+
+    db: str = setting("/var/lib/jetserve/fleet.db", "registry: an SQLite file, or postgresql://USER@HOST/DB shared "
+                                                    "by replicas on several hosts (password from ~/.pgpass or "
+                                                    "$PGPASSFILE, never the command line)", metavar="PATH|URL")
+    http: str = setting("127.0.0.1:8080", "read-only HTTP page, API and Prometheus /metrics ('' to disable); "
+                                          "beyond loopback it needs a token and TLS", metavar="HOST:PORT")
+    http_token_file: Optional[str] = setting(None, "bearer token every HTTP request must carry (the file mode 0600)",
+                                             metavar="FILE")
+    http_tls_cert: Optional[str] = setting(None, "serve HTTPS with this certificate chain", metavar="PEM")
+    http_tls_key: Optional[str] = setting(None, "... and this private key", metavar="PEM")
+    http_max_connections: int = setting(
+        1000, "open HTTP connections at most (1..%d; fewer if the file-descriptor limit leaves fewer beside MQTT and "
+              "the database); at the cap an idle one makes room, with none idle a new one gets 503"
+              % fdbudget.MAX_CONNECTIONS, type=int, metavar="N")
+    http_header_timeout: float = setting(
+        10.0, "a connection must send each request within this (at most %g; slowloris)" % fdbudget.MAX_DEADLINE_S,
+        type=float, metavar="SECONDS")
+    share: Optional[str] = setting(None, "join $share/GROUP to split the fleet between replicas", metavar="GROUP")
+    client_id: Optional[str] = setting(None, "MQTT client id (default: jetserve-fleet-<host>)")
+    silence_factor: float = setting(3.0, "offline after this many report intervals without a message", type=float)
+    stall_timeout: float = setting(30.0, "exit (to be restarted) when ingestion is stuck on one step this many "
+                                         "seconds", type=float)
+    log_level: str = log_level_setting()
+    fleet: Optional[str] = setting(None, "only this fleet (default: every fleet)")
 
 
 def register(subparsers):
@@ -20,40 +51,15 @@ def register(subparsers):
     fleet.set_defaults(func=lambda args: fleet.print_help() or 2)
 
     run = commands.add_parser("run", help="subscribe to the fleet, keep the registry, serve HTTP")
-    run.add_argument("--db", default="/var/lib/jetserve/fleet.db", metavar="PATH|URL",
-                     help="registry: an SQLite file, or postgresql://USER@HOST/DB shared by replicas on "
-                          "several hosts (password from ~/.pgpass or $PGPASSFILE, never the command line)")
-    run.add_argument("--http", default="127.0.0.1:8080", metavar="HOST:PORT",
-                     help="read-only HTTP page, API and Prometheus /metrics ('' to disable); beyond loopback it "
-                          "needs a token and TLS")
-    run.add_argument("--http-token-file", metavar="FILE",
-                     help="bearer token every HTTP request must carry (the file mode 0600)")
-    run.add_argument("--http-tls-cert", metavar="PEM", help="serve HTTPS with this certificate chain")
-    run.add_argument("--http-tls-key", metavar="PEM", help="... and this private key")
-    run.add_argument("--http-max-connections", type=int, default=1000, metavar="N",
-                     help="open HTTP connections at most (1..%d; fewer if the file-descriptor limit leaves fewer "
-                          "beside MQTT and the database); at the cap an idle one makes room, with none idle a new "
-                          "one gets 503 (default: %%(default)s)" % fdbudget.MAX_CONNECTIONS)
-    run.add_argument("--http-header-timeout", type=float, default=10.0, metavar="SECONDS",
-                     help="a connection must send each request within this (at most %g; slowloris) "
-                          "(default: %%(default)s)" % fdbudget.MAX_DEADLINE_S)
-    run.add_argument("--share", metavar="GROUP", help="join $share/GROUP to split the fleet between replicas")
-    run.add_argument("--client-id", help="MQTT client id (default: jetserve-fleet-<host>)")
-    run.add_argument("--silence-factor", type=float, default=3.0,
-                     help="offline after this many report intervals without a message")
-    run.add_argument("--stall-timeout", type=float, default=30.0,
-                     help="exit (to be restarted) when ingestion is stuck on one step this many seconds")
-    run.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
-    run.add_argument("--fleet", help="only this fleet (default: every fleet)")
-    add_mqtt_flags(run)
-    add_config_flag(run, "fleet")
+    add_flags(run, FleetOptions)
+    add_flags(run, MqttOptions, "MQTT")
+    add_config_flag(run, "fleet", FleetOptions, MqttOptions)
     run.set_defaults(func=run_controller)
 
     status = commands.add_parser("status", help="print the fleet as a table")
-    status.add_argument("--db", default="/var/lib/jetserve/fleet.db", metavar="PATH|URL")
-    status.add_argument("--fleet", help="only this fleet")
+    add_flags(status, FleetOptions, only=("db", "fleet"))
     status.add_argument("--json", action="store_true")
-    add_config_flag(status, "fleet")
+    add_config_flag(status, "fleet", FleetOptions, MqttOptions)
     status.set_defaults(func=run_status)
 
     send = commands.add_parser("send", help="send a command to a device and print its reply")
@@ -63,8 +69,8 @@ def register(subparsers):
                       help="set-limits argument, e.g. --set max_num_seqs=2")
     send.add_argument("--timeout", type=float, default=10.0)
     send.add_argument("--fleet", default="default", help="fleet of DEVICE when not given as FLEET/DEVICE")
-    add_mqtt_flags(send)
-    add_config_flag(send, "fleet")
+    add_flags(send, MqttOptions, "MQTT")
+    add_config_flag(send, "fleet", FleetOptions, MqttOptions)
     send.set_defaults(func=run_send)
 
 

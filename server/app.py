@@ -12,7 +12,6 @@ import signal
 import threading
 import time
 from contextlib import aclosing
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -26,6 +25,7 @@ from jetserve.server.auth import BearerTokenInterceptor, is_local_peer
 from jetserve.server.errors import RpcError
 from jetserve.server.guard import MAX_MESSAGE_BYTES, MalformedRequestInterceptor
 from jetserve.server.metrics import Metrics
+from jetserve.server.options import ServeOptions
 from jetserve.server.servicer import ControlServicer, InferenceServicer
 from jetserve.v1 import inference_pb2 as pb
 from jetserve.v1 import inference_pb2_grpc as pb_grpc
@@ -53,22 +53,6 @@ HANDSHAKE_TIMEOUT_S = 10.0  # a connection that has not finished its gRPC handsh
 
 class StartError(Exception):
     """The server cannot start (a port in use): one line for the operator, no traceback."""
-
-
-@dataclass
-class ServeOptions:
-    host: str = "127.0.0.1"
-    port: int = 50051  # 0: pick a free one (JetServer.port tells which)
-    unix_socket: str | None = None
-    metrics_port: int = 9400  # 0: no metrics endpoint
-    metrics_host: str = "127.0.0.1"  # plain HTTP without auth: loopback unless asked otherwise
-    openai_port: int = 8000  # OpenAI-compatible HTTP API; 0: off
-    api_key: str | None = None
-    control_api_key: str | None = None  # Control's own token; None: Control only from local peers
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_client_ca: str | None = None  # set: clients must present a certificate it signed (mTLS)
-    drain_grace_period: float = 30.0
 
 
 def _credentials(options: ServeOptions):

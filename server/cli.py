@@ -9,9 +9,9 @@ import os
 import sys
 
 from jetserve import DEMO_MODEL, demo_model_dir
-from jetserve.config import add_config_flag
+from jetserve.config import DEFAULT_ADDRESS, add_config_flag, add_flags, from_args
+from jetserve.server.options import ServeOptions
 
-DEFAULT_TARGET = "127.0.0.1:50051"
 NO_DEMO = ("no --model given, and the demo model is not bundled with this jetserve yet "
            "(expected at %s): pass --model DIR")
 
@@ -21,32 +21,10 @@ def register(subparsers):
         "serve", help="serve a model over gRPC and OpenAI's HTTP API (Type=notify under systemd)",
         description="Serve a model over gRPC (with health and reflection) and an OpenAI-compatible HTTP API, "
                     "with Prometheus metrics.")
-    add_config_flag(serve, "serve")
-    has_engine = _add_engine_flags(serve)
-    net = serve.add_argument_group("service")
-    net.add_argument("--host", default="127.0.0.1", help="address of every listener (default: %(default)s)")
-    net.add_argument("--port", type=int, default=50051, help="gRPC port, 0 = any free one (default: %(default)s)")
-    net.add_argument("--openai-port", type=int, default=8000,
-                     help="OpenAI-compatible HTTP API port (/v1/completions, /v1/chat/completions, /v1/models, "
-                          "/health), 0 = off (default: %(default)s, vLLM's)")
-    net.add_argument("--unix-socket", metavar="PATH", help="also listen on this Unix socket (local clients)")
-    net.add_argument("--metrics-port", type=int, default=9400,
-                     help="Prometheus endpoint port, 0 = off (default: %(default)s)")
-    net.add_argument("--api-key", help="require 'authorization: Bearer KEY' (visible in ps: prefer --api-key-file)")
-    net.add_argument("--api-key-file", metavar="FILE", help="read the bearer token from the first line of FILE "
-                                                            "(mode 600: a file others can read is refused)")
-    net.add_argument("--control-api-key-file", metavar="FILE",
-                     help="ControlService's own token (drain, limits); without it Control is served to local "
-                          "peers only (Unix socket, loopback), never on the inference token")
-    net.add_argument("--metrics-host", default="127.0.0.1",
-                     help="address of the plain-HTTP metrics endpoint (default: %(default)s)")
-    net.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate chain (needs --tls-key)")
-    net.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert")
-    net.add_argument("--tls-client-ca", metavar="PEM", help="require client certificates signed by this CA (mTLS)")
-    net.add_argument("--drain-grace-period", type=float, default=30.0, metavar="SECONDS",
-                     help="on SIGTERM, how long open streams may finish (default: %(default)s)")
-    net.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
-    if has_engine:
+    engine_args = _add_engine_flags(serve)
+    add_flags(serve, ServeOptions, "service")
+    add_config_flag(serve, "serve", ServeOptions, *[engine_args] if engine_args else [])
+    if engine_args:
         serve.set_defaults(func=run_serve)
 
     generate = subparsers.add_parser("generate", help="complete a prompt on a running server, streamed")
@@ -63,7 +41,8 @@ def register(subparsers):
 
 def _add_engine_flags(parser):
     """vLLM's engine flags, as the engine defines them. On a device without the engine (agent
-    only) `serve` is still listed, and running it says which module is missing."""
+    only) `serve` is still listed, and running it says which module is missing. Returns
+    `EngineArgs`, or None without the engine."""
     try:
         from jetserve.engine.config import EngineArgs
     except ModuleNotFoundError as exc:
@@ -74,13 +53,13 @@ def _add_engine_flags(parser):
 
         parser.description += " (Not available here: Python module %r is not installed.)" % exc.name
         parser.set_defaults(func=engine_missing)
-        return False
+        return None
     EngineArgs.add_cli_args(parser)
-    return True
+    return EngineArgs
 
 
 def _add_client_flags(parser):
-    parser.add_argument("--target", default=DEFAULT_TARGET,
+    parser.add_argument("--target", default=DEFAULT_ADDRESS,
                         help="server address, host:port or unix:/path (default: %(default)s)")
     parser.add_argument("--api-key", default=os.environ.get("JETSERVE_API_KEY"),
                         help="bearer token (default: $JETSERVE_API_KEY)")
@@ -123,18 +102,13 @@ def run_serve(args):
     import asyncio
 
     from jetserve.engine import EngineArgs, open_engine
-    from jetserve.server.app import ServeOptions, StartError, serve
+    from jetserve.server.app import StartError, serve
     from jetserve.server.auth import read_token
 
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
     engine_args = apply_compat_gate(EngineArgs.from_cli_args(args))
-    options = ServeOptions(
-        host=args.host, port=args.port, unix_socket=args.unix_socket, metrics_port=args.metrics_port,
-        metrics_host=args.metrics_host, openai_port=args.openai_port,
-        api_key=read_token(args.api_key, args.api_key_file),
-        control_api_key=read_token(None, args.control_api_key_file, "--control-api-key-file"),
-        tls_cert=args.tls_cert, tls_key=args.tls_key,
-        tls_client_ca=args.tls_client_ca, drain_grace_period=args.drain_grace_period)
+    options = from_args(ServeOptions, args, api_key=read_token(args.api_key, args.api_key_file),
+                        control_api_key=read_token(None, args.control_api_key_file, "--control-api-key-file"))
     try:
         return asyncio.run(serve(lambda on_status: open_engine(engine_args.resolve(), on_status=on_status), options))
     except StartError as exc:

@@ -1,4 +1,4 @@
-"""How a client reaches the broker: `MqttOptions` (one dataclass, filled from the CLI flags) and
+"""How a client reaches the broker: `MqttOptions` (one dataclass, the CLI flags made from it) and
 one way to build a paho-mqtt 2.x client (MQTT v5, callback API 2) from it.
 
 Shared by the agent, the fleet controller and `jetserve fleet send`, so TLS and credentials work
@@ -14,6 +14,8 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
+from jetserve.config import from_args, setting
+
 
 class MqttConfigError(RuntimeError):
     pass
@@ -21,44 +23,30 @@ class MqttConfigError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class MqttOptions:
-    host: str = "127.0.0.1"
-    port: int = 1883
-    user: Optional[str] = None
-    password: Optional[str] = None
-    password_file: Optional[str] = None
-    tls: bool = False
-    ca: Optional[str] = None
-    cert: Optional[str] = None
-    key: Optional[str] = None
-    keepalive: int = 30
+    """The broker connection settings of every command that connects (flags `--mqtt-host`, ...)."""
+
+    host: str = setting("127.0.0.1", name="mqtt_host")
+    port: int = setting(1883, name="mqtt_port", type=int)
+    user: Optional[str] = setting(None, "username (a device's is FLEET/DEVICE under the shipped ACL)",
+                                  name="mqtt_user")
+    password: Optional[str] = setting(None, "password (prefer --mqtt-password-file)", name="mqtt_password")
+    password_file: Optional[str] = setting(None, "file holding the password", name="mqtt_password_file")
+    tls: bool = setting(False, "TLS with the system CAs", name="mqtt_tls", action="store_true")
+    ca: Optional[str] = setting(None, "CA bundle for TLS (implies --mqtt-tls)", name="mqtt_ca")
+    cert: Optional[str] = setting(None, "client certificate for TLS", name="mqtt_cert")
+    key: Optional[str] = setting(None, "client key for TLS", name="mqtt_key")
+    keepalive: int = setting(30, "MQTT keepalive in seconds; the broker declares us dead after 1.5x",
+                             name="keepalive", type=int)
 
     @classmethod
     def from_args(cls, args):
-        """The options from a namespace filled by `add_flags` (`--mqtt-host` → `host`, ...)."""
-        return cls(host=args.mqtt_host, port=args.mqtt_port, user=args.mqtt_user,
-                   password=args.mqtt_password, password_file=args.mqtt_password_file,
-                   tls=args.mqtt_tls or bool(args.mqtt_ca), ca=args.mqtt_ca, cert=args.mqtt_cert,
-                   key=args.mqtt_key, keepalive=args.keepalive)
+        """The options from a namespace filled by `add_flags(parser, MqttOptions)`."""
+        options = from_args(cls, args)
+        return dataclasses.replace(options, tls=options.tls or bool(options.ca))
 
     @property
     def address(self):
         return "%s:%s" % (self.host, self.port)
-
-
-def add_flags(parser):
-    """The broker connection flags that fill `MqttOptions`, for every command that connects."""
-    group = parser.add_argument_group("MQTT")
-    group.add_argument("--mqtt-host", default=MqttOptions.host)
-    group.add_argument("--mqtt-port", type=int, default=MqttOptions.port)
-    group.add_argument("--mqtt-user", help="username (a device's is FLEET/DEVICE under the shipped ACL)")
-    group.add_argument("--mqtt-password", help="password (prefer --mqtt-password-file)")
-    group.add_argument("--mqtt-password-file", help="file holding the password")
-    group.add_argument("--mqtt-tls", action="store_true", help="TLS with the system CAs")
-    group.add_argument("--mqtt-ca", help="CA bundle for TLS (implies --mqtt-tls)")
-    group.add_argument("--mqtt-cert", help="client certificate for TLS")
-    group.add_argument("--mqtt-key", help="client key for TLS")
-    group.add_argument("--keepalive", type=int, default=MqttOptions.keepalive,
-                       help="MQTT keepalive in seconds; the broker declares us dead after 1.5x")
 
 
 def new_client(client_id, options, manual_ack=False):

@@ -274,7 +274,7 @@ DOT_MIN_ROWS = 16  # tl.dot's smallest tile: from here every product runs on ten
 
 
 @triton.jit
-def _input_chunk(x_ptr, res_ptr, res_out_ptr, rows, cols, mask, K: tl.constexpr, STORE_SUM, ADD: tl.constexpr,
+def input_chunk(x_ptr, res_ptr, res_out_ptr, rows, cols, mask, K: tl.constexpr, STORE_SUM, ADD: tl.constexpr,
                  SILU: tl.constexpr, dtype: tl.constexpr):
     """Columns `cols` of the product's input rows before any norm: x, x + residual (stored to
     res_out when STORE_SUM), or SiLU(gate) * up, rounded like the torch path (silu_mul, rms_norm)."""
@@ -294,21 +294,21 @@ def _input_chunk(x_ptr, res_ptr, res_out_ptr, rows, cols, mask, K: tl.constexpr,
 
 
 @triton.jit
-def _row_inv_rms(x_ptr, res_ptr, res_out_ptr, rows, row_mask, K: tl.constexpr, eps, ADD: tl.constexpr,
+def row_inv_rms(x_ptr, res_ptr, res_out_ptr, rows, row_mask, K: tl.constexpr, eps, ADD: tl.constexpr,
                  SILU: tl.constexpr, dtype: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """1 / RMS of each input row (after the prologue's add or SiLU·up): a first pass over K, for
     inputs too wide to keep in registers until the norm is known."""
     ss = tl.zeros([BLOCK_M], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
-        h = _input_chunk(x_ptr, res_ptr, res_out_ptr, rows, cols, row_mask[:, None] & (cols < K)[None, :],
+        h = input_chunk(x_ptr, res_ptr, res_out_ptr, rows, cols, row_mask[:, None] & (cols < K)[None, :],
                          K, False, ADD, SILU, dtype).to(tl.float32)
         ss += tl.sum(h * h, axis=1)
     return tl.rsqrt(ss / K + eps)
 
 
 @triton.jit
-def _normalized(a, inv, norm_w_ptr, cols, k_mask, dtype: tl.constexpr):
+def normalized(a, inv, norm_w_ptr, cols, k_mask, dtype: tl.constexpr):
     y = (a.to(tl.float32) * inv[:, None]).to(dtype)
     nw = tl.load(norm_w_ptr + cols, mask=k_mask, other=0.0)
     return (nw.to(tl.float32)[None, :] * y.to(tl.float32)).to(dtype)
@@ -345,16 +345,16 @@ def _skinny_matmul_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, out_ptr, res_out_pt
     if K_SPLIT <= BLOCK_K:  # the program's columns in one tile
         cols = k_lo + tl.arange(0, BLOCK_K)
         k_mask = cols < k_hi
-        a = _input_chunk(x_ptr, res_ptr, res_out_ptr, rows, cols, row_mask[:, None] & k_mask[None, :], K, pid == 0,
+        a = input_chunk(x_ptr, res_ptr, res_out_ptr, rows, cols, row_mask[:, None] & k_mask[None, :], K, pid == 0,
                          ADD, SILU, dtype)
         if NORM:
             if K_SPLIT >= K:  # the tile is the whole row
                 af = a.to(tl.float32)
                 inv = tl.rsqrt(tl.sum(af * af, axis=1) / K + eps)
             else:
-                inv = _row_inv_rms(x_ptr, res_ptr, res_out_ptr, rows, row_mask, K, eps, ADD, SILU, dtype, BLOCK_M,
+                inv = row_inv_rms(x_ptr, res_ptr, res_out_ptr, rows, row_mask, K, eps, ADD, SILU, dtype, BLOCK_M,
                                    BLOCK_K)
-            a = _normalized(a, inv, norm_w_ptr, cols, k_mask, dtype)
+            a = normalized(a, inv, norm_w_ptr, cols, k_mask, dtype)
         if DOT:
             acc = _dot(a, w, IEEE)
         else:
@@ -362,7 +362,7 @@ def _skinny_matmul_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, out_ptr, res_out_pt
     else:
         inv = tl.zeros([BLOCK_M], tl.float32)
         if NORM:  # first pass: each row's mean square
-            inv = _row_inv_rms(x_ptr, res_ptr, res_out_ptr, rows, row_mask, K, eps, ADD, SILU, dtype, BLOCK_M,
+            inv = row_inv_rms(x_ptr, res_ptr, res_out_ptr, rows, row_mask, K, eps, ADD, SILU, dtype, BLOCK_M,
                                BLOCK_K)
         if DOT:
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -442,10 +442,10 @@ def _prologue(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, rows, row_mask, k0, k_hi,
     """Columns [k0, k0 + BLOCK_K) of the product's input after its prologue (`inv`: each row's 1 / RMS)."""
     cols = k0 + tl.arange(0, BLOCK_K)
     k_mask = cols < k_hi
-    a = _input_chunk(x_ptr, res_ptr, res_out_ptr, rows, cols, row_mask[:, None] & k_mask[None, :], K, store_sum,
+    a = input_chunk(x_ptr, res_ptr, res_out_ptr, rows, cols, row_mask[:, None] & k_mask[None, :], K, store_sum,
                      ADD, SILU, dtype)
     if NORM:
-        a = _normalized(a, inv, norm_w_ptr, cols, k_mask, dtype)
+        a = normalized(a, inv, norm_w_ptr, cols, k_mask, dtype)
     return a
 
 
@@ -515,7 +515,7 @@ def with_pdl(tiles: list[Tile], pdl: bool) -> list[Tile]:
     return [t._replace(pdl=True) for t in tiles] + [t for t in tiles if t.split_k == 1 and not t.apart]
 
 
-def _torch_variant(prologue, x, weight, residual, norm_weight, eps):
+def torch_variant(prologue, x, weight, residual, norm_weight, eps):
     """The same computation as separate kernels: the elementwise kernel, then cuBLAS."""
     if prologue == SILU_MUL:
         return torch.nn.functional.linear(silu_mul(x), weight)
@@ -547,7 +547,7 @@ def split_k(k: int, tile: Tile, unit: int) -> tuple[int, int]:
 
 def _run(tile, prologue, x, weight, residual, norm_weight, eps):
     if tile is None:
-        return _torch_variant(prologue, x, weight, residual, norm_weight, eps)
+        return torch_variant(prologue, x, weight, residual, norm_weight, eps)
     if tile.apart and prologue != PLAIN:
         return run_apart(lambda y: _run(tile, PLAIN, y, weight, None, None, eps), prologue, x, residual,
                          norm_weight, eps, tile.pdl)
@@ -589,7 +589,7 @@ def graph_time(calls: list[Callable[[], object]], repeat: int = 8) -> float:
     return start.elapsed_time(end) / (3 * repeat * len(calls))
 
 
-def _cold_copies(weight: torch.Tensor) -> list[torch.Tensor]:
+def cold_copies(weight: torch.Tensor) -> list[torch.Tensor]:
     """The weight, plus scratch copies of its shape until together they pass twice the L2
     cache (at most 16 in all): timed in turn, each is read from memory like in a step, not
     from L2."""
@@ -685,7 +685,7 @@ class FusedKernels:
         with parallel_compile.compile_only():  # every candidate's compile at once
             for t in tiles[1:]:
                 _run(t, prologue, x, weight, residual, norm_weight, eps)
-        weights = _cold_copies(weight)
+        weights = cold_copies(weight)
         times = [self._time([lambda w=w, t=t: _run(t, prologue, x, w, residual, norm_weight, eps) for w in weights])
                  for t in tiles]
         self._record(key, tiles, times)

@@ -30,7 +30,7 @@ def torch_dtype(name: str) -> torch.dtype:
         raise ValueError(f"dtype must be one of {', '.join(_DTYPES)} (or auto), got {name!r}") from None
 
 
-def _block_sources(prefix: str) -> dict[str, list[str]]:
+def block_sources(prefix: str) -> dict[str, list[str]]:
     """Our decoder-block parameter → the checkpoint tensors it is made of (concatenated)."""
     attn, mlp = f"{prefix}.self_attn", f"{prefix}.mlp"
     return {
@@ -57,7 +57,7 @@ def _mtp_sources(ckpt: Checkpoint, cfg: ModelConfig, j: int) -> dict[str, list[s
         sources = {name: [f"mtp.{name}"] for name in
                    ("fc.weight", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight", "norm.weight")}
         block = f"mtp.layers.{j}"
-    sources.update({f"block.{k}": v for k, v in _block_sources(block).items()})
+    sources.update({f"block.{k}": v for k, v in block_sources(block).items()})
     return sources
 
 
@@ -66,7 +66,7 @@ def parameter_sources(ckpt: Checkpoint, cfg: ModelConfig) -> dict[str, list[str]
     if not cfg.tie_word_embeddings:
         sources["lm_head.weight"] = ["lm_head.weight"]
     for i in range(cfg.num_hidden_layers):
-        sources.update({f"layers.{i}.{k}": v for k, v in _block_sources(f"model.layers.{i}").items()})
+        sources.update({f"layers.{i}.{k}": v for k, v in block_sources(f"model.layers.{i}").items()})
     for j in range(cfg.num_mtp_layers):
         sources.update({f"mtp.{j}.{k}": v for k, v in _mtp_sources(ckpt, cfg, j).items()})
     return sources

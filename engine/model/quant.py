@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from jetserve.engine.config import QuantizationConfig
 from jetserve.engine.model.checkpoint import Checkpoint, CheckpointError
-from jetserve.engine.model.qwen3 import _KernelUser
+from jetserve.engine.model.qwen3 import KernelUser
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ puts output column 8j + AWQ_ORDER[i] in nibble i of word j
 _AWQ_UNORDER = tuple(AWQ_ORDER.index(c) for c in range(8))
@@ -177,7 +177,7 @@ def _check_g_idx(ckpt: Checkpoint, prefix: str, part: QuantizedWeight) -> None:
                               "not supported yet: re-export with desc_act=false")
 
 
-class QuantLinear(_KernelUser):
+class QuantLinear(KernelUser):
     """A bias-free projection with quantized weights. A few rows on CUDA take the fused kernel
     (through the model's kernels, like `Linear`); anything else dequantizes and multiplies."""
 
@@ -207,7 +207,7 @@ class QuantLinear(_KernelUser):
             self.zeros.copy_(w.zeros)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._skinny(x):
+        if self.skinny(x):
             return self.kernels.linear(x, self.weight)
         return F.linear(x, dequantize(self.weight, x.dtype))
 

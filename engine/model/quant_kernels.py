@@ -1,7 +1,7 @@
 """W8A16 and W4A16 skinny matmuls: model/kernels.py's decode-path product over quantized weights.
 
 The same fusion as the float kernel (RMSNorm, residual add + RMSNorm or SiLU·up before the
-product, see `_input_chunk`), but the weights arrive as int32 words of packed 8- or 4-bit
+product, see `input_chunk`), but the weights arrive as int32 words of packed 8- or 4-bit
 integers in quant.py's span layout and are dequantized in registers, exactly (q - z) * s in
 fp32 as `quant.dequantize` computes it, so the two differ only in reduction order. Decode on a
 GPU, a Jetson most of all, is bound by the bytes of weights read a token: INT8 halves them, INT4
@@ -18,9 +18,9 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from jetserve.engine.model import parallel_compile
-from jetserve.engine.model.kernels import (ADD_NORM, NORM, PLAIN, SILU_MUL, FusedKernels, Tile, _cold_copies,
-                                           _input_chunk, _normalized, _row_inv_rms, _torch_variant, launch,
-                                           pdl_supported, run_apart, split_k, sum_splits, with_pdl)
+from jetserve.engine.model.kernels import (ADD_NORM, NORM, PLAIN, SILU_MUL, FusedKernels, Tile, cold_copies,
+                                           input_chunk, launch, normalized, pdl_supported, row_inv_rms, run_apart,
+                                           split_k, sum_splits, torch_variant, with_pdl)
 from jetserve.engine.model.quant import QuantizedWeight, dequantize, span
 
 
@@ -79,7 +79,7 @@ def _quant_skinny_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_p
         gdc_launch_dependents()
         gdc_wait()
     if NORM:  # first pass: each row's mean square
-        inv = _row_inv_rms(x_ptr, res_ptr, res_out_ptr, rows, row_mask, K, eps, ADD, SILU, dtype, BLOCK_M,
+        inv = row_inv_rms(x_ptr, res_ptr, res_out_ptr, rows, row_mask, K, eps, ADD, SILU, dtype, BLOCK_M,
                            NORM_BLOCK)
     acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_W], tl.float32)
     a_sum = tl.zeros([BLOCK_M, BLOCK_W], tl.float32)
@@ -101,10 +101,10 @@ def _quant_skinny_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_p
         for i in tl.static_range(FIELDS):
             cols = w0 * FIELDS + field0 + i * 16
             k_mask = (cols < K) | EVEN
-            a = _input_chunk(x_ptr, res_ptr, res_out_ptr, rows, cols, row_mask[:, None] & k_mask[None, :], K,
+            a = input_chunk(x_ptr, res_ptr, res_out_ptr, rows, cols, row_mask[:, None] & k_mask[None, :], K,
                              pid == 0, ADD, SILU, dtype)
             if NORM:
-                a = _normalized(a, inv, norm_w_ptr, cols, k_mask, dtype)
+                a = normalized(a, inv, norm_w_ptr, cols, k_mask, dtype)
             a = a.to(tl.float32)
             # Field i masked where it lies in its half word: q * 2**place exactly, no shift a weight;
             # its activation takes the 2**-place instead (exact, a power of two). The masks come from
@@ -182,9 +182,9 @@ def _gemv_tile(acc, cur, scale, zero, w0, x_ptr, res_ptr, res_out_ptr, norm_w_pt
     high = cur >> 16  # the upper half word's fields, moved down once a word
     for i in tl.static_range(FIELDS):
         cols = w0 * FIELDS + field0 + i * 16
-        a = _input_chunk(x_ptr, res_ptr, res_out_ptr, one, cols, (cols < K)[None, :], K, store_sum, ADD, SILU, dtype)
+        a = input_chunk(x_ptr, res_ptr, res_out_ptr, one, cols, (cols < K)[None, :], K, store_sum, ADD, SILU, dtype)
         if NORM:
-            a = _normalized(a, inv, norm_w_ptr, cols, cols < K, dtype)
+            a = normalized(a, inv, norm_w_ptr, cols, cols < K, dtype)
         a = a.to(tl.float32)
         place = (i % (FIELDS // 2)) * BITS  # field i masked where it lies: q * 2**place, its input * 2**-place
         if i < FIELDS // 2:
@@ -233,7 +233,7 @@ def _quant_gemv_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_ptr
         gdc_wait()
     inv = tl.zeros([1], tl.float32)
     if NORM:  # first pass: the row's mean square
-        inv = _row_inv_rms(x_ptr, res_ptr, res_out_ptr, one, one < 1, K, eps, ADD, SILU, dtype, 1, NORM_BLOCK)
+        inv = row_inv_rms(x_ptr, res_ptr, res_out_ptr, one, one < 1, K, eps, ADD, SILU, dtype, 1, NORM_BLOCK)
     acc = tl.zeros([BLOCK_N, BLOCK_W], tl.float32)
     a_total = tl.zeros([1, BLOCK_W], tl.float32)
     for w0 in range(w_lo, w_last, BLOCK_W):
@@ -310,7 +310,7 @@ def quant_matmul(tile, prologue, x, weight: QuantizedWeight, residual=None, norm
     """The fused kernel in `tile` (with the partial sums' addition where it splits K, after the
     prologue's own kernel where it runs apart); None: dequantize and take the float path."""
     if tile is None:
-        return _torch_variant(prologue, x, dequantize(weight, x.dtype), residual, norm_weight, eps)
+        return torch_variant(prologue, x, dequantize(weight, x.dtype), residual, norm_weight, eps)
     if tile.apart and prologue != PLAIN:
         return run_apart(lambda y: quant_matmul(tile, PLAIN, y, weight), prologue, x, residual, norm_weight, eps,
                          tile.pdl)
@@ -367,18 +367,7 @@ class QuantFusedKernels(FusedKernels):
         with parallel_compile.compile_only():  # every candidate's compile at once
             for t in tiles:
                 quant_matmul(t, prologue, x, weight, residual, norm_weight, eps)
-        copies = [weight._replace(qweight=q) for q in _cold_copies(weight.qweight)]
-        times = [self._time([lambda w=w, t=t: quant_matmul(t, prologue, x, w, residual, norm_weight, eps)
-                             for w in copies]) for t in tiles]
-        self._record(key, tiles, times)
-        return self.chosen[key]
-        if not tuned or torch.cuda.is_current_stream_capturing():
-            self.chosen[key] = tiles[0] if tiles else None
-            return self.chosen[key]
-        with parallel_compile.compile_only():  # every candidate's compile at once
-            for t in tiles:
-                quant_matmul(t, prologue, x, weight, residual, norm_weight, eps)
-        copies = [weight._replace(qweight=q) for q in _cold_copies(weight.qweight)]
+        copies = [weight._replace(qweight=q) for q in cold_copies(weight.qweight)]
         times = [self._time([lambda w=w, t=t: quant_matmul(t, prologue, x, w, residual, norm_weight, eps)
                              for w in copies]) for t in tiles]
         self._record(key, tiles, times)

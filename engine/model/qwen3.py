@@ -12,23 +12,21 @@ is plain torch and exact.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from jetserve.engine.config import ModelConfig
+from jetserve.engine.config import TRITON_INTERPRET, ModelConfig
 from jetserve.engine.model.attention import AttentionMetadata, causal_attention, paged_attention
 
 
 def runs_triton(x: torch.Tensor) -> bool:
     """Whether a speculative step's own Triton kernels (spec_kernels.py) take x: CUDA tensors, or
     CPU ones under Triton's interpreter (tests); not the compiled CPU steps' kernels."""
-    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    return x.is_cuda or TRITON_INTERPRET
 
 
-class _KernelUser(nn.Module):
+class KernelUser(nn.Module):
     """A module that takes the fused kernels when the model was given them (`use_kernels`)."""
 
     kernels = None  # FusedKernels, or None: plain torch
@@ -37,13 +35,13 @@ class _KernelUser(nn.Module):
         """Whether x takes the Triton kernels: on CUDA, and not training (they have no backward)."""
         return self.kernels is not None and self.kernels.runs_on(x) and not torch.is_grad_enabled()
 
-    def _skinny(self, x: torch.Tensor) -> bool:
+    def skinny(self, x: torch.Tensor) -> bool:
         """Whether x is a few rows (a decode or verify step), where each product streams its
         weight once through a fused Triton kernel."""
         return self._fused(x) and x.dim() == 2 and x.shape[0] <= self.kernels.SKINNY_MAX_ROWS
 
 
-class RMSNorm(_KernelUser):
+class RMSNorm(KernelUser):
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
@@ -62,20 +60,20 @@ class RMSNorm(_KernelUser):
         return y if residual is None else (y, x)
 
 
-class Linear(nn.Linear, _KernelUser):
+class Linear(nn.Linear, KernelUser):
     """nn.Linear without bias; a few rows on CUDA take the skinny Triton matmul."""
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__(in_features, out_features, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.linear(x, self.weight) if self._skinny(x) else super().forward(x)
+        return self.kernels.linear(x, self.weight) if self.skinny(x) else super().forward(x)
 
 
 def norm_linear(norm: RMSNorm, linear: Linear, x: torch.Tensor, residual: torch.Tensor | None):
     """(linear(norm(x + residual)), x + residual); no residual: (linear(norm(x)), x). One kernel
     for a few rows on CUDA."""
-    if linear._skinny(x):
+    if linear.skinny(x):
         return linear.kernels.norm_linear(x, residual, norm.weight, norm.eps, linear.weight)
     if residual is None:
         return linear(norm(x)), x
@@ -116,7 +114,7 @@ def apply_rope(x, cos, sin):
     return x * cos + _rotate_half(x) * sin
 
 
-class Attention(_KernelUser):
+class Attention(KernelUser):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -158,7 +156,7 @@ class Attention(_KernelUser):
         return self.o_proj(out.flatten(-2))
 
 
-class MLP(_KernelUser):
+class MLP(KernelUser):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
@@ -166,7 +164,7 @@ class MLP(_KernelUser):
 
     def forward(self, gate_up):
         """From the gate|up projection of the normed input (made by the layer, like qkv)."""
-        if self._skinny(gate_up):
+        if self.skinny(gate_up):
             return self.kernels.silu_linear(gate_up, self.down_proj.weight)
         if self._fused(gate_up):
             return self.down_proj(self.kernels.silu_mul(gate_up))
@@ -235,7 +233,7 @@ class Qwen3ForCausalLM(nn.Module):
     def use_kernels(self, kernels) -> None:
         """Run on these fused kernels (a `FusedKernels`), or on plain torch (None)."""
         for module in self.modules():
-            if isinstance(module, _KernelUser):
+            if isinstance(module, KernelUser):
                 module.kernels = kernels
 
     @property
@@ -267,7 +265,7 @@ class Qwen3ForCausalLM(nn.Module):
         `hidden_norm`: `hidden` is the previous MTP layer's output before its final norm (x +
         residual), normed here. One kernel on CUDA (spec_kernels.draft_input)."""
         layer = self.mtp[step % len(self.mtp)]
-        if layer.fc._skinny(hidden) and runs_triton(hidden):
+        if layer.fc.skinny(hidden) and runs_triton(hidden):
             from jetserve.engine.model.spec_kernels import draft_input  # needs Triton
 
             return draft_input(tokens, hidden, self.embed_tokens.weight, layer.pre_fc_norm_embedding,
@@ -286,7 +284,7 @@ class Qwen3ForCausalLM(nn.Module):
         """(logits over the first draft_vocab_size ids, x + residual) from MTP layer step % n's
         output: its final norm fused into the draft head's projection (see draft_tokens)."""
         norm, weight = self.mtp[step % len(self.mtp)].norm, self.lm_head.weight[:self.draft_vocab_size]
-        if self.lm_head._skinny(x):
+        if self.lm_head.skinny(x):
             return self.lm_head.kernels.norm_linear(x, residual, norm.weight, norm.eps, weight)
         h, total = norm(x, residual)
         return F.linear(h, weight), total
@@ -301,6 +299,6 @@ class Qwen3ForCausalLM(nn.Module):
         BPE vocabulary ids follow merge order, roughly frequency, so the first ids hold most
         tokens (FR-Spec's frequency-ranked drafting). Verification still uses every id: lossless."""
         weight = self.lm_head.weight[:self.draft_vocab_size]  # leading rows: a contiguous view
-        logits = (self.lm_head.kernels.linear(hidden, weight) if self.lm_head._skinny(hidden)
+        logits = (self.lm_head.kernels.linear(hidden, weight) if self.lm_head.skinny(hidden)
                   else F.linear(hidden, weight))
         return logits.argmax(dim=-1)

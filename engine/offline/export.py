@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from jetserve.engine.model.loader import _block_sources
+from jetserve.engine.model.loader import block_sources
 
 
 def _block_tensors(block: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
@@ -18,7 +18,7 @@ def _block_tensors(block: nn.Module, prefix: str) -> dict[str, torch.Tensor]:
     splits = {"self_attn.qkv_proj.weight": [attn.q_size, attn.kv_size, attn.kv_size],
               "mlp.gate_up_proj.weight": None}
     out = {}
-    for ours, theirs in _block_sources(prefix).items():
+    for ours, theirs in block_sources(prefix).items():
         tensor = params[ours].detach()
         if len(theirs) == 1:
             out[theirs[0]] = tensor

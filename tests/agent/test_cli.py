@@ -1,9 +1,12 @@
 """Bad input gives a clear message, never a traceback."""
 
+import os
+import socket
 import subprocess
 import sys
 
-from tests.agent.conftest import REPO
+from jetserve.config import set_defaults_from_file
+from tests.agent.conftest import REPO, SYSROOTS
 
 
 def jetserve(*args):
@@ -29,3 +32,85 @@ def test_config_file_values_become_defaults(tmp_path):
     conf.write_text("[agent]\nsysroot = '/definitely/not/here'\n")
     out = jetserve("agent", "--config", conf, "--state-dir", tmp_path)
     assert out.returncode == 1 and b"/definitely/not/here" in out.stdout
+
+
+def test_help_shows_the_defaults():
+    out = jetserve("agent", "--help")
+    text = b" ".join(out.stdout.split())  # argparse wraps the help
+    assert out.returncode == 0
+    for expected in (b"--interval INTERVAL seconds between health reports (default: 10.0)",
+                     b"(default: 127.0.0.1:50051)", b"trip (default: 5.0)", b"--mqtt-port MQTT_PORT (default: 1883)"):
+        assert expected in text, text.decode()
+
+
+def test_the_outbox_is_the_services_state_or_the_users():
+    from jetserve.agent.cli import SERVICE_STATE_DIR, default_state_dir
+
+    systemd = {"STATE_DIRECTORY": "/var/lib/jetserve-agent", "HOME": "/home/u"}
+    assert default_state_dir(systemd, euid=999) == "/var/lib/jetserve-agent"  # User=jetserve, StateDirectory=
+    assert default_state_dir({"HOME": "/root"}, euid=0) == SERVICE_STATE_DIR
+    assert default_state_dir({"HOME": "/home/u"}, euid=1000) == "/home/u/.local/state/jetserve-agent"
+    assert default_state_dir({"HOME": "/home/u", "XDG_STATE_HOME": "/x"}, euid=1000) == "/x/jetserve-agent"
+
+
+def test_once_without_a_broker_says_so_at_once(tmp_path):
+    """The warning comes from the failed connect, while --once still waits (60 s) for the broker."""
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = ["agent", "--once", "--once-timeout", "60", "--mqtt-port", port, "--state-dir", tmp_path,
+            "--sysroot", os.path.join(SYSROOTS, "x86-host"), "--no-jtop", "--service-timeout", "1"]
+    proc = subprocess.Popen([sys.executable, "-m", "jetserve.cli"] + [str(a) for a in args], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        lines = []
+        for line in proc.stdout:  # until the warning, else until the agent gives up and exits
+            lines.append(line)
+            if b"no broker reachable at 127.0.0.1:%d" % port in line:
+                break
+        said = lines and b"no broker reachable" in lines[-1]
+        assert said and proc.poll() is None, b"".join(lines).decode()  # said while it still waits
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_the_flags_and_the_toml_keys_are_the_same_settings(tmp_path):
+    """Every flag of a configurable command but the command's own (--once, --json, ...) is a key of
+    its table, and the parsed defaults are the dataclasses' own."""
+    from jetserve.agent.cli import AgentOptions
+    from jetserve.agent.thermal import ThermalPolicy
+    from jetserve.cli import build_parser
+    from jetserve.config import from_args
+    from jetserve.wire.mqtt import MqttOptions
+
+    parser = build_parser()
+    own = {"config", "once", "json", "set", "timeout", "device", "command",  # the commands' own
+           "func", "config_parser", "config_table", "config_keys", "fleet_command"}  # set_defaults'
+    for argv in (["agent"], ["doctor"], ["fleet", "run"], ["fleet", "status"], ["fleet", "send", "d", "drain"]):
+        args = parser.parse_args(argv)
+        flags = set(vars(args)) - own
+        assert flags <= set(args.config_keys), (argv, flags - set(args.config_keys))
+    args = parser.parse_args(["agent"])
+    assert from_args(AgentOptions, args) == AgentOptions() and from_args(ThermalPolicy, args) == ThermalPolicy()
+    assert MqttOptions.from_args(args) == MqttOptions()
+    conf = tmp_path / "jetserve.toml"
+    conf.write_text("[agent]\npassive-margin = 7.5\nmqtt_host = 'broker.lan'\nfleet = 'lab'\nlog-level = 'debug'\n")
+    argv = ["agent", "--config", str(conf), "--fleet", "field"]
+    args = parser.parse_args(argv)
+    set_defaults_from_file(args.config_parser, args.config, args.config_table)
+    args = parser.parse_args(argv)
+    assert (args.passive_margin, args.mqtt_host, args.fleet, args.log_level) == (7.5, "broker.lan", "field", "DEBUG")
+    doctor = parser.parse_args(["doctor", "--config", str(conf)])  # the shared [agent] table is not refused
+    set_defaults_from_file(doctor.config_parser, doctor.config, doctor.config_table)
+
+
+def test_log_level_is_any_case_and_checked():
+    from jetserve.cli import build_parser
+
+    parser = build_parser()
+    for argv in (["serve", "--log-level", "debug"], ["agent", "--log-level", "Warning"],
+                 ["fleet", "run", "--log-level", "error"]):
+        assert parser.parse_args(argv).log_level == argv[-1].upper()
+    out = jetserve("agent", "--log-level", "verbose", "--state-dir", "/nonexistent")
+    assert out.returncode == 2 and b"invalid choice: 'verbose'" in out.stdout, out.stdout

@@ -9,6 +9,7 @@ import pytest
 from jetserve.device.probe import ProbeError, probe
 from jetserve.device.release import parse_nv_tegra_release
 from tests.agent.conftest import REPO, SYSROOTS, copy_sysroot
+from tests.tools import require_module
 
 
 def fixture(name):
@@ -111,7 +112,7 @@ def test_bad_sysroot_is_a_clear_error(tmp_path):
 
 def test_jetson_stats_without_its_service_falls_back_with_the_reason():
     """The real jetson-stats client, no jtop.service on this host: the agent's readers take over."""
-    pytest.importorskip("jtop")
+    require_module("jtop")
     from jetserve.device.probe import JtopReader
 
     reader = JtopReader()

@@ -3,7 +3,6 @@
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -12,8 +11,13 @@ import time
 import pytest
 
 from tests.agent.conftest import REPO, SYSROOTS, agent_args, controller_args, wait_for
+from tests.tools import require_tool
 
-pytestmark = pytest.mark.skipif(not shutil.which("mosquitto_sub"), reason="mosquitto-clients is not installed")
+
+
+@pytest.fixture(autouse=True)
+def mosquitto_sub():
+    return require_tool("mosquitto_sub", how="apt-get install mosquitto-clients")
 
 
 PROBE = "watcher-probe"

@@ -8,7 +8,9 @@ tokens with chunked prefill (pieces included) and prefix caching equal transform
 import pytest
 import torch
 
-pytest.importorskip("triton")
+from tests.tools import require_module
+
+require_module("triton")
 
 from jetserve.engine.model import attention  # noqa: E402
 from jetserve.engine.model.attention import AttentionMetadata, PrefillWork, prefill_plan  # noqa: E402
@@ -45,7 +47,10 @@ STEP = [(37, 37), (21, 34), (1, 50), (9, 41), (70, 115)]
 
 def plan_on_device(q_lens, ctx_lens, split_items, block_m):
     items, merges = prefill_plan(q_lens, ctx_lens, split_items, block_m)
-    as_tensor = lambda columns, rows: torch.tensor(columns, dtype=torch.int32, device=DEVICE).view(rows, -1)
+
+    def as_tensor(columns, rows):
+        return torch.tensor(columns, dtype=torch.int32, device=DEVICE).view(rows, -1)
+
     return PrefillWork(as_tensor(items, 5), as_tensor(merges, 4), sum(merges[3]))
 
 

@@ -7,7 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-pytest.importorskip("triton")
+from tests.tools import require_module
+
+require_module("triton")
 
 import triton  # noqa: E402
 

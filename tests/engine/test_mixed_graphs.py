@@ -5,7 +5,9 @@ records, with the same padding. On the GPU, test_cuda_graphs replays the capture
 import pytest
 import torch
 
-pytest.importorskip("triton")
+from tests.tools import require_module
+
+require_module("triton")
 
 from jetserve.engine.config import EngineArgs, token_sizes  # noqa: E402
 from jetserve.engine.cuda_graphs import MixedStepGraphs  # noqa: E402

@@ -18,6 +18,7 @@ from jetserve.engine.model.checkpoint import Checkpoint, CheckpointError
 from jetserve.engine.config import QuantizationConfig
 
 from tests.engine.builders import build_qwen3, hf_greedy
+from tests.tools import require_module
 
 
 # Every input dim a multiple of the group size 128.
@@ -46,7 +47,7 @@ def _awq_pack(weight: torch.Tensor):
 @pytest.fixture(scope="module")
 def quantized(tmp_path_factory):
     """(AWQ dir, GPTQ dir, transformers twin with AutoAWQ's dequantized weights, its greedy tokens)."""
-    pytest.importorskip("awq")  # the test extra installs it where CI runs (x86-64 Linux)
+    require_module("awq")  # the test extra installs it where CI runs (x86-64 Linux)
     from awq.utils.packing_utils import dequantize_gemm, unpack_reorder_pack
 
     root = tmp_path_factory.mktemp("quant")
@@ -214,7 +215,7 @@ def test_quant_kernel_prologues(bits, group, sym, m):
     """Against dequantize + torch: N not a tile multiple, K in several tiles of words (the next
     one in flight) and in one partly masked tile; K split over programs (a partial last split),
     the prologue in its own kernel."""
-    pytest.importorskip("triton")
+    require_module("triton")
     from jetserve.engine.model import kernels
     from jetserve.engine.model.kernels import Tile
     from jetserve.engine.model.quant_kernels import quant_matmul
@@ -257,7 +258,7 @@ def test_quant_gemv_kernel(bits, group, sym):
     tile's rows (the rows past it read the last one, unstored), K in several steps (the next in
     flight), K split over programs with a partial last split, the prologue apart; groups smaller
     than a span of words take none of its tiles."""
-    pytest.importorskip("triton")
+    require_module("triton")
     from jetserve.engine.model import kernels
     from jetserve.engine.model.kernels import Tile
     from jetserve.engine.model.quant_kernels import fitting_tiles, quant_matmul
@@ -308,7 +309,7 @@ def test_quant_gemv_kernel_compiles_for_hopper():
     import subprocess
     import sys
 
-    pytest.importorskip("triton")
+    require_module("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-m", "tests.engine.hopper_compile", "quant"], env=env,
                           capture_output=True, text=True, timeout=280,
@@ -319,7 +320,7 @@ def test_quant_gemv_kernel_compiles_for_hopper():
 def test_fused_kernels_route_quantized_weights():
     """The engine's kernels object takes a `QuantizedWeight` where a float weight would be, any
     group size; scales not in fp32 (not the loader's) fall back to dequantize + torch."""
-    pytest.importorskip("triton")
+    require_module("triton")
     from jetserve.engine.model.quant_kernels import QuantFusedKernels
 
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -22,6 +22,7 @@ from jetserve.engine import LLM, SamplingParams
 from jetserve.engine.config import SpeculativeConfig
 from jetserve.engine.spec_decode import DraftLength, verify
 from tests.engine.builders import add_tokenizer, build_drafting_model
+from tests.tools import require_module
 
 
 @pytest.fixture(scope="module")
@@ -315,7 +316,7 @@ def test_speculative_and_sampling_kernels_compile_for_hopper():
     import subprocess
     import sys
 
-    pytest.importorskip("triton")
+    require_module("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-m", "tests.engine.hopper_compile"], env=env, capture_output=True,
                           text=True, timeout=280, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
@@ -330,7 +331,7 @@ def test_graphed_speculative_step_on_static_inputs_equals_the_general_path(tmp_p
     torch model, host acceptance, sampler.sample): the same tokens, accepted counts and drafts
     for greedy and sampled sequences, through two MTP layers in turn; the padded sequence
     touches no real one."""
-    pytest.importorskip("triton")
+    require_module("triton")
     from jetserve.engine.config import CUDAGraphConfig
     from jetserve.engine.cuda_graphs import CUDAGraphs
     from jetserve.engine.model.attention import AttentionMetadata
@@ -625,7 +626,7 @@ def test_a_draft_length_priced_out_skips_the_mtp_pass_for_prompts_too(model, ref
     for key, seconds in (((0, 0, 1), 1e-3), ((2, 2, 1), 4e-3)):  # k = 2 costs 4 plain steps: 3 tokens can't pay
         lengths.record_step(*key, seconds)
         lengths.record_step(*key, seconds)
-    llm.engine.draft_length = lengths = lengths.fresh()
+    lengths.start_afresh()  # in place, as `jetserve bench mtp` between workloads
     assert lengths.priced_out and [move[:4] for move in lengths.moves] == [(0, 2, 0, "k=2 cannot pay")]
     calls = []
     llm.engine.runner.model.mtp[0].register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
@@ -778,7 +779,7 @@ def test_bench_profile_pieces_run_over_static_inputs(tmp_path):
     """`jetserve bench mtp`'s per-piece profile (each piece of a speculative step, captured and
     timed alone on the GPU) builds and runs its pieces over a graph family's static inputs (here
     eagerly, Triton's interpreter)."""
-    pytest.importorskip("triton")
+    require_module("triton")
     from jetserve.bench.mtp import step_pieces
     from jetserve.engine.config import CUDAGraphConfig
     from jetserve.engine.cuda_graphs import CUDAGraphs
@@ -840,7 +841,7 @@ def test_a_draft_costs_at_most_nine_launches(tmp_path):
     kernel, the fc, the block's six) and its head; plus acceptance, the last argmax and the
     kernel that chains the step's inputs from the step before (async scheduling), less the
     plain step's fp32 logits copy. (Before these kernels: about 19 a draft.)"""
-    pytest.importorskip("triton")
+    require_module("triton")
     from jetserve.engine.config import CUDAGraphConfig
     from jetserve.engine.cuda_graphs import CUDAGraphs
     from jetserve.engine.model.kernels import FusedKernels

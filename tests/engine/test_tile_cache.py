@@ -14,7 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-pytest.importorskip("triton")
+from tests.tools import require_module
+
+require_module("triton")
 
 from jetserve.engine import LLM, SamplingParams  # noqa: E402
 from jetserve.engine.config import EngineArgs  # noqa: E402

@@ -3,12 +3,15 @@
 Each contract in trtllm_contracts/ was read from TensorRT-LLM's source by
 tools/trtllm_contract.py (1.0–1.2 and main). A test sends the mapping's output through the
 contract's rules, as TensorRT-LLM would: a misnamed field, a validator that would raise, or a
-default that would change the meaning fails here. Where TensorRT-LLM is importable the same
-output also builds its real objects.
+default that would change the meaning fails here.
+
+No test builds TensorRT-LLM's own objects: NVIDIA ships it for CUDA machines only, so such a
+test skipped wherever CI runs and could never fail. Its source is what the contracts are read
+from (tools/trtllm_contract.py; tests/engine/test_trtllm_contract_script.py), and a new release
+is checked by reading its contract, here, on a CPU.
 """
 
 import ast
-import importlib.util
 import json
 from pathlib import Path
 
@@ -19,7 +22,6 @@ from jetserve.engine.backends.trtllm import TrtllmApi, llm_kwargs, sampling_kwar
 from tests.engine.builders import TINY
 
 CONTRACTS = sorted((Path(__file__).parent / "trtllm_contracts").glob("*.json"))
-HAS_TRTLLM = importlib.util.find_spec("tensorrt_llm") is not None
 MTP3 = {"method": "mtp", "num_speculative_tokens": 3}
 
 
@@ -210,23 +212,6 @@ def test_checkpoint_without_tokenizer_sends_end_id(contract, model, tmp_path):
         assert kwargs["end_id"] == 5 and 7 in kwargs["stop_token_ids"] and kwargs["detokenize"] is False
     with pytest.raises(ValueError, match="stop strings"):
         sampling_kwargs(SamplingParams(stop="\n"), prompt_len=1, max_model_len=64, end_ids=[5])
-
-
-@pytest.mark.skipif(not HAS_TRTLLM, reason="TensorRT-LLM is not installed (the contracts stand in for it)")
-def test_real_tensorrt_llm_objects_take_the_mapping(model):
-    import tensorrt_llm
-    from tensorrt_llm import llmapi
-
-    config = EngineArgs(model=model, backend="tensorrt-llm", max_num_seqs=6, cudagraph_capture_sizes=[1, 2, 4],
-                        speculative_config=MTP3).resolve()
-    kwargs = llm_kwargs(config, TrtllmApi.installed(llmapi), num_mtp_layers=1, free_gpu_memory_fraction=0.5)
-    built = {k: getattr(llmapi, v[0])(**v[1]) for k, v in kwargs.items() if isinstance(v, tuple)}
-    assert built["cuda_graph_config"].batch_sizes == [1, 2, 4] and built["cuda_graph_config"].max_batch_size == 4
-    assert built["speculative_config"].max_draft_len == 3
-    assert built["kv_cache_config"].tokens_per_block == 16
-    params = tensorrt_llm.SamplingParams(**sampling_kwargs(SamplingParams(temperature=0, max_tokens=None),
-                                                           prompt_len=10, max_model_len=256))
-    assert params.max_tokens == 246 and params._greedy_decoding
 
 
 @pytest.mark.parametrize("field, value", [("n", 2), ("presence_penalty", 0.5), ("frequency_penalty", 0.5),

@@ -12,6 +12,7 @@ import uuid
 import pytest
 
 from tests.agent.conftest import REPO, Broker, broker, free_port, service, spawn  # noqa: F401  (fixtures)
+from tests.tools import missing, require_module, require_tool
 
 ACCOUNTS = {"jetserve-fleet": ("controller", "jetserve-fleet"), "lab/dev-a": ("device", "lab", "dev-a"),
             "lab/dev-b": ("device", "lab", "dev-b"), "other/dev-c": ("device", "other", "dev-c")}
@@ -46,8 +47,7 @@ def shipped_conf(directory, port, tls_port):
 def shipped_broker(tmp_path):
     """mosquitto run on deploy/'s own configuration and ACL, accounts (password "pw-" + name) made
     by add-user.sh; `.tls_port` is the devices' listener."""
-    if not shutil.which("mosquitto_passwd") or not shutil.which("openssl"):
-        pytest.skip("mosquitto_passwd or openssl is not installed")
+    require_tool("mosquitto_passwd", "openssl")
     shutil.copy(os.path.join(REPO, "deploy/acl"), str(tmp_path / "acl"))
     for name, args in ACCOUNTS.items():
         out = add_user(tmp_path, *(args + ("pw-" + name,)))
@@ -66,8 +66,8 @@ def postgres_url():
     """A fresh database on the server named by $JETSERVE_TEST_POSTGRES, dropped afterwards."""
     server = os.environ.get("JETSERVE_TEST_POSTGRES")
     if not server:
-        pytest.skip("no PostgreSQL server: set JETSERVE_TEST_POSTGRES (bash .ci/run starts one)")
-    psycopg = pytest.importorskip("psycopg")
+        missing("a PostgreSQL server", "set JETSERVE_TEST_POSTGRES; bash .ci/run starts one")
+    psycopg = require_module("psycopg")
     name = "jetserve_test_" + uuid.uuid4().hex[:12]
     with psycopg.connect(server, autocommit=True) as admin:
         admin.execute("CREATE DATABASE %s" % name)

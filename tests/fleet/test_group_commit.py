@@ -6,7 +6,6 @@ dropped without taking its batch with it; /metrics passes promtool."""
 
 import contextlib
 import json
-import shutil
 import signal
 import subprocess
 import urllib.request
@@ -16,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from jetserve.fleet.registry import Registry
 from tests.agent.conftest import Process, controller_args, free_port, wait_for
 from tests.fleet.test_poison import alert, health, publish, publisher, raw, topic
+from tests.tools import require_tool
 
 BURST = 200  # messages: 20 devices x 10 health reports
 DEVICES = ["burst-%02d" % i for i in range(20)]
@@ -108,8 +108,7 @@ def test_a_burst_lands_in_few_transactions_none_lost_and_metrics_pass_promtool(b
         assert value(text, "jetserve_fleet_batch_messages_sum") == BURST
         assert value(text, "jetserve_fleet_messages_total", kind="health", outcome="new") == BURST
         assert value(text, "jetserve_fleet_registry_lag_seconds_count") == BURST
-        promtool = shutil.which("promtool")
-        assert promtool, "promtool is not installed: apt-get install prometheus (.ci/run does)"
+        promtool = require_tool("promtool", how="apt-get install prometheus")
         checked = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True,
                                  timeout=60)
         assert checked.returncode == 0 and not (checked.stdout + checked.stderr).strip(), \

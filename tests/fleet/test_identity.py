@@ -4,16 +4,15 @@ refuses oversized messages. Impostors use mosquitto's own clients as well as pah
 
 import os
 import re
-import shutil
 import subprocess
 import threading
 import time
 
 import paho.mqtt.client as mqtt
-import pytest
 
 from tests.agent.conftest import REPO, controller_args, wait_for
 from tests.fleet.conftest import add_user
+from tests.tools import require_tool
 
 NOT_AUTHORIZED, TOO_LARGE = 0x87, 0x95
 
@@ -78,8 +77,7 @@ def test_a_device_writes_only_under_its_own_fleet_and_id(shipped_broker):
 def test_a_device_cannot_take_another_devices_or_the_controllers_client_id(shipped_broker, spawn, tmp_path):
     """The broker names every connection by its username: asking for another's id changes nothing
     for the owner of that id (before: dev2 kicked offline 5 of 5 times, the controller 3 of 3)."""
-    if not shutil.which("mosquitto_pub"):
-        pytest.skip("mosquitto-clients is not installed")
+    require_tool("mosquitto_pub")
     (tmp_path / "fleet-password").write_text("pw-jetserve-fleet\n")
     controller = spawn("controller", *controller_args(
         shipped_broker, str(tmp_path / "fleet.db"), "--mqtt-user", "jetserve-fleet",
@@ -109,8 +107,7 @@ def test_a_device_cannot_take_another_devices_or_the_controllers_client_id(shipp
 def test_the_broker_refuses_oversized_messages(shipped_broker, tmp_path):
     """Sent with mosquitto's own client: over message_size_limit → PUBACK 0x95; a 20 MB packet
     (MQTT 3.1.1, which has no packet-size negotiation) → the connection is closed."""
-    if not shutil.which("mosquitto_pub"):
-        pytest.skip("mosquitto-clients is not installed")
+    require_tool("mosquitto_pub")
     fleet = client(shipped_broker, "jetserve-fleet")
 
     def pub(payload, *version):

@@ -3,19 +3,18 @@ account, against a real mosquitto with deploy/'s ACL and a real controller: noth
 told within 1.5 x keepalive, both for a killed device (Will) and a cut line (silence)."""
 
 import json
-import shutil
 import subprocess
 import sys
 
 import pytest
 
 from tests.agent.conftest import REPO
+from tests.tools import require_tool
 
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
 def test_fifty_devices_nothing_lost_offline_detected(backend, request, tmp_path):
-    if not shutil.which("mosquitto_passwd"):
-        pytest.skip("mosquitto is not installed")
+    require_tool("mosquitto_passwd")
     extra = []
     if backend == "postgresql":
         url = request.getfixturevalue("postgres_url")

@@ -9,13 +9,12 @@ import sys
 import pytest
 
 from tests.agent.conftest import REPO
+from tests.tools import require_tool
 
 
 @pytest.mark.parametrize("unit", ["jetserve-agent.service", "jetserve-fleet.service"])
 def test_systemd_units_verify(unit, tmp_path):
-    analyze = shutil.which("systemd-analyze")
-    if analyze is None:
-        pytest.skip("systemd-analyze is not installed")
+    analyze = require_tool("systemd-analyze")
     with open(os.path.join(REPO, "systemd", unit)) as f:
         text = f.read()
     assert re.search(r"^ExecStart=/usr/local/bin/jetserve ", text, re.M)
@@ -29,9 +28,7 @@ def test_systemd_units_verify(unit, tmp_path):
 
 
 def test_systemd_verify_catches_a_broken_unit(tmp_path):
-    analyze = shutil.which("systemd-analyze")
-    if analyze is None:
-        pytest.skip("systemd-analyze is not installed")
+    analyze = require_tool("systemd-analyze")
     (tmp_path / "broken.service").write_text("[Service]\nExecStart=relative/path\n")
     out = subprocess.run([analyze, "verify", str(tmp_path / "broken.service")], stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, timeout=60)
@@ -43,7 +40,7 @@ MAX_EXPOSURE = 4.5
 
 def exposure(path):
     """`systemd-analyze security --offline=true`'s overall exposure (0 = locked down, 10 = exposed)."""
-    out = subprocess.run([shutil.which("systemd-analyze"), "security", "--offline=true", str(path)],
+    out = subprocess.run([require_tool("systemd-analyze"), "security", "--offline=true", str(path)],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=60).stdout.decode()
     match = re.search(r"Overall exposure level for \S+: (\d+\.\d+)", out)
     assert match, out
@@ -52,8 +49,7 @@ def exposure(path):
 
 @pytest.mark.parametrize("unit", ["jetserve-agent.service", "jetserve-fleet.service"])
 def test_systemd_units_are_sandboxed(unit, tmp_path):
-    if shutil.which("systemd-analyze") is None:
-        pytest.skip("systemd-analyze is not installed")
+    require_tool("systemd-analyze")
     score = exposure(os.path.join(REPO, "systemd", unit))
     print("%s: exposure %.1f" % (unit, score))
     assert score <= MAX_EXPOSURE

@@ -5,7 +5,6 @@ import base64
 import json
 import os
 import re
-import shutil
 import socket
 import ssl
 import subprocess
@@ -20,6 +19,7 @@ from jetserve.fleet import web
 from jetserve.fleet.registry import Registry
 from tests.agent.conftest import REPO
 from tests.fleet.test_registry import health
+from tests.tools import require_tool
 
 TOKEN = "t0k-" + "x" * 28
 
@@ -67,9 +67,7 @@ def get(url, token=None, basic=None, context=None):
 
 
 def chromium(*args):
-    binary = shutil.which("chromium")
-    if binary is None:
-        pytest.skip("chromium is not installed (bash .ci/run installs it)")
+    binary = require_tool("chromium")
     out = subprocess.run([binary, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
                           "--user-data-dir=%s" % args[0]] + list(args[1:]),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=120)
@@ -149,8 +147,7 @@ def test_idle_and_dribbling_connections_neither_block_the_page_nor_stay_forever(
 
 
 def test_tls(serve, tmp_path):
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl is not installed")
+    require_tool("openssl")
     cert, key = str(tmp_path / "cert.pem"), str(tmp_path / "key.pem")
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert,
                     "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1"],

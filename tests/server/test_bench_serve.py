@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from jetserve.bench.serve import _summary
+from jetserve.bench.serve import summarize
 from tests.agent.conftest import REPO
 
 
@@ -52,9 +52,9 @@ def test_steady_state_counts_only_tokens_while_every_stream_decodes():
         request("a", 4.0, [5.0, 6.0], [1, 1]),
         request("b", 0.0, [2.5, 3.5, 4.5, 5.5], [1, 1, 1, 1]),  # b starts late, ends first (5.5)
     ]}
-    summary = _summary(run)
+    summary = summarize(run)
     # window (2.5, 5.5]: a's 3.0 (2), 4.0 (1), 5.0 (1); b's 3.5, 4.5, 5.5 (1 each) = 7 tokens in 3 s
     assert summary["steady_tok_s"] == pytest.approx(7 / 3)
     assert summary["tok_s"] == pytest.approx(11 / 6) and summary["tokens"] == 11 and summary["messages"] == 10
     one = {**run, "results": [request(None, 0.0, [1.0, 2.0], [1, 1])]}  # Poisson arrivals: no streams
-    assert _summary(one)["steady_tok_s"] is None
+    assert summarize(one)["steady_tok_s"] is None

@@ -2,7 +2,6 @@
 
 import logging
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.server.conftest import greedy
+from tests.tools import require_tool
 from jetserve.cli import build_parser
 from jetserve.engine import EngineArgs
 from jetserve.server.cli import apply_compat_gate
@@ -70,6 +70,28 @@ def test_serve_takes_vllms_flags_and_the_service_flags():
         (50051, 9400, 8000, "127.0.0.1")
 
 
+def test_serve_settings_come_from_their_dataclasses(tmp_path):
+    """The flags' defaults are ServeOptions' and EngineArgs' own, and [serve] of the TOML file takes
+    exactly their fields."""
+    from jetserve.config import from_args, set_defaults_from_file
+    from jetserve.server.options import ServeOptions
+
+    defaults = build_parser().parse_args(["serve"])
+    assert from_args(ServeOptions, defaults) == ServeOptions() and EngineArgs.from_cli_args(defaults) == EngineArgs()
+    argv = ["serve", "--config", str(tmp_path / "jetserve.toml"), "--port", "7000"]
+    (tmp_path / "jetserve.toml").write_text("[serve]\nmax-num-seqs = 3\nport = 6000\nopenai_port = 0\n"
+                                            "api-key-file = '/etc/jetserve/token'\nlog-level = 'debug'\n")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    set_defaults_from_file(args.config_parser, args.config, args.config_table)
+    args = parser.parse_args(argv)
+    assert (args.max_num_seqs, args.port, args.openai_port, args.api_key_file, args.log_level) == \
+        (3, 7000, 0, "/etc/jetserve/token", "DEBUG")
+    (tmp_path / "jetserve.toml").write_text("[serve]\ncontrol-api-key = 'x'\nmodel-tag = 'm'\n")  # no flags
+    with pytest.raises(ValueError, match=r"unknown key\(s\) in \[serve\]: control_api_key, model_tag"):
+        set_defaults_from_file(args.config_parser, args.config, args.config_table)
+
+
 @pytest.mark.parametrize("argv, expected", [
     (["serve", "some/model"], {"model": "some/model"}),
     (["serve", "m", "--dtype", "half"], {"dtype": "half"}),
@@ -98,10 +120,8 @@ def test_a_positional_model_and_model_flag_must_agree():
 
 
 def test_the_cli_module_stays_importable_on_python_38():
-    vermin = shutil.which("vermin")
-    if vermin is None:
-        pytest.skip("vermin is not installed")
-    out = subprocess.run([vermin, "--no-tips", "--violations", "-t=3.8-", "server/cli.py"],
+    vermin = require_tool("vermin")
+    out = subprocess.run([vermin, "--no-tips", "--violations", "-t=3.8-", "server/cli.py", "server/options.py"],
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stdout
     imports = subprocess.run([sys.executable, "-c", "import sys, jetserve.server.cli; "

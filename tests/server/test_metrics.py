@@ -3,7 +3,6 @@ scraper negotiates, the README's names, the dashboard's queries, and the per-req
 
 import json
 import re
-import shutil
 import subprocess
 import time
 import urllib.request
@@ -14,6 +13,7 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families 
 from prometheus_client.parser import text_string_to_metric_families as parse_text
 
 from tests.server.conftest import greedy, wait_for_free_blocks
+from tests.tools import require_tool
 from jetserve.v1 import inference_pb2 as pb
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,8 +52,7 @@ def generate(stubs, text="The kiosk", max_tokens=5):
 
 def test_promtool_finds_nothing_to_complain_about(stubs, live):
     generate(stubs)
-    promtool = shutil.which("promtool")
-    assert promtool, "promtool is not installed: apt-get install prometheus (.ci/run does)"
+    promtool = require_tool("promtool", how="apt-get install prometheus")
     _, text = exposition(live)
     result = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True)
     assert result.returncode == 0 and not result.stdout.strip() and not result.stderr.strip(), \

@@ -1,10 +1,11 @@
 """The .proto passes buf's STANDARD lint and format, and the committed stubs in jetserve/v1 are
 what grpcio-tools makes of it, byte for byte."""
 
-import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+from tests.tools import require_tool
 
 ROOT = Path(__file__).resolve().parents[2]
 PROTO = "proto/jetserve/v1/inference.proto"
@@ -12,8 +13,7 @@ STUBS = ("inference_pb2.py", "inference_pb2.pyi", "inference_pb2_grpc.py")
 
 
 def buf(*args):
-    path = shutil.which("buf")
-    assert path, "buf is not installed: npm install -g @bufbuild/buf (.ci/run does)"
+    path = require_tool("buf", how="npm install -g @bufbuild/buf")
     return subprocess.run([path, *args], cwd=ROOT, capture_output=True, text=True)
 
 

@@ -8,9 +8,16 @@ from pathlib import Path
 
 import pytest
 
+from tests.tools import require_tool
+
 UNIT = Path(__file__).resolve().parents[2] / "systemd" / "jetserve.service"
-analyze = shutil.which("systemd-analyze")
-needs_analyze = pytest.mark.skipif(analyze is None, reason="systemd-analyze is not installed")
+
+@pytest.fixture
+def systemd_analyze():
+    return require_tool("systemd-analyze")
+
+
+needs_analyze = pytest.mark.usefixtures("systemd_analyze")
 
 
 def verify(text, tmp_path):
@@ -18,7 +25,7 @@ def verify(text, tmp_path):
     binary = shutil.which("jetserve") or sys.executable + " -m jetserve.cli"
     unit = tmp_path / "jetserve.service"
     unit.write_text(text.replace("/usr/local/bin/jetserve", binary))
-    out = subprocess.run([analyze, "verify", str(unit)], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([require_tool("systemd-analyze"), "verify", str(unit)], capture_output=True, text=True, timeout=60)
     return out.returncode, out.stdout + out.stderr
 
 

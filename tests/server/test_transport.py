@@ -1,16 +1,21 @@
 """TLS with client certificates (mTLS) on TCP, and the plain Unix-socket listener for local clients."""
 
-import shutil
 import subprocess
 
 import grpc
 import pytest
 
 from tests.server.conftest import LiveServer, engine_factory, greedy
+from tests.tools import require_tool
 from jetserve.v1 import inference_pb2 as pb
 from jetserve.v1 import inference_pb2_grpc as pb_grpc
 
-pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl makes the test certificates")
+
+
+@pytest.fixture(autouse=True)
+def openssl():
+    """openssl makes the test certificates."""
+    return require_tool("openssl")
 
 
 def _openssl(*args, cwd):
