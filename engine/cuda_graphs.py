@@ -99,7 +99,9 @@ def _capture(todo: list, step: Callable, num_warmup: int, pool, describe: Callab
     `num_warmup` eager runs. A key whose capture fails is left out (its steps run eagerly) and
     the engine still starts. Returns {key: (graph, step's output)}."""
     captured = {}
-    for i, key in enumerate(tqdm(todo, desc="capturing CUDA graphs", unit="graph", leave=False)):
+    # With `progress` (the service's log records) no bar beside them; without, a terminal's bar.
+    for i, key in enumerate(tqdm(todo, desc="capturing CUDA graphs", unit="graph", leave=False,
+                                 disable=True if progress else None)):
         if progress:
             progress(f"capturing CUDA graphs {i + 1}/{len(todo)}")
         try:
