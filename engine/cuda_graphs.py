@@ -1,7 +1,8 @@
 """CUDA graphs for every step shape: plain decode, whole speculative steps, and mixed steps.
 
 A decode step of a small model is a few hundred short kernels; launched one by one from Python,
-the CPU sets the pace (7.4 µs a launch against 1.0 µs inside a graph on the H200). So each step
+the CPU sets the pace: a launch from Python costs several times one inside a graph
+(bench/results/kernels-h200). So each step
 shape is captured once — (model part, tokens per sequence, batch bucket) — and replayed:
 
 - a batch is padded up to the next capture size; its inputs go into the static buffers the

@@ -10,7 +10,7 @@ from __future__ import annotations
 import grpc
 from google.protobuf.message import DecodeError
 
-# Upper bounds of what one request may carry (the README's "Limits"). A message larger than
+# Upper bounds of what one request may carry (docs/service.md, "Limits"). A message larger than
 # MAX_MESSAGE_BYTES is refused by grpcio itself with RESOURCE_EXHAUSTED.
 MAX_MESSAGE_BYTES = 4 * 2**20
 MAX_REQUEST_ID_CHARS = 256
