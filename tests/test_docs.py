@@ -103,3 +103,11 @@ def test_block_runs(demo, language, code, tmp_path):
                           env=dict(os.environ, PATH=path, OMP_NUM_THREADS="1"), stdin=subprocess.DEVNULL)
     assert done.returncode == 0 and "Traceback" not in done.stderr, (
         "exit %d\n--- stdout\n%s\n--- stderr\n%s" % (done.returncode, done.stdout[-3000:], done.stderr[-3000:]))
+
+
+def test_every_relative_link_resolves():
+    for page in PAGES + sorted((REPO / "bench" / "results").glob("*/NOTES.md")):
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            if "://" in target:
+                continue
+            assert (page.parent / target).exists(), "%s links to %s, which does not exist" % (page, target)

@@ -194,7 +194,10 @@ def test_without_model_it_serves_the_bundled_demo(notify_socket):
             info = pb_grpc.InferenceServiceStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
         assert info.model == "demo" and info.has_chat_template  # the name /v1/models gives, not a path
         server.send_signal(signal.SIGTERM)
-        assert server.wait(30) == 0
+        output = server.communicate(timeout=30)[0]
+        assert server.returncode == 0
+        # The start log says what the demo's answers will look like, before they look broken.
+        assert "serving demo (the bundled demo" in output and "Python-looking text" in output, output
     finally:
         server.kill()
         server.communicate()
