@@ -32,15 +32,22 @@ class Verdict(collections.namedtuple("Verdict", "status cuda_graphs_allowed back
 def check(probe_result):
     """Judge a `jetserve.device.probe.probe()` result; never raises on missing facts."""
     facts = {key: probe_result.get(key) for key in
-             ("model", "soc", "l4t", "jetpack", "python", "cuda", "jetson")}
+             ("model", "soc", "l4t", "jetpack", "python", "cuda", "jetson", "nvidia_gpu")}
+    if facts["nvidia_gpu"] is None:  # a probe from an older agent: assume what it did
+        facts["nvidia_gpu"] = True
     jetpack = version_tuple(facts["jetpack"])
     python = version_tuple(facts["python"])
     soc = facts["soc"] or ""
     checks = []
 
-    if not facts["jetson"]:
+    if not facts["jetson"] and not facts["nvidia_gpu"]:
+        # Nothing to forbid: the gate stays open (cuda_graphs_allowed), the CPU runs its own programs.
+        checks.append(Check("gpu", OK, "not a Jetson and no NVIDIA GPU: the engine runs on the CPU "
+                            "(decode steps compiled ahead of time; no CUDA graphs here)"))
+        graphs = True
+    elif not facts["jetson"]:
         checks.append(Check("jetpack", OK, "not a Jetson: the JetPack gate does not apply "
-                            "(the engine captures CUDA graphs wherever torch finds a CUDA GPU)"))
+                            "(the engine captures CUDA graphs on this NVIDIA GPU)"))
         graphs = True
     elif jetpack is None:
         checks.append(Check("jetpack", WARN,
@@ -69,14 +76,19 @@ def check(probe_result):
         checks.append(Check("cuda", OK, "CUDA %s" % facts["cuda"]))
 
     backends = ["torch-eager"]
-    if graphs:
+    if not facts["nvidia_gpu"]:
+        backends = ["torch-cpu"]
+        checks.append(Check("backends", OK, "torch on the CPU; tensorrt-llm needs a data-centre GPU with "
+                            "TensorRT-LLM >= 1.0"))
+    elif not facts["jetson"]:
         backends.append("torch-cuda-graphs")
-    if not facts["jetson"]:
         if facts["cuda"]:
             backends.append("tensorrt-llm")
         checks.append(Check("backends", OK, "torch here; tensorrt-llm where a data-centre GPU has "
                             "TensorRT-LLM >= 1.0 installed"))
     else:
+        if graphs:
+            backends.append("torch-cuda-graphs")
         detail = ("torch with NVIDIA's PyTorch for this JetPack; no tensorrt-llm on a Jetson (TensorRT-LLM "
                   ">= 1.0 has no Jetson build, and v0.12.0-jetson predates the LLM API that backend drives)")
         if jetpack is not None and ((soc == THOR and (7, 0) <= jetpack[:2] <= (7, 2))
@@ -95,7 +107,8 @@ def format_table(verdict):
     rows = [("device", facts["model"] or "-"), ("soc", facts["soc"] or "-"),
             ("L4T", facts["l4t"] or "-"), ("JetPack", facts["jetpack"] or ("unknown" if facts["jetson"] else "-")),
             ("Python", facts["python"] or "-"), ("CUDA", facts["cuda"] or "-"),
-            ("CUDA graphs", "allowed" if verdict.cuda_graphs_allowed else "not allowed (eager)"),
+            ("CUDA graphs", "no NVIDIA GPU here (the CPU runs compiled decode steps)" if not facts["nvidia_gpu"]
+             else "allowed" if verdict.cuda_graphs_allowed else "not allowed (eager)"),
             ("backends", ", ".join(verdict.backends))]
     lines = ["%-12s %s" % row for row in rows]
     lines.append("")

@@ -44,6 +44,12 @@ def cuda_version(root):
     return text.split()[-1] if text.startswith("CUDA Version") else None
 
 
+def nvidia_gpu(root):
+    """Whether an NVIDIA driver sees a discrete GPU (its /proc entries or device nodes); no torch needed."""
+    gpus = root.join("proc/driver/nvidia/gpus")
+    return bool((os.path.isdir(gpus) and os.listdir(gpus)) or os.path.exists(root.join("dev/nvidia0")))
+
+
 def host_stats(root):
     """CPU, RAM, swap (the running kernel's, via psutil) and the disk that holds the sysroot."""
     memory, swap, disk = psutil.virtual_memory(), psutil.swap_memory(), psutil.disk_usage(root.path)
@@ -82,6 +88,7 @@ def probe(sysroot="/", jtop=None):
     }
     result.update(identity(root))
     result["jetson"] = bool(l4t or (result["soc"] or "").startswith("nvidia,tegra"))
+    result["nvidia_gpu"] = result["jetson"] or nvidia_gpu(root)  # a Jetson's GPU is on its SoC
     live = jtop.read() if jtop is not None and root.path == "/" else None
     if live:
         result.update(live, source="jtop")

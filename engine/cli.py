@@ -7,6 +7,7 @@ the commands.
 """
 
 import json
+import os
 import sys
 
 
@@ -77,8 +78,27 @@ def add_plan(subparsers):
 
 
 def _plan(args):
+    import os
+    import tempfile
+
+    from jetserve.engine.plan import known_shapes, shape_config
+
+    shape = shape_config(args.model) if args.model and not os.path.exists(args.model) else None
+    if shape is None:
+        return _plan_for(args)
+    with tempfile.TemporaryDirectory(prefix="jetserve-plan-") as scratch:
+        from jetserve.engine.plan import shape_checkpoint
+
+        name, args.model = args.model, str(shape_checkpoint(shape, os.path.join(scratch, args.model)))
+        print("%s: the shape of Hugging Face's %s (config.json shipped with jetserve, no weights; "
+              "known shapes: %s)" % (name, "Qwen/Qwen3-" + name.split("-", 1)[1].upper(),
+                                     ", ".join(known_shapes())))
+        return _plan_for(args)
+
+
+def _plan_for(args):
     from jetserve.engine.config import EngineArgs
-    from jetserve.engine.plan import memory_plan
+    from jetserve.engine.plan import known_shapes, memory_plan
 
     board = args.device
     args.device = "auto"
@@ -86,7 +106,9 @@ def _plan(args):
         config = EngineArgs.from_cli_args(args).resolve(device=None if board == "this" else "cuda")
         plan = memory_plan(config, board)
     except (ValueError, OSError) as exc:
-        print("jetserve plan: %s" % exc, file=sys.stderr)
+        hint = ("" if not args.model or os.path.exists(args.model) else
+                " (--model takes a checkpoint directory or a known shape: %s)" % ", ".join(known_shapes()))
+        print("jetserve plan: %s%s" % (exc, hint), file=sys.stderr)
         return 2
     print(plan.table(config))
     return 0 if plan.fits else 1

@@ -21,10 +21,10 @@ from jetserve.config import add_flags, setting
 from jetserve.engine.model.checkpoint import CheckpointError, num_mtp_layers, read_json
 
 DEFAULT_MAX_MODEL_LEN = 4096  # when the model allows more: KV for a longer default rarely fits a Jetson
-DEFAULT_CHUNK_BUDGET = 512  # tokens a step with chunked prefill computes at most: measured (README: chunked prefill)
+DEFAULT_CHUNK_BUDGET = 512  # tokens a step with chunked prefill computes at most: measured (bench/results/prefill-h200)
 # With a step latency target, chunks are sized by predicted time (step_cost.py) under a hard cap of
 # DEFAULT_TARGET_BUDGET tokens a step unless max_num_batched_tokens says otherwise. The target's default
-# on a discrete GPU is to be set from `jetserve bench prefill` on the H200 (README: chunked prefill): not
+# on a discrete GPU is to be set from `jetserve bench prefill` (docs/engine.md, chunked prefill): not
 # measured yet, so off; a CPU and a Jetson keep it off by default whatever it is.
 DEFAULT_STEP_LATENCY_MS: float | None = None
 DEFAULT_TARGET_BUDGET = 2048
@@ -289,8 +289,8 @@ def step_shapes(num_speculative_tokens: int) -> list[tuple[int | None, int]]:
     """(drafts proposed, or None for a plain decode; tokens verified a sequence) of each step to
     capture: with k drafts at most, a speculative step verifies q = j+1 tokens (j drafts) and
     proposes any number up to k. The draft length moves one at a time, but from a probe's k±1
-    (DraftLength) the next step may propose k∓1: a step not captured runs eagerly, ~1 ms on the
-    H200 and a second of kernel compilation the first time. Verifying and proposing nothing is a
+    (DraftLength) the next step may propose k∓1: a step not captured runs eagerly, many times a
+    graph's replay, and compiles kernels the first time (bench/results/mtp-h200-r8). Verifying and proposing nothing is a
     plain decode; proposing 0 after verifying drafts still runs the MTP pass that keeps the MTP
     KV cache filled."""
     k = num_speculative_tokens

@@ -1,7 +1,8 @@
 """CUDA graphs for every step shape: plain decode, whole speculative steps, and mixed steps.
 
 A decode step of a small model is a few hundred short kernels; launched one by one from Python,
-the CPU sets the pace (7.4 µs a launch against 1.0 µs inside a graph on the H200). So each step
+the CPU sets the pace: a launch from Python costs several times one inside a graph
+(bench/results/kernels-h200). So each step
 shape is captured once — (model part, tokens per sequence, batch bucket) — and replayed:
 
 - a batch is padded up to the next capture size; its inputs go into the static buffers the
@@ -99,7 +100,9 @@ def _capture(todo: list, step: Callable, num_warmup: int, pool, describe: Callab
     `num_warmup` eager runs. A key whose capture fails is left out (its steps run eagerly) and
     the engine still starts. Returns {key: (graph, step's output)}."""
     captured = {}
-    for i, key in enumerate(tqdm(todo, desc="capturing CUDA graphs", unit="graph", leave=False)):
+    # With `progress` (the service's log records) no bar beside them; without, a terminal's bar.
+    for i, key in enumerate(tqdm(todo, desc="capturing CUDA graphs", unit="graph", leave=False,
+                                 disable=True if progress else None)):
         if progress:
             progress(f"capturing CUDA graphs {i + 1}/{len(todo)}")
         try:

@@ -12,7 +12,11 @@ project its speed.
 
 from __future__ import annotations
 
+import json
+import math
+import os
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
@@ -164,3 +168,53 @@ def refuse_if_it_cannot_fit(config: EngineConfig) -> None:
         return
     if not plan.fits:
         raise ValueError("this configuration does not fit in this machine's free memory:\n" + plan.table(config))
+
+
+# Common Hugging Face shapes by name (their config.json ships with jetserve, no weights), so a
+# board can be planned for before anything is downloaded: `jetserve plan --model qwen3-4b`.
+def known_shapes() -> list[str]:
+    from jetserve import __file__ as package
+
+    shapes = Path(package).resolve().parent / "models" / "shapes"
+    return sorted(p.name for p in shapes.iterdir() if (p / "config.json").is_file()) if shapes.is_dir() else []
+
+
+def shape_config(name: str) -> dict | None:
+    """The shipped config.json of a named shape, or None for a name that is not one."""
+    from jetserve import __file__ as package
+
+    path = Path(package).resolve().parent / "models" / "shapes" / name.lower() / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def shape_checkpoint(config: dict, directory: str | os.PathLike) -> Path:
+    """A checkpoint of `config`'s shape whose tensors are holes: a safetensors header naming every
+    tensor the loader expects (bf16) and a sparse file, so the plan reads real metadata while
+    nothing is written to disk but the header."""
+    h, i, d = config["hidden_size"], config["intermediate_size"], config["head_dim"]
+    q, kv = config["num_attention_heads"] * d, config["num_key_value_heads"] * d
+    tensors = {"model.embed_tokens.weight": (config["vocab_size"], h), "model.norm.weight": (h,)}
+    if not config.get("tie_word_embeddings"):
+        tensors["lm_head.weight"] = (config["vocab_size"], h)
+    for n in range(config["num_hidden_layers"]):
+        p = f"model.layers.{n}"
+        tensors.update({f"{p}.input_layernorm.weight": (h,), f"{p}.post_attention_layernorm.weight": (h,),
+                        f"{p}.self_attn.q_norm.weight": (d,), f"{p}.self_attn.k_norm.weight": (d,),
+                        f"{p}.self_attn.q_proj.weight": (q, h), f"{p}.self_attn.k_proj.weight": (kv, h),
+                        f"{p}.self_attn.v_proj.weight": (kv, h), f"{p}.self_attn.o_proj.weight": (h, q),
+                        f"{p}.mlp.gate_proj.weight": (i, h), f"{p}.mlp.up_proj.weight": (i, h),
+                        f"{p}.mlp.down_proj.weight": (h, i)})
+    header, offset = {}, 0
+    for name, shape in tensors.items():
+        size = math.prod(shape) * 2
+        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "model.safetensors", "wb") as f:
+        f.write(len(blob).to_bytes(8, "little") + blob)
+        f.truncate(8 + len(blob) + offset)
+    (out / "config.json").write_text(json.dumps(config))
+    return out

@@ -34,8 +34,8 @@ PRIOR_WEIGHT = 0.1  # the prior counts as this many observations of its referenc
 # deviation if larger (~1.345 sigma, Huber's usual), weigh less: scaled by the data, not by the target,
 # so a prior far off (a target no step can meet) is left behind within a few steps.
 HUBER = 0.05
-# How much slower the flash kernel does a FLOP than the matmuls (H200, 0.6B: ~220 against ~455-640 TFLOP/s;
-# README, chunked prefill): only the prior's split between the two terms, which the data then corrects.
+# How much slower the flash kernel does a FLOP than the matmuls (bench/results/prefill-profile-h200):
+# only the prior's split between the two terms, which the data then corrects.
 ATTENTION_SLOWDOWN = 2.5
 
 

@@ -35,7 +35,12 @@ NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"  # fleet and device names, as topic 
 STYLE = ("body{font-family:system-ui,sans-serif;margin:1.5em}table{border-collapse:collapse;margin-bottom:1.5em}"
          "th,td{padding:3px 10px;text-align:left;border-bottom:1px solid #ddd;white-space:nowrap}th{background:#f3f3f3}"
          ".OK{color:#080}.DEGRADED{color:#b60}.CRITICAL,.OFFLINE{color:#c00;font-weight:bold}"
-         ".UNKNOWN,.dim{color:#777}.summary{font-size:1.1em}")
+         ".UNKNOWN,.dim{color:#777}.summary{font-size:1.1em}"
+         # Free text (reasons, alert messages) wraps within its column, so the page fits a laptop's width.
+         "td.text{white-space:normal;overflow-wrap:anywhere;min-width:12em;max-width:32em}"
+         "td.note{white-space:normal}.nw{white-space:nowrap}")
+# A reason longer than this is cut on the page (its cell's tooltip and /api/devices keep all of it).
+REASON_CHARS = 160
 HEADERS = {
     "Content-Security-Policy": "default-src 'none'; style-src 'sha256-%s'; base-uri 'none'; form-action 'none'; "
                                "frame-ancestors 'none'" % base64.b64encode(hashlib.sha256(STYLE.encode()).digest())
@@ -104,11 +109,14 @@ def render(counts, devices, alerts, offset, limit, now):
         last = "" if d["online"] else " <span class='dim'>(%s; last report %s)</span>" % (
             e(d["reason"]), e(d["status"] or "none"))
         ago = " <span class='dim'>(%.0f s ago)</span>" % (now - d["last_seen"]) if d["last_seen"] else ""
-        rows.append("<tr><td>%s</td><td>%s</td><td><span class='%s'>%s</span>%s</td><td>%s</td><td>%s</td>"
-                    "<td>%s%s</td><td>%s</td><td>%s</td></tr>"
-                    % (e(d["fleet"]), e(d["device"]), e(d["state"]), e(d["state"]), last, e("; ".join(d["reasons"])),
+        reasons = "; ".join(d["reasons"])
+        shown_reasons = "; ".join(r if len(r) <= REASON_CHARS else r[:REASON_CHARS - 1] + "…" for r in d["reasons"])
+        rows.append("<tr><td>%s</td><td>%s</td><td class='note'><span class='%s'>%s</span>%s</td>"
+                    "<td class='text' title='%s'>%s</td><td>%s</td><td class='note'><span class='nw'>%s</span>%s</td>"
+                    "<td>%s</td><td>%s</td></tr>"
+                    % (e(d["fleet"]), e(d["device"]), e(d["state"]), e(d["state"]), last, e(reasons), e(shown_reasons),
                        e(d["jetpack"]), e(d["last_seen_utc"]), ago, e(d["received"]), e(d["gaps"])))
-    events = ["<tr><td>%s</td><td>%s/%s</td><td>%s</td><td>%s</td><td>%s</td></tr>"
+    events = ["<tr><td>%s</td><td>%s/%s</td><td>%s</td><td>%s</td><td class='text'>%s</td></tr>"
               % (e(utc(a["ts"])), e(a["fleet"]), e(a["device"]), e(a["source"]), e(a["kind"]), e(a["message"]))
               for a in alerts]
     shown = "%d–%d of %d" % (offset + 1, offset + len(devices), counts["devices"]) if devices else "none"

@@ -7,6 +7,8 @@ Python 3.8), so `jetserve agent` and `jetserve doctor` run on a device without t
 
 import argparse
 import importlib
+import os
+import signal
 import sys
 
 from jetserve import __version__
@@ -51,7 +53,14 @@ def main(argv=None):
         parser.print_help()
         return 2
     try:
-        return args.func(args) or 0
+        status = args.func(args) or 0
+        sys.stdout.flush()  # here, where a closed pipe can be caught, not at exit
+        return status
+    except BrokenPipeError:
+        # `jetserve doctor --json | head`: the reader has all it wants. Quiet, as other Unix tools,
+        # and stdout pointed at /dev/null so the interpreter's own flush at exit finds no pipe.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except ModuleNotFoundError as exc:
         # e.g. `jetserve serve` on an agent-only device with no torch installed.
         sys.exit("jetserve %s: Python module %r is not installed here "

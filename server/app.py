@@ -7,8 +7,11 @@ progress) during a load and CUDA-graph capture that take minutes on a Jetson.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import os
 import signal
+import socket
 import threading
 import time
 from contextlib import aclosing
@@ -42,6 +45,8 @@ ABORT_FLUSH_S = 5.0
 # How long a process left by a server killed outright may take to see it gone and exit (its
 # lifeline ends it at once; freeing a loaded model's memory is what takes time).
 ORPHAN_WAIT_S = 5.0
+HURRIED_FLUSH_S = 0.5  # the same after a second stop signal: the operator wants out
+DRAIN_REPORT_S = 5.0  # how often a drain says what it still waits for
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # Connections each front end may hold (the fd budget may grant fewer), beside what the process opens
@@ -49,6 +54,17 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 MAX_CONNECTIONS = {"gRPC": 512, "OpenAI": 512}
 RESERVE_FDS = 64
 HANDSHAKE_TIMEOUT_S = 10.0  # a connection that has not finished its gRPC handshake by then is closed
+
+
+# A newcomer's first answer comes from the demo: say what to expect before it looks broken.
+DEMO_NOTE = (" (the bundled demo: a 7.7M-parameter model trained on CPython's standard library; "
+             "it continues any prompt with Python-looking text, it is not an assistant)")
+
+
+def _is_demo(model) -> bool:
+    from jetserve import demo_model_dir
+
+    return Path(str(model)).resolve() == Path(demo_model_dir()).resolve()
 
 
 class StartError(Exception):
@@ -61,6 +77,45 @@ def _credentials(options: ServeOptions):
     ca = Path(options.tls_client_ca).read_bytes() if options.tls_client_ca else None
     pair = (Path(options.tls_key).read_bytes(), Path(options.tls_cert).read_bytes())
     return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
+
+
+def _refuse_if_taken(host: str, port: int, what: str) -> None:
+    """Bind the port once ourselves, so a clash is one line; grpcio would first log its C core's
+    own error for it, and uvicorn's socket would raise with a traceback."""
+    if not port:
+        return
+    try:
+        infos = socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise StartError("%s: host %s cannot be resolved (%s)" % (what, host, exc.strerror)) from None
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind: TIME_WAIT is no clash
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    raise StartError("%s port %d is in use: is another jetserve serving there? (--%s)"
+                                     % (what, port, _FLAGS[what])) from None
+                if exc.errno == errno.EACCES:
+                    raise StartError("%s port %d needs privileges this user lacks (--%s)"
+                                     % (what, port, _FLAGS[what])) from None
+                # Anything else (e.g. no IPv6 here) is left for the server's own bind to judge.
+
+
+_FLAGS = {"gRPC": "port", "metrics": "metrics-port", "OpenAI API": "openai-port"}
+
+
+def _refuse_if_socket_taken(path: str) -> None:
+    """A Unix socket someone answers on is in use; a stale file is grpcio's to replace."""
+    if not os.path.exists(path):
+        return
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(path)
+        except OSError:
+            return
+    raise StartError("unix socket %s is in use: is another jetserve serving there?" % path)
 
 
 def _load_in_thread(make_engine, on_status) -> asyncio.Future:
@@ -110,6 +165,7 @@ class JetServer:
         self._open: dict[str, object] = {}  # request id → engine: streams between admission and their last delta
         self._idle = asyncio.Event()
         self._idle.set()
+        self._hurry = asyncio.Event()  # a second SIGINT/SIGTERM: stop without the grace period
         self._grpc: grpc.aio.Server | None = None
         self._metrics_http = None
         self._openai_http = None  # uvicorn.Server
@@ -175,6 +231,28 @@ class JetServer:
             return False
         return True
 
+    def hurry(self) -> None:
+        """Cut a drain short: what is still open is aborted now (the operator's second Ctrl-C)."""
+        if not self._hurry.is_set():
+            log.warning("second stop signal: not waiting for open streams")
+        self._hurry.set()
+
+    async def _wait_idle_unless_hurried(self, timeout: float) -> bool:
+        """wait_idle, saying every few seconds what it still waits for; False once hurried."""
+        deadline = time.monotonic() + timeout
+        while not self._idle.is_set() and not self._hurry.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            idle, hurry = asyncio.ensure_future(self._idle.wait()), asyncio.ensure_future(self._hurry.wait())
+            await asyncio.wait([idle, hurry], timeout=min(left, DRAIN_REPORT_S), return_when=asyncio.FIRST_COMPLETED)
+            idle.cancel()
+            hurry.cancel()
+            if self._open and not self._hurry.is_set() and deadline > time.monotonic():
+                log.info("draining: %d stream(s) still open, %.0f s of the grace period left",
+                         len(self._open), deadline - time.monotonic())
+        return self._idle.is_set()
+
     async def set_draining(self, draining: bool) -> None:
         if not draining and self.stopping:
             raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "server is shutting down; it cannot resume")
@@ -214,6 +292,13 @@ class JetServer:
         host = "[%s]" % opts.host if ":" in opts.host and not opts.host.startswith("[") else opts.host
         address = "%s:%d" % (host, opts.port)
         credentials = _credentials(opts)
+        _refuse_if_taken(opts.host, opts.port, "gRPC")
+        if opts.metrics_port:
+            _refuse_if_taken(opts.metrics_host, opts.metrics_port, "metrics")
+        if opts.openai_port:
+            _refuse_if_taken(opts.host, opts.openai_port, "OpenAI API")
+        if opts.unix_socket:
+            _refuse_if_socket_taken(opts.unix_socket)
         try:
             if credentials is not None:
                 self.port = self._grpc.add_secure_port(address, credentials)
@@ -241,7 +326,14 @@ class JetServer:
             self.metrics_port = self._metrics_http.server_port
             log.info("metrics on http://%s:%d/metrics", opts.metrics_host, self.metrics_port)
         if opts.openai_port:
-            await self._start_openai(host)
+            try:
+                await self._start_openai(host)
+            except OSError as exc:  # taken between the check and now, or a certificate that does not load
+                await self._grpc.stop(0)
+                if self._metrics_http is not None:
+                    self._metrics_http.shutdown()
+                raise StartError("OpenAI API port %d cannot be served (%s)"
+                                 % (opts.openai_port, exc.strerror or exc)) from None
         self.loading = asyncio.create_task(self._load())
 
     async def _start_openai(self, host: str) -> None:
@@ -265,9 +357,9 @@ class JetServer:
         self.engine = engine
         self.engine_alive = True
         await self._update_health()
-        model = engine.model_info.model
+        model = engine.model_info.served_model_name  # the one name clients use, as /v1/models says
         notify.notify("READY=1", "STATUS=serving %s on %s" % (model, self.address))
-        log.info("serving %s", model)
+        log.info("serving %s%s", model, DEMO_NOTE if _is_demo(engine.model_info.model) else "")
         self._heartbeat = asyncio.create_task(self._follow_heartbeat(engine))
 
     async def _follow_heartbeat(self, engine) -> None:
@@ -304,16 +396,24 @@ class JetServer:
         await self.set_draining(True)
         notify.notify("STOPPING=1", "STATUS=draining")
         grace = self.options.drain_grace_period
-        if not await self.wait_idle(grace):
+        if self._open:
+            log.info("draining: waiting up to %g s for %d open stream(s) to finish; signal again to stop now",
+                     grace, len(self._open))
+        if not await self._wait_idle_unless_hurried(grace):
             # Every client, whatever its language, gets a last delta with finish_reason abort and
             # a clean end (gRPC status OK; the HTTP stream's last chunk), not a cancelled call.
-            log.warning("streams still open after the %g s grace period: aborting them", grace)
+            if self._hurry.is_set():
+                log.warning("stopping now: aborting %d open stream(s)", len(self._open))
+            else:
+                log.warning("%d stream(s) still open after the %g s grace period: aborting them",
+                            len(self._open), grace)
             self.abort_all()
-            await self.wait_idle(ABORT_FLUSH_S)
+            await self.wait_idle(ABORT_FLUSH_S if not self._hurry.is_set() else HURRIED_FLUSH_S)
+        hurried = self._hurry.is_set()
         await self._health.enter_graceful_shutdown()
-        await self._grpc.stop(1.0)
+        await self._grpc.stop(0 if hurried else 1.0)
         if self._openai_http is not None:
-            self._openai_http.config.timeout_graceful_shutdown = 1.0
+            self._openai_http.config.timeout_graceful_shutdown = 0 if hurried else 1.0
             self._openai_http.should_exit = True
             await self._openai_task
         if self.loading is not None:
@@ -343,5 +443,7 @@ async def serve(make_engine, options: ServeOptions) -> int:
         notify.status("failed to load the model: %s" % failed)
     else:
         await stopped
+    for sig in (signal.SIGTERM, signal.SIGINT):  # a second signal cuts the drain short
+        loop.add_signal_handler(sig, server.hurry)
     await server.shutdown()
     return 1 if failed else 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 import grpc
 from google.protobuf.message import DecodeError
 
-# Upper bounds of what one request may carry (the README's "Limits"). A message larger than
+# Upper bounds of what one request may carry (docs/service.md, "Limits"). A message larger than
 # MAX_MESSAGE_BYTES is refused by grpcio itself with RESOURCE_EXHAUSTED.
 MAX_MESSAGE_BYTES = 4 * 2**20
 MAX_REQUEST_ID_CHARS = 256
@@ -82,3 +82,16 @@ def tokenized(prompt, engine):
         return {"prompt": prompt,
                 "prompt_token_ids": engine.tokenizer.encode_at_most(prompt, engine.model_info.max_model_len)}
     return prompt
+
+
+def check_room(prompt, params, max_model_len: int, field: str = "max_tokens") -> None:
+    """Refuse a max_tokens the context cannot hold, as vLLM does (a 400 naming both numbers),
+    rather than quietly generating less than was asked. A prompt with no room at all is the
+    engine's to refuse (FAILED_PRECONDITION); None asks for whatever room is left."""
+    ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
+    if params.max_tokens is None or ids is None or len(ids) >= max_model_len:
+        return
+    room = max_model_len - len(ids)
+    if params.max_tokens > room:
+        raise ValueError(f"{field} is {params.max_tokens}, but only {room} tokens are left: max_model_len is "
+                         f"{max_model_len} and the prompt has {len(ids)} tokens; ask for at most {room}")

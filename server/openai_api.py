@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import hmac
 import json
+import re
 import socket
 import ssl
 import time
@@ -26,7 +27,7 @@ from starlette.exceptions import HTTPException
 
 from jetserve import fdbudget
 from jetserve.server.errors import RpcError, status_for
-from jetserve.server.guard import tokenized
+from jetserve.server.guard import check_room, tokenized
 from jetserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 
 HTTP_STATUS = {
@@ -49,11 +50,22 @@ def error_response(status: int, kind: str, message: str, param: str | None = Non
                         status_code=status)
 
 
+# A bad value's message starts with the field it names ("SamplingParams.temperature must ...",
+# "logit_bias: keys ...", "max_tokens is ..."): that field is OpenAI's `param`.
+_NAMED_FIELD = re.compile(r"^(?:SamplingParams\.)?([a-z_]+)\b")
+_FIELDS = frozenset(CompletionRequest.model_fields) | frozenset(ChatCompletionRequest.model_fields)
+
+
+def param_of(message: str) -> str | None:
+    match = _NAMED_FIELD.match(message)
+    return match.group(1) if match and match.group(1) in _FIELDS else None
+
+
 def error_for(exc: BaseException) -> JSONResponse:
     """The one classification of errors (status_for, shared with gRPC), in OpenAI's shape."""
     code, message = status_for(exc)
     status, kind = HTTP_STATUS.get(code, (500, "server_error"))
-    return error_response(status, kind, message)
+    return error_response(status, kind, message, param_of(message) if status == 400 else None)
 
 
 def sse(payload) -> str:
@@ -128,8 +140,13 @@ def create_app(server) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(part) for part in first.get("loc", ())[1:]) or "body"
-        return error_response(400, "invalid_request_error", "%s: %s" % (where, first.get("msg", "invalid")), where)
+        if first.get("type") == "json_invalid":  # its loc is a character offset, not a field
+            at = first.get("loc", (None, None))[-1]
+            return error_response(400, "invalid_request_error", "the request body is not valid JSON: %s (at character %s)"
+                                  % (first.get("ctx", {}).get("error", "decode error"), at))
+        where = ".".join(str(part) for part in first.get("loc", ())[1:])
+        return error_response(400, "invalid_request_error", "%s: %s" % (where or "body", first.get("msg", "invalid")),
+                              where or None)
 
     @app.exception_handler(HTTPException)
     async def http_error(request, exc: HTTPException):
@@ -161,6 +178,8 @@ def create_app(server) -> FastAPI:
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "echo and suffix are not supported")
         params = body.sampling_params(body.max_tokens, body.logprobs)
         prompts = [await asyncio.to_thread(tokenized, prompt, engine) for prompt in body.prompts()]
+        for prompt in prompts:
+            check_room(prompt, params, engine.model_info.max_model_len)
         return await respond(request, server, body, "cmpl", prompts, params, engine, chat=False)
 
     @app.post("/v1/chat/completions")
@@ -173,6 +192,8 @@ def create_app(server) -> FastAPI:
         # Off the event loop; message content never becomes control tokens (no forged turns).
         text, ids = await asyncio.to_thread(engine.tokenizer.encode_chat, [m.as_dict() for m in body.messages])
         prompt = {"prompt": text, "prompt_token_ids": ids}
+        check_room(prompt, params, engine.model_info.max_model_len,
+                   "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
         return await respond(request, server, body, "chatcmpl", [prompt], params, engine, chat=True)
 
     return app

@@ -12,7 +12,7 @@ import grpc
 from jetserve import __version__
 from jetserve.engine import SamplingParams
 from jetserve.server.errors import RpcError, status_for
-from jetserve.server.guard import check_request_id, tokenized
+from jetserve.server.guard import check_request_id, check_room, tokenized
 from jetserve.server.metrics import percentiles
 from jetserve.v1 import inference_pb2 as pb
 from jetserve.v1 import inference_pb2_grpc as pb_grpc
@@ -106,6 +106,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 prompt = await asyncio.to_thread(lambda: tokenized(make_prompt(engine), engine))
             else:  # token ids: no thread hop before the first token
                 prompt = make_prompt(engine)
+            check_room(prompt, params, engine.model_info.max_model_len, "sampling.max_tokens")
             completion_tokens = 0
             async for out in self._server.stream(prompt, params, request_id):
                 replies = []
@@ -140,7 +141,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         info = engine.model_info
         tokenizer = engine.tokenizer
         return pb.GetModelInfoResponse(
-            model=str(info.model), architecture=info.architecture, dtype=str(info.dtype),
+            model=info.served_model_name, architecture=info.architecture, dtype=str(info.dtype),
             device=str(info.device), max_model_len=info.max_model_len, vocab_size=info.vocab_size,
             has_chat_template=tokenizer is not None and tokenizer.chat_template is not None,
             num_mtp_layers=info.num_mtp_layers, num_speculative_tokens=engine.stats().num_speculative_tokens,

@@ -1,8 +1,30 @@
 """Set-up for the whole suite."""
 
+import importlib.util
 import os
 
-import torch
+import pytest
+
+# What `pip install -e ".[test]"` brings beyond `.[serve]` (and torch, which the package never pins).
+TEST_MODULES = ("torch", "transformers", "openai", "hypothesis", "pytest_timeout", "grpc_tools", "psycopg",
+                "aiomqtt", "PIL")
+
+
+def _missing(name):
+    try:
+        return importlib.util.find_spec(name) is None
+    except (ImportError, ValueError):  # a parent that fails, or a module blocked in sys.modules
+        return True
+
+
+MISSING = [name for name in TEST_MODULES if _missing(name)]
+if MISSING:
+    # Before any test file (or a folder's conftest) imports them: one clear line, not a collection
+    # error per file.
+    pytest.exit('the tests need the test extras: pip install -e ".[test]" (and torch); missing: %s'
+                % ", ".join(MISSING), returncode=pytest.ExitCode.USAGE_ERROR)
+
+import torch  # noqa: E402
 
 # Without a GPU the Triton kernels run in Triton's interpreter, on CPU tensors (tests/engine/
 # test_kernels.py). The interpreter is picked when triton is first imported, so it is set here.

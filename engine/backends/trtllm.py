@@ -11,7 +11,7 @@ tests/engine/trtllm_contracts (made by tools/trtllm_contract.py) record the fiel
 and validators of 1.0–1.2 and of main, and the tests hold this mapping to each of them. Where
 it runs: TensorRT-LLM ≥ 1.0 on data-centre GPUs (x86_64 or SBSA). No Jetson has it: the
 v0.12.0-jetson branch predates this API, and NVIDIA's LLM runtime for JetPack 7 is TensorRT
-Edge-LLM (see the README).
+Edge-LLM (docs/engine.md, "Backends").
 """
 
 from __future__ import annotations

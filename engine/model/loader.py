@@ -105,8 +105,10 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_pos
         model.lm_head.weight = model.embed_tokens.weight
     params = dict(model.named_parameters())
     with torch.no_grad():
+        # One report of progress, never two on one stream: with `progress` (the service's log
+        # records) no bar; without it a bar, on a terminal only (tqdm's None).
         for n, (name, names) in enumerate(tqdm(sources.items(), desc="loading weights", unit="tensor",
-                                               leave=False, disable=progress is None)):
+                                               leave=False, disable=True if progress else None)):
             if name in modes:
                 weight = _quantized_weight(ckpt, names, quantization, modes[name], device)
                 if modes[name] == "dequantize":

@@ -6,7 +6,8 @@ integers in quant.py's span layout and are dequantized in registers, exactly (q 
 fp32 as `quant.dequantize` computes it, so the two differ only in reduction order. Decode on a
 GPU, a Jetson most of all, is bound by the bytes of weights read a token: INT8 halves them, INT4
 quarters them — if dequantizing costs few enough instructions a weight to keep up with memory
-(an H200 streams ~10^13 INT4 weights a second, about a third of its FP32 instruction rate).
+(a GPU's bandwidth delivers INT4 weights at a sizeable share of its FP32 instruction rate, so
+every instruction a weight counts).
 One input row also has its own kernel, `_quant_gemv_kernel`, timed among the same candidates.
 """
 
@@ -261,13 +262,12 @@ def _quant_gemv_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_ptr
 # Tiles tried for each shape, as in kernels._TILES (`block_k`: BLOCK_W words a row at a time, a
 # power of two, at least a span). Triton lays consecutive words on consecutive threads, one each,
 # so where BLOCK_W spans all threads a thread holds all BLOCK_N rows of its word and computes an
-# activation's prologue once for them. The first nine were the fastest, or within a few percent,
-# for some Qwen3 0.6B/4B projection at batch 1 on the H200 (of 15 timed: bench/results/quant-h200);
-# (2, 128, 4) and (1, 256, 8) also fit 8 rows. Then those of this round's candidates that won some
-# projection there (bench/results/quant-h200): two words a thread, the prologue apart (a fused
-# program spends about as many instructions on its activations as on its weights: 4B gate·up INT4
-# 41 -> 31 µs), split K for the narrow down projection. Wider tiles (four words a thread, more
-# bytes in flight a program) won nowhere.
+# activation's prologue once for them. The first nine were the fastest, or close, for some Qwen3
+# 0.6B/4B projection at batch 1 (bench/results/quant-h200); (2, 128, 4) and (1, 256, 8) also fit
+# 8 rows. Then the later candidates that won some projection there: two words a thread, the
+# prologue apart (a fused program spends about as many instructions on its activations as on its
+# weights), split K for the narrow down projection. Wider tiles (four words a thread, more bytes
+# in flight a program) won nowhere, so they are not tried.
 TILES = [Tile(8, 128, 4), Tile(16, 128, 4), Tile(4, 128, 4), Tile(8, 64, 2), Tile(4, 64, 2), Tile(8, 32, 1),
          Tile(8, 256, 8), Tile(1, 256, 8), Tile(2, 128, 4), Tile(8, 256, 4),
          Tile(8, 128, 4, apart=True), Tile(8, 64, 2, apart=True), Tile(8, 256, 8, apart=True),
@@ -276,10 +276,9 @@ _MAX_WORDS_PER_THREAD = 16  # accumulators a thread holds per word: more spills 
 
 
 # Candidates for one input row (`one_row`: `_quant_gemv_kernel`, BLOCK_N rows of block_k words a
-# step), timed beside TILES: of 13 timed on the H200 (bench/results/
-# quant-h200-r4, explore/), those that won a Qwen3 projection (4B gate·up INT8: 25.9 -> 18.2 µs, the
-# prologue apart) or came within 14-43 % of main's tile (split K: a few hundred programs leave the
-# loop's latency exposed). Formats with groups take a group a step (16 words: INT4 in groups of 128;
+# step), timed beside TILES: of those explored (bench/results/quant-h200-r4, explore/), the ones
+# that won a Qwen3 projection (4B gate·up INT8, the prologue apart) or came close to the best
+# multi-row tile (split K: a few hundred programs leave the loop's latency exposed). Formats with groups take a group a step (16 words: INT4 in groups of 128;
 # other groups, their own words), those with one scale a row 64 words a step.
 GROUP_TILES = [Tile(32, 16, 2, 4, one_row=True), Tile(32, 16, 2, apart=True, one_row=True)]
 ROW_TILES = [Tile(32, 64, 4, apart=True, one_row=True), Tile(32, 64, 4, 4, one_row=True), Tile(16, 64, 2, one_row=True)]

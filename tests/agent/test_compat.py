@@ -30,17 +30,21 @@ def test_verdict_per_fixture():
     assert unknown.status == "warn" and not unknown.cuda_graphs_allowed
     assert "not in the JetPack table" in unknown.checks[0].detail
     host = verdict("x86-host")
-    assert host.status == "ok" and host.cuda_graphs_allowed and host.backends[0] == "torch-eager"
-    assert "tensorrt-llm" not in host.backends  # no CUDA toolkit in this sysroot
+    # No NVIDIA GPU in this sysroot: the CPU's own programs, no CUDA graphs promised; the gate
+    # itself stays open (nothing to forbid), so the service does not force eager.
+    assert host.status == "ok" and host.cuda_graphs_allowed and host.backends == ("torch-cpu",)
+    assert "no NVIDIA GPU" in host.checks[0].detail
 
 
 def test_tensorrt_llm_backend_on_a_gpu_server(tmp_path):
     root = copy_sysroot("x86-host", tmp_path)
+    os.makedirs(os.path.join(root, "proc/driver/nvidia/gpus/0000:01:00.0"))
     os.makedirs(os.path.join(root, "usr/local/cuda"))
     with open(os.path.join(root, "usr/local/cuda/version.json"), "w") as f:
         json.dump({"cuda": {"version": "12.9.1"}}, f)
     server = verdict(root)
-    assert server.backends[-1] == "tensorrt-llm" and "TensorRT-LLM >= 1.0" in server.checks[-1].detail
+    assert server.backends == ("torch-eager", "torch-cuda-graphs", "tensorrt-llm")
+    assert "TensorRT-LLM >= 1.0" in server.checks[-1].detail
 
 
 def test_below_jetpack_51_is_a_clear_too_old_verdict(tmp_path):
@@ -66,3 +70,23 @@ def test_doctor_table_and_json():
     doc = json.loads(out.stdout.decode())
     assert doc["status"] == "warn" and doc["cuda_graphs_allowed"] is False
     assert doc["facts"]["l4t"] == "36.2.0" and doc["facts"]["jetpack"] is None
+
+
+def test_doctor_on_a_gpu_less_host_promises_no_cuda_graphs():
+    out = doctor("--sysroot", os.path.join(SYSROOTS, "x86-host"))
+    text = out.stdout.decode()
+    assert out.returncode == 0 and "torch-cuda-graphs" not in text, text
+    assert "CUDA graphs  no NVIDIA GPU here" in text and "allowed" not in text.split("backends")[0], text
+
+
+def test_doctor_in_a_pipe_that_closes_early_is_quiet():
+    """`jetserve doctor --json | head -1`: the reader leaves before the writer is done."""
+    reader, writer = os.pipe()
+    os.close(reader)  # every write now fails with EPIPE, as once `head` has exited
+    try:
+        done = subprocess.run([sys.executable, "-m", "jetserve.cli", "doctor", "--json",
+                               "--sysroot", os.path.join(SYSROOTS, "agx-orin-jp62")],
+                              stdout=writer, stderr=subprocess.PIPE, cwd=REPO, timeout=60)
+    finally:
+        os.close(writer)
+    assert done.stderr.decode() == "" and done.returncode == 141, done.stderr.decode()

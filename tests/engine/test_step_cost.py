@@ -20,7 +20,7 @@ from jetserve.engine.step_cost import MIN_CHUNK, StepCost, tile_keys
 from tests.engine.builders import TINY, hf_greedy
 
 QWEN3_06B = ModelConfig(151936, 1024, 3072, 28, 16, 8, 128, 1e-6, 1e6, 40960, True, 0, "bfloat16", "Qwen3ForCausalLM")
-# A fit of the H200's chunked-prefill steps (0.6B, 8 streams beside an 8k prompt; README): ms, ms a token,
+# A fit of the H200's chunked-prefill steps (0.6B, 8 streams beside an 8k prompt; bench/results/prefill-h200): ms, ms a token,
 # ms a tile-key.
 H200 = np.array([2.05, 1.376e-3, 1.132e-4])
 SIZES = token_sizes(2048, FINE_TOKEN_STEP)

@@ -193,3 +193,43 @@ def test_compose_serves_the_page_beyond_loopback_only_with_a_token_and_tls():
     web.check_exposure(host, "a token", args.http_tls_cert)  # what `fleet run` checks before serving
     with pytest.raises(ValueError):
         web.check_exposure(host, None, args.http_tls_cert)
+
+
+LONG_REASON = ("service down: 127.0.0.1:50051: UNAVAILABLE failed to connect to all addresses; last error: "
+               "UNKNOWN: ipv4:127.0.0.1:50051: Failed to connect to remote host: connect: Connection refused (111)")
+
+
+def test_page_fits_1280_px_with_long_reasons(registry, serve, tmp_path):
+    """A laptop's 1280×900 window in real Chromium, scrollbars drawn: a long reason wraps (cut
+    past REASON_CHARS, whole in the cell's tooltip) instead of pushing JetPack and Last seen off
+    screen. A horizontal scrollbar is the strip of non-white pixels at the bottom of the window."""
+    from PIL import Image
+
+    now = time.time()
+    registry.state("lab", "orin-nano-kiosk-lobby-07", {"online": True, "bdSeq": 1, "interval": 10.0,
+                                                       "versions": {"jetpack": "6.2"}}, now=now - 20)
+    registry.data("lab", "orin-nano-kiosk-lobby-07", "health",
+                  health(1, status="DEGRADED", reasons=[LONG_REASON * 2, "cpu 95 C"]), now=now - 5)
+    url = serve() + "/"
+    binary = shutil.which("chromium")
+    if binary is None:
+        pytest.skip("chromium is not installed (bash .ci/run installs it)")
+    shot = tmp_path / "fleet-1280.png"
+    out = subprocess.run([binary, "--headless", "--no-sandbox", "--disable-gpu", "--user-data-dir=%s" % (tmp_path / "p"),
+                          "--window-size=1280,900", "--screenshot=%s" % shot, url],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=120)
+    assert out.returncode == 0, out.stderr.decode()[-2000:]
+    image = Image.open(shot).convert("RGB")
+    assert image.size == (1280, 900)
+    width, height = image.size
+    bottom = [image.getpixel((x, y)) for y in range(height - 16, height) for x in range(0, width, 4)]
+    assert all(pixel == (255, 255, 255) for pixel in bottom), "a horizontal scrollbar: the page is wider than 1280 px"
+    _, _, body = get(url)
+    assert LONG_REASON[:40] in body.decode() and "…" in body.decode()
+    assert html_title_has(body.decode(), LONG_REASON * 2), "the cut reason is whole in the tooltip"
+
+
+def html_title_has(page, text):
+    import html as html_module
+
+    return any(text in html_module.unescape(t) for t in re.findall(r"title='([^']*)'", page))

@@ -70,12 +70,13 @@ def test_every_series_names_the_model(stubs, live):
 
 
 def test_openmetrics_exposition_has_the_readme_names(stubs, live):
-    """A scraper that negotiates OpenMetrics (Prometheus 2.42 does) gets the names the README documents."""
+    """A scraper that negotiates OpenMetrics (Prometheus 2.42 does) gets the names README.md and docs/service.md document."""
     generate(stubs)
     content_type, text = exposition(live, OPENMETRICS)
     assert content_type.startswith("application/openmetrics-text")
     exported = names(parse_openmetrics(text))
-    documented = {name for name in re.findall(r"`(jetserve_[a-z0-9_]+)", (ROOT / "README.md").read_text())
+    pages = (ROOT / "README.md").read_text() + (ROOT / "docs" / "service.md").read_text()
+    documented = {name for name in re.findall(r"`(jetserve_[a-z0-9_]+)", pages)
                   if not name.startswith("jetserve_fleet_")}  # the fleet controller's own, not the service's
     assert len(documented) >= 20
     assert documented <= exported, sorted(documented - exported)
