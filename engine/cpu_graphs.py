@@ -14,8 +14,8 @@ symbolic too, so a step never reads the whole cache nor recompiles as contexts g
 program serves any `max_model_len`, `max_num_seqs` or cache size. At batch 1 every product, the
 vocab projection included, is a C++ reduction over the weight in the narrowest dtype that holds
 its values exactly (`streamed_linear`, `narrowest`: a bf16 checkpoint served in fp32 is read as
-bf16), with fp32 sums: 4-6x MKL's and oneDNN's packed fp32 products at one row on a core, since
-half the bytes fit the cache (bench/results/decode-cpu-r9). Past one row a reduction reads each
+bf16), with fp32 sums: faster than MKL's and oneDNN's packed fp32 products at one row on a core,
+since half the bytes fit the cache (bench/results/decode-cpu-r9). Past one row a reduction reads each
 weight once a row, so the batch program keeps fp32 weights packed for oneDNN by inductor's
 freezing, and its vocab projection and argmax run after it (`VocabHead`, on weights packed when
 the engine starts: oneDNN's packed product cannot be saved in a package).
@@ -23,8 +23,10 @@ A step's new keys and values leave the program as outputs and are stored with on
 after it: stored inside, into the cache (an input), they make inductor copy the whole cache.
 
 Programs are cached on disk (compile_cache.py: keyed by the weights, the traced source, torch,
-the CPU's ISA and the thread count), so only the first start compiles (a minute on a 2-core
-box) and later ones load (seconds). Every program, compiled or loaded, is checked against the
+the CPU's ISA and the thread count), so only the first start compiles and later ones load. The
+first start serves at once: a process of its own (`BackgroundCompile`) compiles what the cache
+lacks while decode steps run eagerly, and the programs are swapped in between steps once they
+are there (`poll`). Every program, compiled or loaded, is checked against the
 eager step on a probe before use: a cache entry that does not load or disagrees is removed and
 compiled again. A program's weights are copies: each holds the model's weights once more.
 Steps with prefill chunks, speculative steps (a drafting engine's plain decode steps, drafting
@@ -165,7 +167,7 @@ class CPUKernels:
 def streamed_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T as a sum inductor fuses with the weight's upcast: one pass over the weight in
     the dtype it is stored in, fp32 accumulation. At one row on a core it beats MKL's and oneDNN's
-    packed fp32 products by 4-6x (bench/results/decode-cpu-r9); at more rows it reads the weight
+    packed fp32 products (bench/results/decode-cpu-r9); at more rows it reads the weight
     once a row, so the batch program keeps the packed products."""
     return (x.float()[:, None, :] * weight.float()[None]).sum(-1).to(x.dtype)
 
@@ -228,8 +230,8 @@ class DecodeStep(nn.Module):
 
 
 class VocabHead:
-    """The vocab projection after a program, fp32 logits: MKL's packed product at one row (1.5-2x
-    the plain product on this model's vocab), oneDNN's at more (2-3x), both packed once here."""
+    """The vocab projection after a program, fp32 logits: MKL's packed product at one row, oneDNN's
+    at more (each faster than the plain product on a vocab projection), both packed once here."""
 
     def __init__(self, weight: torch.Tensor, rows: int):
         self.weight = weight

@@ -652,7 +652,7 @@ class FusedKernels:
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x [M, K] @ weight [N, K]^T for M <= SKINNY_MAX_ROWS. A decode step's products are
-        matrix-vector products, where cuBLAS reached about a third of the H200's bandwidth."""
+        matrix-vector products, far from the memory's bandwidth in cuBLAS (bench/results/kernels-h200)."""
         return self.skinny_matmul(PLAIN, x, weight)
 
     def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,

@@ -211,9 +211,7 @@ def test_page_fits_1280_px_with_long_reasons(registry, serve, tmp_path):
     registry.data("lab", "orin-nano-kiosk-lobby-07", "health",
                   health(1, status="DEGRADED", reasons=[LONG_REASON * 2, "cpu 95 C"]), now=now - 5)
     url = serve() + "/"
-    binary = shutil.which("chromium")
-    if binary is None:
-        pytest.skip("chromium is not installed (bash .ci/run installs it)")
+    binary = require_tool("chromium")
     shot = tmp_path / "fleet-1280.png"
     out = subprocess.run([binary, "--headless", "--no-sandbox", "--disable-gpu", "--user-data-dir=%s" % (tmp_path / "p"),
                           "--window-size=1280,900", "--screenshot=%s" % shot, url],

@@ -12,6 +12,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import openai
@@ -71,11 +73,11 @@ def test_the_demo_answers_at_once_and_its_compiled_steps_take_over(tmp_path):
     server = Server(env, port, free_port())
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
-        while True:  # up as soon as /v1/models answers
+        while True:  # serving once /health answers 200 (503 while the model loads)
             try:
-                client.models.list()
-                break
-            except openai.APIConnectionError:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10):
+                    break
+            except (OSError, urllib.error.HTTPError):
                 assert server.process.poll() is None, "".join(server.log)
                 time.sleep(0.1)
         first = client.completions.create(model="demo", prompt="def main():", max_tokens=8, temperature=0)

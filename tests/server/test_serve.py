@@ -7,7 +7,6 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import grpc
 import openai
@@ -17,7 +16,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tests.server.conftest import free_port, greedy
 from jetserve.cli import build_parser
 from jetserve.server import cli
-from jetserve.server.cli import demo_model_dir
 from jetserve.v1 import inference_pb2 as pb
 from jetserve.v1 import inference_pb2_grpc as pb_grpc
 
