@@ -11,6 +11,7 @@ each part.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from jetserve.engine.config import EngineConfig
 from jetserve.engine.core import EngineCore, Request
@@ -19,10 +20,12 @@ from jetserve.engine.output_processor import OutputProcessor
 from jetserve.engine.outputs import RequestOutput
 from jetserve.engine.prompts import check_prompt
 from jetserve.engine.protocol import EngineStats, ModelInfo
-from jetserve.engine.runner import ModelRunner
 from jetserve.engine.sampling_params import SamplingParams
-from jetserve.engine.scheduler import Scheduler
-from jetserve.engine.spec_decode import DraftLength
+
+if TYPE_CHECKING:
+    from jetserve.engine.runner import ModelRunner
+    from jetserve.engine.scheduler import Scheduler
+    from jetserve.engine.spec_decode import DraftLength
 
 
 class LLMEngine:
@@ -70,9 +73,10 @@ class LLMEngine:
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         text, ids = self.tokenize_prompt(prompt)
         arrival = time.monotonic() if arrival_time is None else arrival_time
+        children = self.output_processor.add(request_id, text, ids, params, arrival)
         added = []
         try:
-            for child in self.output_processor.add(request_id, text, ids, params, arrival):
+            for child in children:
                 self.client.add_request(child)
                 added.append(child.request_id)
         except ValueError:

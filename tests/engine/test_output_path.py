@@ -62,8 +62,10 @@ def test_offline_and_service_give_the_same_outputs(tiny, async_scheduling):
                  async_scheduling=async_scheduling)
     llm = LLM(**flags)
     offline = llm.generate([p for p, _ in REQUESTS], [s for _, s in REQUESTS], use_tqdm=False)
-    # Stop strings end requests in the front end, which aborts them in the core: nothing is left there.
     assert not llm.engine.core.requests and llm.engine.stats().kv_blocks_used == 0
+    # A stop string ends a request in the front end, which aborts it in the core at once.
+    alone = llm.generate(*REQUESTS[0], use_tqdm=False)[0].outputs[0]
+    assert alone.stop_reason == "u" and not llm.engine.core.requests and llm.engine.stats().kv_blocks_used == 0
 
     async def serve():
         engine = AsyncLLM(EngineArgs(**flags).resolve())
