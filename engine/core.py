@@ -194,7 +194,7 @@ class EngineCore:
     def abort(self, request: Abort) -> list[CoreOutput]:
         """Stop requests wherever they are and free their blocks (the front end's abort, or a
         stop string it found); each unfinished one's last output ends with "abort"."""
-        return [self._finish(self.requests[rid], "abort") for rid in request.request_ids if rid in self.requests]
+        return [self._finish(self.requests[rid], "abort", []) for rid in request.request_ids if rid in self.requests]
 
     def has_work(self) -> bool:
         return bool(self.requests)
@@ -388,14 +388,14 @@ class EngineCore:
             return self._finish(request, reason, new[:kept], logprobs, stop_reason, base + kept)
         return self._output(request, new, logprobs)
 
-    def _finish(self, request: Request, reason: str, new: list[int] = (), logprobs: LogprobsLists | None = None,
+    def _finish(self, request: Request, reason: str, new: list[int], logprobs: LogprobsLists | None = None,
                 stop_reason: int | None = None, num_output_tokens: int | None = None) -> CoreOutput:
         seq = request.seq
         self.scheduler.finish(seq, reason, num_output_tokens)
         del self.requests[seq.request_id]
         self.num_reading_host -= reads_host(seq.params)
         self.num_requests_finished += 1
-        return self._output(request, list(new), logprobs, reason, stop_reason)
+        return self._output(request, new, logprobs, reason, stop_reason)
 
     def _output(self, request: Request, new: list[int], logprobs: LogprobsLists | None,
                 finish_reason: str | None = None, stop_reason: int | None = None) -> CoreOutput:
