@@ -133,25 +133,24 @@ def _engine_alone(args, engine_flags, settings) -> dict:
     import random
 
     from jetserve.engine import EngineArgs, SamplingParams
-    from jetserve.engine.llm_engine import LLMEngine
+    from jetserve.engine.core import Abort, AddRequest, EngineCore
 
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
     config = EngineArgs.from_cli_args(parser.parse_known_args(engine_flags)[0]).resolve()
     if config.device == "cpu":  # the threads the engine core process takes there (core.py)
         import torch
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) - 1))
-    engine = LLMEngine(config, detokenize=False)  # as the core: text is the front end's
+    engine = EngineCore(config)  # the core alone: text is the front end's
     vocab = config.model_config.vocab_size
     rng = random.Random(1)
     ids = iter(range(10**9))
 
     def prompt():
-        return {"prompt_token_ids": [rng.randrange(vocab) for _ in range(args.prompt_len)]}
+        return [rng.randrange(vocab) for _ in range(args.prompt_len)]
 
     def finish():
         """Every request out (an async step's last launch is waited for by the next timing's sync)."""
-        for request_id in list(engine.families):
-            engine.abort(request_id)
+        engine.abort(Abort(list(engine.requests)))
 
     def timed_steps(n):
         """Seconds a step over `n` consecutive steps, synchronised at both ends only."""
@@ -170,7 +169,8 @@ def _engine_alone(args, engine_flags, settings) -> dict:
     for warm in (True, False):  # a first pass warms every shape (Triton, graphs) up
         prefills = []
         for _ in range(3):
-            engine.add_request(str(next(ids)), prompt(), SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+            engine.add_request(AddRequest(str(next(ids)), prompt(), SamplingParams(
+                temperature=0, max_tokens=1, ignore_eos=True), time.monotonic()))
             prefills.append(timed_steps(1))
             finish()
         out["prefill_ms"] = median(prefills) * 1e3
@@ -179,8 +179,8 @@ def _engine_alone(args, engine_flags, settings) -> dict:
                 continue
             steps = args.engine_steps if not warm else 4
             for _ in range(setting.concurrency):
-                engine.add_request(str(next(ids)), prompt(), SamplingParams(temperature=0, max_tokens=most,
-                                                                            ignore_eos=True))
+                engine.add_request(AddRequest(str(next(ids)), prompt(), SamplingParams(
+                    temperature=0, max_tokens=most, ignore_eos=True), time.monotonic()))
             # Every prompt computed and the context where the three windows centre on the run's mean.
             first = max(1, setting.output_len // 2 - 3 * steps // 2)
             while engine.scheduler.waiting or any(s.num_output_tokens < first for s in engine.scheduler.running):
@@ -233,13 +233,15 @@ def _arrivals(args, setting) -> list[float]:
 def _engine_workload(engine, args, setting, prompt, params, ids) -> dict:
     """The served workload driven by the engine itself, between its steps: `concurrency` streams
     each sending its next request when its last one finishes, or the Poisson arrivals."""
+    from jetserve.engine.core import AddRequest
+
     arrivals = _arrivals(args, setting)
     left = {} if arrivals else {stream: args.rounds for stream in range(setting.concurrency)}  # requests to send
     sent, owner, first, tokens = {}, {}, [], 0
 
     def send(stream):
         request_id = str(next(ids))
-        engine.add_request(request_id, prompt(), params)
+        engine.add_request(AddRequest(request_id, prompt(), params, time.monotonic()))
         sent[request_id], owner[request_id] = time.perf_counter(), stream
         if stream is not None:
             left[stream] -= 1
@@ -247,21 +249,21 @@ def _engine_workload(engine, args, setting, prompt, params, ids) -> dict:
     start = time.perf_counter()
     for stream in list(left):
         send(stream)
-    while engine.has_unfinished_requests() or arrivals:
+    while engine.has_work() or arrivals:
         now = time.perf_counter() - start
         while arrivals and arrivals[0] <= now:
             arrivals.pop(0)
             send(None)
-        if not engine.has_unfinished_requests():
+        if not engine.has_work():
             time.sleep(max(0.0, arrivals[0] - now))
             continue
         for out in engine.step():
-            n = len(out.outputs[0].token_ids)
+            n = len(out.token_ids)
             if n and out.request_id in sent:
                 first.append((time.perf_counter() - sent.pop(out.request_id)) * 1e3)
             tokens += n
             stream = owner[out.request_id]
-            if out.finished and stream is not None and left[stream]:
+            if out.finish_reason is not None and stream is not None and left[stream]:
                 send(stream)
     return {"tok_s": tokens / (time.perf_counter() - start), "ttft_ms_p50": percentile(first, 50)}
 

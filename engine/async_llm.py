@@ -124,31 +124,18 @@ class AsyncLLM:
 
     def _on_outputs(self, outputs: list[CoreOutput]) -> None:
         """Text for the core's deltas; one hand-over per event loop for all of them."""
-        now = time.monotonic()
         deliveries: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
-        stopped = []  # ended here (a stop string, or a sibling refused): the core stops them and frees their blocks
-        released = []  # completions held back until their prompt's KV was cached
         with self._lock:
-            for o in outputs:
-                request_id = self._processor.parent_of(o.request_id)
-                if request_id is None:
-                    continue
-                if o.error is not None:
-                    item, done = ValueError(o.error), True
-                    stopped += [r for r in self._processor.drop(request_id) if r != o.request_id]
-                else:
-                    item, stopped_here = self._processor.process(o, now)
-                    if stopped_here:
-                        stopped.append(o.request_id)
-                    released += self._processor.release(request_id)
-                    done = item.finished
+            processed = self._processor.process_outputs(outputs, time.monotonic())
+            for request_id, item in processed.deltas:
+                done = not isinstance(item, RequestOutput) or item.finished
                 collector = self._streams.pop(request_id, None) if done else self._streams.get(request_id)
                 if collector is not None:
                     deliveries[collector.loop].append((collector, item))
-        for child in released:
+        for child in processed.to_add:  # completions held back until their prompt's KV was cached
             self.core.add_request(child)
-        if stopped:
-            self.core.abort(stopped)
+        if processed.to_abort:  # ended here: the core stops them and frees their blocks
+            self.core.abort(processed.to_abort)
         for loop, items in deliveries.items():
             _deliver(loop, _put_all, items)
 

@@ -1,32 +1,47 @@
 """The engine core: the step loop with nothing else in it (vLLM V1's EngineCore / EngineCoreProc).
 
-Requests come in as checked token ids; out go token deltas with the token-level finish reasons
-(EOS, stop token ids, max_tokens, max_model_len). Text (detokenization, stop strings) is the
-front end's (`output_processor.py`), so it never costs a step. `EngineCore` applies the messages
-below between steps; a thread drives it (`InprocClient`) or, in its own process,
+request → scheduler → runner → sampler → scheduler update → `CoreOutput`s. Requests come in as
+checked token ids; out go token deltas with the token-level finish reasons (EOS, stop token ids,
+max_tokens, max_model_len) and logprobs in compact columns (`LogprobsLists`). Text
+(detokenization, stop strings, logprobs' tokens, the n completions of one request) is the front
+end's (`output_processor.py`), so it never costs a step; a stop string it finds comes back as an
+abort. Async scheduling's state between steps is `self.pipeline` (`pipeline.py`).
+
+`EngineCore` applies the messages below between steps; offline `LLMEngine` steps it in its own
+thread (`SyncClient`), `AsyncLLM` through a thread (`InprocClient`) or, in its own process,
 `run_engine_core`: a busy loop that drains requests, aborts and control calls from one ZMQ
 socket, steps, and pushes the step's deltas with a stats snapshot to another (msgpack, msgspec).
 """
 
 from __future__ import annotations
 
+import bisect
 import gc
 import logging
 import os
 import pickle
+import random
 import shutil
 import signal
 import sys
+import time
+from dataclasses import dataclass
 
 import msgspec
 
 from jetserve.engine import lifeline
 from jetserve.engine.config import EngineConfig
-from jetserve.engine.llm_engine import LLMEngine
 from jetserve.engine.plan import refuse_if_it_cannot_fit
 from jetserve.engine.outputs import LogprobsLists
-from jetserve.engine.protocol import EngineStats, ModelInfo
+from jetserve.engine.pipeline import Pipeline
+from jetserve.engine.prompts import check_prompt
+from jetserve.engine.protocol import ITERATION_TOKENS_BUCKETS, EngineStats, ModelInfo
+from jetserve.engine.runner import Launch, ModelRunner, SpeculativeLaunch
 from jetserve.engine.sampling_params import SamplingParams
+from jetserve.engine.scheduler import ScheduledBatch, Scheduler
+from jetserve.engine.sequence import Sequence, SequenceStatus
+from jetserve.engine.spec_decode import DraftLength, SpecCounters
+from jetserve.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +82,8 @@ CONTROLS = ("set_max_num_seqs", "set_num_speculative_tokens")
 # -- core → front end -------------------------------------------------------------------------
 
 class CoreOutput(msgspec.Struct, array_like=True, gc=False):
-    """One request's new tokens after a step; `error` set: the core refused the request."""
+    """One request's new tokens after a step, cut at the token that finished it; `error` set:
+    the core refused the request."""
 
     request_id: str
     token_ids: list[int]
@@ -106,49 +122,350 @@ class Failed(msgspec.Struct, tag=True, array_like=True, gc=False):
 CoreMessage = Outputs | Reply | Status | Ready | Failed
 
 
+@dataclass
+class Request:
+    """What the core keeps beside the scheduler's sequence of a request."""
+
+    seq: Sequence
+    first_scheduled_time: float | None = None
+    prompt_logprobs: LogprobsLists | None = None  # gathered over the prompt's chunks, sent with the first token
+    prompt_logprobs_sent: bool = False
+
+
+def reads_host(params: SamplingParams) -> bool:
+    """Whether a sequence's steps need its tokens or logits on the host (penalties, bad_words and
+    min_tokens read its history; logprobs are computed there): async scheduling, which never
+    waits for a step's tokens, runs steps one at a time while such a sequence is unfinished."""
+    return params.needs_history or params.logprobs is not None or params.prompt_logprobs is not None
+
+
 class EngineCore:
-    """An LLMEngine without text, and the messages that drive it between steps."""
+    """The step loop: requests of checked token ids in, `CoreOutput`s out, straight from the
+    scheduler's update (token ids, finish reasons from EOS, stop token ids and length, logprobs
+    in columns). It knows no text and no parent requests: a request for n completions is n
+    requests here. `add`, `abort` and `call` apply the messages above between steps."""
 
     def __init__(self, config: EngineConfig, on_status=None):
-        refuse_if_it_cannot_fit(config)  # here, not in the server: it alone holds the GPU (and torch)
-        self.engine = LLMEngine(config, on_status=on_status, detokenize=False)
+        if config.backend != "torch":
+            raise ValueError(f"backend {config.backend!r}: this engine is the torch backend (see open_engine)")
+        refuse_if_it_cannot_fit(config)  # here, in the process that will hold the model (and the GPU)
+        self.config = config
+        # The core's tokenizer only gives EOS ids and bad words' ids: text is the front end's.
+        self.tokenizer = Tokenizer.from_pretrained(config.model) if config.has_tokenizer else None
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) if self.tokenizer else frozenset()
+        self.runner = ModelRunner(config, progress=on_status)
+        self.scheduler = Scheduler(config, self.runner.num_blocks)
+        self.draft_length = DraftLength(config.speculative) if config.speculative else None
+        self.spec_counters = SpecCounters()
+        self.pipeline = Pipeline()
+        self.requests: dict[str, Request] = {}  # by request id (a completion's, see child_request_id)
+        self.num_requests_finished = 0
+        self.num_reading_host = 0  # unfinished sequences whose steps read tokens or logits on the host
+        self._seeds = random.Random(config.seed)  # noise keys of requests without a seed
+        # Tokens computed per step, as counts per ITERATION_TOKENS_BUCKETS bucket (+Inf last) and a sum.
+        self.iteration_tokens = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
+        self.iteration_tokens_sum = 0
 
-    def has_work(self) -> bool:
-        return self.engine.has_unfinished_requests()
+    # -- requests -------------------------------------------------------------------------
 
-    def step(self) -> list[CoreOutput]:
-        return [_core_output(o) for o in self.engine.step()]
-
-    def stats(self) -> EngineStats:
-        return self.engine.stats()
+    def add_request(self, request: AddRequest) -> None:
+        """Queue a request; a ValueError names what is wrong with it."""
+        params = request.params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already running")
+        params.update_from_tokenizer(self.tokenizer)
+        params.check_vocab(self.config.model_config.vocab_size)
+        _, ids = check_prompt({"prompt_token_ids": request.prompt_token_ids}, self.tokenizer,
+                              self.config.model_config.vocab_size, self.config.max_model_len)
+        # The sampling noise is keyed by (seed, position) (sampler.py): a request's own seed, or
+        # one drawn here, so unseeded runs of the same workload repeat under the engine's seed.
+        seed = self._seeds.getrandbits(63) if params.seed is None else params.seed % 2**63
+        seq = Sequence(request.request_id, ids, params, request.arrival_time, seed)
+        self.requests[seq.request_id] = Request(seq)
+        self.scheduler.add(seq)
+        self.num_reading_host += reads_host(params)
 
     def add(self, request: AddRequest) -> CoreOutput | None:
+        """`add_request`, a refusal as the request's output (what the loops send back)."""
         try:
-            self.engine.add_request(request.request_id, {"prompt_token_ids": request.prompt_token_ids},
-                                    request.params, request.arrival_time)
+            self.add_request(request)
         except ValueError as exc:
             return CoreOutput(request.request_id, [], "abort", error=str(exc))
         return None
 
     def abort(self, request: Abort) -> list[CoreOutput]:
-        return [_core_output(o) for o in map(self.engine.abort, request.request_ids) if o is not None]
+        """Stop requests wherever they are and free their blocks (the front end's abort, or a
+        stop string it found); each unfinished one's last output ends with "abort"."""
+        return [self._finish(self.requests[rid], "abort", []) for rid in request.request_ids if rid in self.requests]
+
+    def has_work(self) -> bool:
+        return bool(self.requests)
 
     def call(self, request: Call) -> Reply:
         error = None
         try:
             if request.method not in CONTROLS:
                 raise ValueError(f"unknown control {request.method!r}")
-            getattr(self.engine, request.method)(*request.args)
+            getattr(self, request.method)(*request.args)
         except ValueError as exc:
             error = str(exc)
-        return Reply(request.call_id, error, self.engine.stats())
+        return Reply(request.call_id, error, self.stats())
 
+    # -- the step -------------------------------------------------------------------------
 
-def _core_output(output) -> CoreOutput:
-    completion = output.outputs[0]
-    return CoreOutput(output.request_id, completion.token_ids, completion.finish_reason, completion.stop_reason,
-                      first_scheduled_time=output.metrics.first_scheduled_time, logprobs=completion.logprobs,
-                      prompt_logprobs=output.prompt_logprobs)
+    def step(self) -> list[CoreOutput]:
+        """One step: request → scheduler → runner (forward, sampling, drafting) → scheduler
+        update → outputs. One path for every mode, over `self.pipeline`:
+
+        - one step at a time (async scheduling off, or a sequence that reads the host is
+          unfinished): read a step still in flight, or else schedule, run and read a step;
+        - plain decoding overlapped: launch step N+1, then read step N (a sequence that N
+          finishes costs one wasted token in N+1, which the scheduler drops);
+        - drafting overlapped: consecutive speculative steps of the same sequences chain on the
+          device (N+1 launched before N's tokens are read, its inputs taken from N's result
+          there, `_chain`); any other step (prefill chunks, a batch that changes, a limit within
+          reach) first catches up, then runs as one at a time."""
+        pipe = self.pipeline
+        overlap = self.config.async_scheduling and not self.num_reading_host
+        if pipe.in_flight is not None and not overlap:  # a sequence reads the host's tokens: catch up
+            return self._receive(pipe.take())
+        num_drafts = pipe.drafts(self.draft_length)
+        previous = pipe.in_flight
+        if overlap and (self.draft_length is None or (
+                not num_drafts and not isinstance(previous, SpeculativeLaunch) and self.scheduler.decoding_only())):
+            pipe.launched()
+            batch = self._schedule(0)
+            launch = self.runner.launch(batch) if batch else None
+            if launch is not None:
+                self.scheduler.launched(batch, launch.seqs)
+                launch.pipelined = previous is not None
+            pipe.in_flight = launch
+            return self._receive(previous) if previous is not None else []
+        if previous is not None:
+            pipe.in_flight = self._chain(previous, num_drafts) if isinstance(previous, SpeculativeLaunch) else None
+            return self._receive(previous)
+        pipe.launched()
+        batch = self._schedule(num_drafts)
+        if not batch:
+            return []
+        if overlap and not self.runner.plain_step(batch, num_drafts) and \
+                self.runner.speculative_shape(batch, num_drafts) is not None:
+            pipe.in_flight = self.runner.launch_speculative(batch, num_drafts)
+            return []
+        return self._execute(batch, num_drafts, timed=not overlap)
+
+    def _schedule(self, num_drafts: int) -> ScheduledBatch:
+        """The scheduler's next batch, with room for `num_drafts` drafts, and its stats: when each
+        request first got compute (the end of its queue time, vLLM's metrics) and the tokens of
+        the step (vLLM's iteration_tokens_total)."""
+        batch = self.scheduler.schedule(num_lookahead_slots=num_drafts)
+        if batch:
+            self._mark_scheduled(batch)
+        return batch
+
+    def _execute(self, batch: ScheduledBatch, num_drafts: int, timed: bool) -> list[CoreOutput]:
+        """Run a scheduled step and wait for its tokens. `timed`: a decode step's time tells the
+        draft length what k costs (steps run one at a time; under async scheduling a step that
+        catches up is not timed: see _record_step_time)."""
+        verified = self.runner.speculative_shape(batch, num_drafts) if self.draft_length else None
+        start = time.perf_counter()
+        priced_out = self.draft_length is not None and self.draft_length.priced_out
+        sampled, drafts, logprobs, prompt_logprobs = self.runner.execute(batch, num_drafts, priced_out)
+        for seq, lists in zip(batch.seqs, prompt_logprobs):
+            if lists is not None:
+                self._gather_prompt_logprobs(self.requests[seq.request_id], lists)
+        if verified is not None:
+            seconds = time.perf_counter() - start
+            if timed:
+                self.draft_length.record_step(verified, num_drafts, len(batch), seconds)
+            self.draft_length.record_progress(verified, num_drafts, len(batch),
+                                              sum(len(new) for new in sampled if new is not None), seconds)
+        return self._complete(batch, sampled, drafts, logprobs)
+
+    def _complete(self, batch: ScheduledBatch, sampled: list[list[int] | None], drafts: list[list[int]],
+                  logprobs: list | None = None) -> list[CoreOutput]:
+        """Record what a step did (acceptance, the scheduler's update, the draft length), then
+        each sampled sequence's output."""
+        for seq, new in zip(batch.seqs, sampled):
+            if new is not None and seq.spec_token_ids:
+                self.spec_counters.record(len(seq.spec_token_ids), len(new) - 1)
+                self.draft_length.record(len(seq.spec_token_ids), len(new) - 1)
+        self.scheduler.update(batch, sampled, drafts)
+        if self.draft_length:
+            self.draft_length.update()
+        return [self._process(self.requests[seq.request_id], new, lp)
+                for seq, new, lp in zip(batch.seqs, sampled, logprobs or [None] * len(batch)) if new is not None]
+
+    def _chain(self, previous: SpeculativeLaunch, num_drafts: int) -> SpeculativeLaunch | None:
+        """Launch the step after `previous` before its tokens are read: the same sequences, in
+        the same order, verify the drafts it proposed and propose `num_drafts`. None where that
+        step is not known without them: `previous` proposed nothing, a sequence finished or
+        another waits to join, max_tokens or max_model_len is within reach, KV runs short."""
+        q = previous.num_drafts + 1
+        seqs = previous.batch.seqs
+        # Tokens past the host's view the two steps may cover: previous's accepted run, this
+        # step's rows, and the KV of the drafting chain after them.
+        if not previous.num_drafts or not self.scheduler.reserve_chained(seqs, previous.q + q + num_drafts):
+            return None
+        batch = ScheduledBatch(list(seqs), [q] * len(seqs))
+        launch = self.runner.launch_speculative(batch, num_drafts, after=previous)
+        if launch is not None:
+            launch.pipelined = True
+            self.pipeline.launched()
+            self._mark_scheduled(batch)
+        return launch
+
+    def _receive(self, launch: Launch | SpeculativeLaunch) -> list[CoreOutput]:
+        """Async scheduling: the outputs of a launched step, once its tokens are on the host."""
+        if isinstance(launch, SpeculativeLaunch):
+            emitted, drafts = self.runner.speculative_result(launch)
+            live = [i for i, seq in enumerate(launch.batch.seqs) if seq.status is not SequenceStatus.FINISHED]
+            self._record_step_time(launch, launch.q - 1, launch.num_drafts, len(launch.batch),
+                                   sum(len(emitted[i]) for i in live))
+            batch = ScheduledBatch([launch.batch.seqs[i] for i in live], [launch.q] * len(live))
+            return self._complete(batch, [emitted[i] for i in live], [drafts[i] for i in live])
+        tokens = launch.tokens()
+        self.scheduler.step_done(synced=bool(launch.seqs))
+        outputs = []
+        for seq, token in tokens:
+            if self.scheduler.receive(seq, token):
+                outputs.append(self._process(self.requests[seq.request_id], [token]))
+        if self.draft_length and launch.seqs:  # a plain decode with drafting off: T_0 for the draft length
+            self._record_step_time(launch, 0, 0, len(launch.seqs), len(outputs))
+            self.draft_length.update()
+        return outputs
+
+    def _record_step_time(self, launch: Launch | SpeculativeLaunch, verified: int, proposed: int, batch: int,
+                          tokens: int) -> None:
+        """A launched step's time for the draft length: the pipeline's period (Pipeline.period).
+        Timed only for a step launched while another was in flight: the first step after a wait
+        (a prefill, a chain that broke, the plain step of a probe) pays the pipeline's whole
+        latency, which steady decoding at that k does not; counted, it made plain decoding look
+        1.5x slower than it runs. Every step counts in the realized rates
+        (DraftLength.record_progress), where that latency is part of what drafting costs."""
+        seconds = self.pipeline.period(launch)
+        if launch.pipelined:
+            self.draft_length.record_step(verified, proposed, batch, seconds)
+        self.draft_length.record_progress(verified, proposed, batch, tokens, seconds)
+
+    def _gather_prompt_logprobs(self, request: Request, lists: LogprobsLists) -> None:
+        """Add a chunk's prompt logprobs (those of the tokens after its rows' positions, computed
+        from num_computed_tokens on); a prompt recomputed after a preemption adds nothing twice."""
+        have = request.prompt_logprobs
+        if have is None:
+            request.prompt_logprobs = lists
+        else:
+            have.extend(lists[max(0, len(have) - request.seq.num_computed_tokens):])
+
+    def _mark_scheduled(self, batch: ScheduledBatch) -> None:
+        n = sum(batch.num_tokens)
+        self.iteration_tokens[bisect.bisect_left(ITERATION_TOKENS_BUCKETS, n)] += 1
+        self.iteration_tokens_sum += n
+        now = time.monotonic()
+        for seq in batch.seqs:
+            request = self.requests[seq.request_id]
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+
+    def _process(self, request: Request, new: list[int], logprobs: LogprobsLists | None = None) -> CoreOutput:
+        """The tokens a sequence gained, up to the first that ends the request (EOS, a stop token,
+        max_tokens, max_model_len): a stop inside an accepted run of drafts ends the output
+        exactly where it ends without drafting. Stop strings are the front end's, which aborts
+        the request here when it finds one."""
+        seq, params = request.seq, request.seq.params
+        base = seq.num_output_tokens - len(new)  # output tokens before this step's
+        reason, stop_reason, kept = None, None, 0
+        for token in new:
+            kept += 1
+            if not params.ignore_eos and token in self.eos_token_ids:
+                reason = "stop"
+            elif token in params.stop_token_ids:
+                reason, stop_reason = "stop", token
+            elif base + kept == params.max_tokens or seq.num_prompt_tokens + base + kept >= self.config.max_model_len:
+                reason = "length"
+            if reason:
+                break
+        logprobs = logprobs[:kept] if logprobs is not None else None
+        if reason:
+            return self._finish(request, reason, new[:kept], logprobs, stop_reason, base + kept)
+        return self._output(request, new, logprobs)
+
+    def _finish(self, request: Request, reason: str, new: list[int], logprobs: LogprobsLists | None = None,
+                stop_reason: int | None = None, num_output_tokens: int | None = None) -> CoreOutput:
+        seq = request.seq
+        self.scheduler.finish(seq, reason, num_output_tokens)
+        del self.requests[seq.request_id]
+        self.num_reading_host -= reads_host(seq.params)
+        self.num_requests_finished += 1
+        return self._output(request, new, logprobs, reason, stop_reason)
+
+    def _output(self, request: Request, new: list[int], logprobs: LogprobsLists | None,
+                finish_reason: str | None = None, stop_reason: int | None = None) -> CoreOutput:
+        """A request's output; the prompt's logprobs go with its first token (or its end)."""
+        prompt_logprobs = None
+        if request.seq.params.prompt_logprobs is not None and not request.prompt_logprobs_sent and (
+                new or finish_reason):
+            request.prompt_logprobs_sent = True
+            prompt_logprobs = request.prompt_logprobs or LogprobsLists([], [], [])
+        return CoreOutput(request.seq.request_id, new, finish_reason, stop_reason,
+                          first_scheduled_time=request.first_scheduled_time,
+                          logprobs=logprobs if new else None, prompt_logprobs=prompt_logprobs)
+
+    # -- live controls and stats ----------------------------------------------------------
+
+    def set_max_num_seqs(self, n: int) -> None:
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= self.config.max_num_seqs:
+            raise ValueError(f"max_num_seqs must be an integer in [1, {self.config.max_num_seqs}] "
+                             f"(the engine was started with {self.config.max_num_seqs}), got {n!r}")
+        self.scheduler.set_max_num_seqs(n)
+
+    def set_num_speculative_tokens(self, k: int) -> None:
+        """Live control of the draft length cap; 0 turns drafting off, adaptive k moves below the cap.
+        The cap cannot pass the k the engine started with: graphs and KV lookahead are sized for it."""
+        limit = self.config.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+            raise ValueError(f"num_speculative_tokens must be an integer >= 0, got {k!r}")
+        if self.draft_length is None:
+            if k:
+                raise ValueError("num_speculative_tokens: this engine was started without speculative_config")
+            return
+        if k > limit:
+            raise ValueError(f"num_speculative_tokens must be at most {limit}, the draft length the engine "
+                             f"was started with (its CUDA graphs and KV lookahead are sized for it), got {k}")
+        self.draft_length.set_max(k)
+        self.pipeline.next_drafts = None
+
+    def stats(self) -> EngineStats:
+        blocks = self.scheduler.blocks
+        used, total = blocks.num_used, blocks.num_blocks
+        spec = self.spec_counters
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            max_num_seqs=self.scheduler.max_num_seqs, kv_blocks_total=total, kv_blocks_used=used,
+            kv_usage=used / total, num_preemptions=self.scheduler.num_preemptions,
+            num_requests_finished=self.num_requests_finished,
+            prefix_cache_queries=blocks.prefix_queries, prefix_cache_hits=blocks.prefix_hits,
+            num_drafts=spec.num_drafts, num_draft_tokens=spec.num_draft_tokens,
+            num_accepted_tokens=spec.num_accepted_tokens,
+            accepted_per_position=list(spec.accepted_per_position),
+            acceptance_rate=spec.acceptance_rate, mean_accepted_length=spec.mean_accepted_length,
+            num_speculative_tokens=self.draft_length.k if self.draft_length else 0,
+            iteration_tokens=list(self.iteration_tokens), iteration_tokens_sum=self.iteration_tokens_sum)
+
+    @property
+    def model_info(self) -> ModelInfo:
+        cfg = self.config
+        return ModelInfo(
+            model=cfg.model, served_model_name=cfg.served_model_name, architecture=cfg.model_config.architecture,
+            dtype=cfg.dtype, device=cfg.device,
+            max_model_len=cfg.max_model_len, vocab_size=cfg.model_config.vocab_size,
+            num_mtp_layers=cfg.model_config.num_mtp_layers,
+            num_speculative_tokens=self.draft_length.k if self.draft_length else 0,
+            cuda_graphs=cfg.device.startswith("cuda") and bool(self.runner.graphs and self.runner.graphs.graphs),
+            backend="torch",
+            max_num_seqs_limit=cfg.max_num_seqs, num_speculative_tokens_limit=cfg.num_speculative_tokens)
 
 
 def run_engine_core(config: EngineConfig, input_address: str, output_address: str) -> None:
@@ -183,7 +500,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     # collection in the busy loop costs the requests' objects, not the whole heap (as vLLM's core).
     gc.collect()
     gc.freeze()
-    send(Ready(core.engine.model_info, core.stats()))
+    send(Ready(core.model_info, core.stats()))
     try:
         while True:
             if not core.has_work() and not inbox.poll(IDLE_TICK * 1000):

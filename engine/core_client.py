@@ -4,6 +4,7 @@
 a GIL with the servers; requests in and deltas out over ZMQ, the deltas read by the event loop
 that started it. Its death is seen at once: that loop watches the process sentinel beside the socket.
 `InprocClient`: the core in a thread of this process (no spawn, no IPC).
+`SyncClient`: the core stepped by the caller's own thread (offline `LLMEngine`).
 
 They call `on_outputs(list[CoreOutput])` (from that event loop, or from the core's thread) and
 `on_death(exc)` once if the core dies; `call` returns only once a control is in effect, and
@@ -30,7 +31,8 @@ import msgspec
 from jetserve.engine import lifeline
 from jetserve.engine.config import EngineConfig
 from jetserve.engine.core import (
-    IDLE_TICK, Abort, AddRequest, Call, CoreMessage, EngineCore, Failed, Outputs, Ready, Reply, Shutdown, Status)
+    IDLE_TICK, Abort, AddRequest, Call, CoreMessage, CoreOutput, EngineCore, Failed, Outputs, Ready, Reply, Shutdown,
+    Status)
 from jetserve.engine.errors import EngineError
 from jetserve.engine.protocol import EngineStats, ModelInfo
 
@@ -117,7 +119,7 @@ class InprocClient(_CoreClient):
 
     def __init__(self, config: EngineConfig, on_status, on_outputs, on_death):
         self.core = EngineCore(config, on_status=on_status)
-        self.model_info: ModelInfo = self.core.engine.model_info
+        self.model_info: ModelInfo = self.core.model_info
         self._on_outputs, self._on_death = on_outputs, on_death
         self._stats = self.core.stats()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -351,3 +353,37 @@ class MPClient(_CoreClient):
         self.last_heartbeat = float("-inf")
         self._calls.fail_all()
         self._on_death(EngineError(f"the engine core process died (exit code {code})"))
+
+
+class SyncClient:
+    """The core stepped by the caller's own thread (vLLM V1's InprocClient), for offline
+    `LLMEngine`: the same requests, aborts and controls as the other clients, with no thread
+    and no queue between; a refused request raises its ValueError here."""
+
+    def __init__(self, config: EngineConfig, on_status=None):
+        self.core = EngineCore(config, on_status=on_status)
+        self._call_ids = itertools.count()
+
+    @property
+    def model_info(self) -> ModelInfo:
+        return self.core.model_info
+
+    def stats(self) -> EngineStats:
+        return self.core.stats()
+
+    def add_request(self, request: AddRequest) -> None:
+        self.core.add_request(request)
+
+    def abort(self, request_ids: list[str]) -> list[CoreOutput]:
+        return self.core.abort(Abort(request_ids))
+
+    def call(self, method: str, *args) -> None:
+        reply = self.core.call(Call(next(self._call_ids), method, list(args)))
+        if reply.error is not None:
+            raise ValueError(reply.error)
+
+    def has_work(self) -> bool:
+        return self.core.has_work()
+
+    def step(self) -> list[CoreOutput]:
+        return self.core.step()

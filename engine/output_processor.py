@@ -1,17 +1,20 @@
-"""The front end's half of a request (vLLM V1's OutputProcessor): text, stop strings, streams.
+"""The front end's half of a request (vLLM V1's OutputProcessor): text, stop strings, n > 1.
 
-The engine core hands back token ids and the token-level finish reasons (EOS, stop token ids,
-max_tokens, max_model_len). Here, outside the step loop, each token is detokenized and checked
-for stop strings one at a time: a stop string inside an accepted run of drafts ends the output
-at the token that completes it, exactly where it would end without drafting, and the caller
-aborts the request in the core. Logprobs arrive as compact columns and get their tokens' text
-here. A request for n completions is a parent of n requests in the core (vLLM V1's parallel
-sampling, `ParentRequest`): each its own stop strings and logprobs, its deltas tagged with its
-index, the parent finished with its last. Completions after the first may be held back until
-the first has its first token: by then the prompt's full blocks are in the prefix cache, so the
-others read its KV instead of computing the prompt again (sent together, all would compute it
-in the same step). `RequestOutputCollector` is one stream's mailbox:
-deltas that arrive while its reader is busy merge into one message instead of queueing one per token.
+One implementation for every front end: offline `LLMEngine` and the service's `AsyncLLM` both
+turn the engine core's outputs into `RequestOutput`s here. The core hands back token ids and the
+token-level finish reasons (EOS, stop token ids, max_tokens, max_model_len). Here, outside the
+step loop, each token is detokenized and checked for stop strings one at a time: a stop string
+inside an accepted run of drafts ends the output at the token that completes it, exactly where
+it would end without drafting, and `process_outputs` names the request for the caller to abort
+in the core (vLLM V1's `reqs_to_abort`). Logprobs arrive as compact columns and get their
+tokens' text here. A request for n completions is a parent of n requests in the core (vLLM V1's
+parallel sampling, `ParentRequest`), with ids `child_request_id` gives: each its own stop
+strings and logprobs, its deltas tagged with its index, the parent finished with its last.
+Completions after the first may be held back until the first has its first token: by then the
+prompt's full blocks are in the prefix cache, so the others read its KV instead of computing the
+prompt again (sent together, all would compute it in the same step). `RequestOutputCollector`
+is one stream's mailbox: deltas that arrive while its reader is busy merge into one message
+instead of queueing one per token.
 """
 
 from __future__ import annotations
@@ -48,6 +51,16 @@ class _Completion:
     index: int
     detokenizer: Detokenizer | None
     stops: StopStrings
+
+
+@dataclass
+class ProcessedOutputs:
+    """What one batch of core outputs gave: the deltas, by the caller's request id (an error
+    where the core refused a request), and what the caller does next in the core."""
+
+    deltas: list[tuple[str, RequestOutput | ValueError]] = field(default_factory=list)
+    to_abort: list[str] = field(default_factory=list)  # ended here (a stop string, a sibling refused)
+    to_add: list[AddRequest] = field(default_factory=list)  # completions held back until now
 
 
 def child_request_id(request_id: str, index: int, n: int) -> str:
@@ -120,6 +133,25 @@ class OutputProcessor:
             else:
                 last.merge(delta)
         return last, running
+
+    def process_outputs(self, outputs: list[CoreOutput], now: float) -> ProcessedOutputs:
+        """The core's outputs of a step as deltas, in order; outputs of requests no longer
+        followed here (aborted meanwhile) are dropped."""
+        result = ProcessedOutputs()
+        for o in outputs:
+            request_id = self.parent_of(o.request_id)
+            if request_id is None:
+                continue
+            if o.error is not None:
+                result.to_abort += [r for r in self.drop(request_id) if r != o.request_id]
+                result.deltas.append((request_id, ValueError(o.error)))
+                continue
+            delta, stopped_here = self.process(o, now)
+            if stopped_here:
+                result.to_abort.append(o.request_id)
+            result.to_add += self.release(request_id)
+            result.deltas.append((request_id, delta))
+        return result
 
     def process(self, o: CoreOutput, now: float) -> tuple[RequestOutput | None, bool]:
         """The delta for the core's output (None for a request no longer followed here), and

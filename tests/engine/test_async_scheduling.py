@@ -62,7 +62,7 @@ def test_abort_while_a_step_is_in_flight(checkpoint):
     engine.add_request("b", {"prompt_token_ids": PROMPTS[1]}, SamplingParams(max_tokens=50, ignore_eos=True))
     for _ in range(3):
         engine.step()
-    assert engine._in_flight is not None and engine.scheduler.blocks.num_used > 0
+    assert engine.core.pipeline.in_flight is not None and engine.scheduler.blocks.num_used > 0
     engine.abort("a")
     outputs = engine.step()
     assert all(o.request_id == "b" for o in outputs)
@@ -123,7 +123,7 @@ def test_requests_that_read_the_host_step_in_turn(tiny, device):
                   async_scheduling=async_scheduling)
         results.append([(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].logprobs, o.prompt_logprobs)
                         for o in llm.generate(prompts, params, use_tqdm=False)])
-        assert llm.engine.scheduler.blocks.num_used == 0 and llm.engine.num_reading_host == 0
+        assert llm.engine.scheduler.blocks.num_used == 0 and llm.engine.core.num_reading_host == 0
     assert results[0] == results[1]
     assert results[1][1][2] is not None and results[1][1][3] is not None
 
@@ -131,16 +131,16 @@ def test_requests_that_read_the_host_step_in_turn(tiny, device):
     engine.add_request("plain", {"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=30, ignore_eos=True))
     for _ in range(3):
         engine.step()
-    assert engine._in_flight is not None
+    assert engine.core.pipeline.in_flight is not None
     engine.add_request("host", {"prompt_token_ids": PROMPTS[1]},
                        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1))
     caught_up = engine.step()  # the step in flight, read: "host" has not run yet
-    assert [o.request_id for o in caught_up] == ["plain"] and engine._in_flight is None
-    while "host" in engine.families:
-        assert engine._in_flight is None
+    assert [o.request_id for o in caught_up] == ["plain"] and engine.core.pipeline.in_flight is None
+    while "host" in engine.requests:
+        assert engine.core.pipeline.in_flight is None
         engine.step()
     engine.step()
-    assert engine._in_flight is not None  # overlapping again
+    assert engine.core.pipeline.in_flight is not None  # overlapping again
     engine.abort("plain")
 
 

@@ -45,6 +45,24 @@ def test_abort_mid_prefill_and_mid_decode_frees_every_block(tiny):
     assert eng.abort("decode") is None  # a second abort is harmless
 
 
+def test_a_refused_request_leaves_the_running_ones_alone(tiny):
+    """A second request under a running one's id, or one the core refuses (a token id past the
+    vocabulary in stop_token_ids, checked there), is refused whole: n = 2 leaves no completion
+    behind, and the running request finishes as if alone."""
+    path, _ = tiny
+    eng = engine(path)
+    eng.add_request("a", {"prompt_token_ids": [1, 2, 3]}, GREEDY)
+    with pytest.raises(ValueError, match="already"):
+        eng.add_request("a", {"prompt_token_ids": [4, 5]}, GREEDY)
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        eng.add_request("b", {"prompt_token_ids": [4, 5]}, SamplingParams(n=2, stop_token_ids=[10**6]))
+    assert list(eng.requests) == ["a"] and list(eng.output_processor.parents) == ["a"]
+    tokens = []
+    while eng.has_unfinished_requests():
+        tokens += [t for out in eng.step() for t in out.outputs[0].token_ids]
+    assert len(tokens) == GREEDY.max_tokens and eng.scheduler.blocks.num_used == 0
+
+
 def test_preemption_under_a_tiny_kv_pool_is_exact(tiny):
     """8 blocks of 4 tokens cannot hold 4 growing sequences: some are preempted and recomputed."""
     path, model = tiny

@@ -684,8 +684,9 @@ def test_async_drafting_times_only_steps_launched_into_a_running_pipeline(model)
     policy runs, plain decoding included, gets timed steps."""
     llm = engine(model, 2, spec={**ADAPTIVE, "probe_interval": 2}, async_scheduling=True)
     eng, seen = llm.engine, []
-    record = eng._record_step_time
-    eng._record_step_time = lambda launch, *args: seen.append(launch.pipelined) or record(launch, *args)
+    pipeline = eng.core.pipeline  # each launched step's time is its period there, once
+    period = pipeline.period
+    pipeline.period = lambda launch: seen.append(launch.pipelined) or period(launch)
     llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=120, ignore_eos=True), use_tqdm=False)
     times = eng.draft_length.step_time
     assert False in seen and sum(n for _, n in times.values()) == seen.count(True)

@@ -97,7 +97,7 @@ def test_a_wedged_engine_turns_health_off_and_gets_no_watchdog_pings(tiny_model,
     try:
         assert pings(1.2) >= 2
         # Wedge the real step thread: it runs a 5 s sleep between two steps, where it runs SetLimits.
-        monkeypatch.setattr(server.engine.core.core.engine, "set_max_num_seqs", lambda n: time.sleep(5))
+        monkeypatch.setattr(server.engine.core.core, "set_max_num_seqs", lambda n: time.sleep(5))
         wedge = threading.Thread(target=server.engine.set_max_num_seqs, args=(1,))
         wedge.start()
         assert health_is(NOT_SERVING, within=4)
