@@ -212,7 +212,7 @@ class MTPProposer:
         mtp_hidden = draft_forward(0, torch.tensor(shifted, device=self.device), positions, hidden, meta)
         # A step that finished a prompt drafts nothing: its first drafts come from the next step,
         # a graphed speculative step that verifies none (q = 1) and proposes k, instead of an
-        # eager drafting chain here that would delay the first token by ~1 ms a draft on a GPU.
+        # eager drafting chain here that would delay the first token by a launch-bound chain on a GPU.
         counts = [self.num_drafts(s, new, k) if new and s.num_computed_tokens >= s.num_prompt_tokens else 0
                   for s, new in zip(seqs, emitted)]
         drafts: list[list[int]] = [[] for _ in seqs]
@@ -271,8 +271,8 @@ class DraftLength:
     MAX_BACKOFF times `reprobe_interval`).
 
     The step times leave out what does not fit a step: steps that start or drain the pipeline,
-    catch up, wait on the host. On the H200 at T=0.7 the model had drafting 14% ahead where it
-    ran 5-18% behind. So every decode step's tokens and time also feed realized rates, of
+    catch up, wait on the host, so the model can see drafting ahead where it runs behind
+    (bench/results/mtp-h200-r8). So every decode step's tokens and time also feed realized rates, of
     drafting steps and of plain ones; while drafting, a stretch of CHECK_STEPS plain steps every
     CHECK_EVERY (the first soon after drafting turns on) keeps plain decoding's current, and
     drafting whose realized rate falls below it goes off. The re-probe backoff is reset only
@@ -281,7 +281,7 @@ class DraftLength:
     Drafting that cannot pay even if every draft were accepted — a step proposing k costs more
     than k + 1 plain ones, as eager drafting steps do beside a compiled plain step on a CPU — is
     switched off (or its burst ended) after TIME_SAMPLES timed steps, before its acceptance is
-    known: a burst of such steps would otherwise cost ~10% of the steps between bursts. While
+    known: a burst of such steps would otherwise cost a share of the steps between bursts. While
     off on that bound, prompts skip the MTP pass too (`priced_out`); priced out FAR_OUT times
     over, the next burst waits MAX_BACKOFF intervals; and a draft length made `fresh` for a new
     workload starts off on the bound from the step times it knows.
@@ -297,10 +297,10 @@ class DraftLength:
     # re-probes after MAX_BACKOFF intervals at once: each burst there costs ~40 plain steps.
     FAR_OUT = 2.0
     STALL = 4  # a step slower than 4x the fastest of its kind counts as 4x (see record_step)
-    # Drafting stays on only where it is predicted 5% faster than plain decoding: the step times
-    # leave out the steps that leave and rejoin the pipeline (a probe, a chain that breaks),
-    # which cost drafting ~5% on the H200 where the model had it 3% ahead. Then it never loses
-    # more than the 5% it was predicted to gain.
+    # Drafting stays on only where it is predicted ON_GAIN faster than plain decoding: the step
+    # times leave out the steps that leave and rejoin the pipeline (a probe, a chain that breaks),
+    # which cost drafting about that much where the model had it narrowly ahead
+    # (bench/results/mtp-h200-r8). Then it never loses more than it was predicted to gain.
     ON_GAIN = 1.05
 
     def __init__(self, config: SpeculativeConfig):
@@ -337,8 +337,8 @@ class DraftLength:
         """A draft length that starts afresh (no acceptance statistics, no moves) knowing the step
         times measured so far: what a server that has been serving brings to a new workload. Where
         they say drafting k_max cannot pay, it starts off rather than learn that again (a CPU's
-        eager drafting steps cost 13-19 plain ones: the few it took, with the MTP pass over each
-        prompt, cost a short run 30%)."""
+        eager drafting steps cost many plain ones: the few it took, with the MTP pass over each
+        prompt, cost a short run much of its speed; bench/results/mtp-cpu-r9)."""
         new = DraftLength(self.config)
         new.k_max = new.k = self.k_max
         new.step_time, new.fastest = dict(self.step_time), dict(self.fastest)
@@ -356,7 +356,7 @@ class DraftLength:
     def priced_out(self) -> bool:
         """Off because drafting's steps cost more than every draft accepted would give, no burst
         planned: no step needs the MTP pass, prefill chunks neither (a CPU's MTP pass over a
-        prompt made its first token 1.5x as slow). Off for poor acceptance, prompts still go
+        prompt slows its first token). Off for poor acceptance, prompts still go
         through it, so that a burst judges drafts that see their context."""
         return self.k == 0 and not self.plan and self._priced_out
 
@@ -376,7 +376,7 @@ class DraftLength:
             # min_samples verifications and timed steps of k = 1 by its verdict (the update that
             # reads its last step): the burst's first step verifies nothing and is not timed (it
             # starts the chain). With min_samples steps both fell one short, so under async
-            # scheduling no burst turned drafting on (H200: the demo, off after warming up on
+            # scheduling no burst turned drafting on (the demo on a GPU, off after warming up on
             # prompts its heads cannot draft, stayed off).
             self.plan.extend([1] * (self.config.min_samples + 1))
             self.burst_until, self.k_since, self._priced_out = self.steps + len(self.plan), self.steps, False
