@@ -120,3 +120,43 @@ def write_results(out: str | None, result: dict, figures: dict) -> None:
     command = "jetserve " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     (path / "COMMAND.md").write_text(f"# {path.name}\n\nMade by:\n\n```\n{command}\n```\n\non {result.get('env')}\n")
     print(json.dumps(result, indent=2))
+
+
+def free_port() -> int:
+    """A TCP port on loopback nobody listens on now."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_serving(target: str, server, deadline: float = float("inf")) -> float:
+    """Poll `jetserve serve`'s gRPC health at `target` until SERVING (returns the monotonic time
+    then); raises if `server` (a Popen) exits first or `deadline` (monotonic) passes."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(target) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        while server.poll() is None and time.monotonic() < deadline:
+            try:
+                if health.Check(health_pb2.HealthCheckRequest(), timeout=2).status == \
+                        health_pb2.HealthCheckResponse.SERVING:
+                    return time.monotonic()
+            except grpc.RpcError:
+                pass
+            time.sleep(0.1)
+    raise RuntimeError("the server did not serve (exit code %s)" % server.poll())
+
+
+def stop_server(server, grace: float = 60.0) -> None:
+    """SIGTERM (the drain), then SIGKILL after `grace` seconds."""
+    import subprocess
+
+    server.terminate()
+    try:
+        server.wait(grace)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()

@@ -36,13 +36,12 @@ import argparse
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 
-from jetserve.bench.common import SHAPES, median, percentile, write_results
+from jetserve.bench.common import SHAPES, free_port, median, percentile, stop_server, wait_serving, write_results
 
 
 def add_arguments(p):
@@ -284,49 +283,21 @@ def _free(device):
 
 # -- the servers and their load ----------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _serve_and_load(args, engine_flags, flags, settings, engine) -> dict:
     words = shlex.split(flags)
     env = dict(os.environ, **dict(w.split("=", 1) for w in words if re.match(r"^[A-Z_]+=", w)))
     flags = [w for w in words if not re.match(r"^[A-Z_]+=", w)]
-    port = _free_port()
+    port = free_port()
     command = [sys.executable, "-m", "jetserve.cli", "serve", *engine_flags, "--port", str(port),
                "--metrics-port", "0", "--openai-port", "0", "--log-level", "WARNING", *flags]
     server = subprocess.Popen(command, env=env, cwd="/")
     try:
         target = "127.0.0.1:%d" % port
-        _wait_serving(target, server)
+        wait_serving(target, server)
         _progress("server %s serving" % (flags or "(no extra flags)"))
         return _load_all(args, target, settings, engine, server.pid)
     finally:
-        server.terminate()
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-
-
-def _wait_serving(target, server):
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    with grpc.insecure_channel(target) as channel:
-        health = health_pb2_grpc.HealthStub(channel)
-        while server.poll() is None:
-            try:
-                if health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == \
-                        health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.5)
-    raise RuntimeError("the server exited (code %s) before serving" % server.returncode)
+        stop_server(server)
 
 
 def _load_all(args, target, settings, engine, server_pid) -> dict:

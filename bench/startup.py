@@ -73,11 +73,11 @@ def _model(shape: str, work: Path) -> str:
 
 
 def _one(args, model: str, caches: Path, name: str) -> dict:
-    from jetserve.bench.serve import _free_port
+    from jetserve.bench.common import free_port, stop_server, wait_serving
 
     env = dict(os.environ, JETSERVE_CACHE_DIR=str(caches / "jetserve"), TRITON_CACHE_DIR=str(caches / "triton"),
                TORCHINDUCTOR_CACHE_DIR=str(caches / "inductor"), PYTHONUNBUFFERED="1")
-    port = _free_port()
+    port = free_port()
     log_path = caches.parent / f"serve-{name}.log"
     caches.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "jetserve.cli", "serve", "--model", model, "--port", str(port),
@@ -89,18 +89,13 @@ def _one(args, model: str, caches: Path, name: str) -> dict:
         copier.start()
         try:
             target = "127.0.0.1:%d" % port
-            out = {"serving_s": round(_wait_serving(target, server, launched + args.timeout) - launched, 2)}
+            out = {"serving_s": round(wait_serving(target, server, launched + args.timeout) - launched, 2)}
             first, done = _generate(target, args.prompt_len, 8, seed=1)
             out["first_token_s"], out["first_answer_s"] = round(first - launched, 2), round(done - launched, 2)
             if args.long_prompt:
                 out["long_prompt_ttft_s"] = _long_prompts(target, args.long_prompt, args.beside)
         finally:
-            server.terminate()
-            try:
-                server.wait(60)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait()
+            stop_server(server)
             copier.join(10)
     text = log_path.read_text(errors="replace")
     out["phases_s"] = {m.group(1): float(m.group(2)) for m in PHASE.finditer(text)}
@@ -118,23 +113,6 @@ def _timestamped(stream, log_file, launched: float) -> None:
             if part.strip():
                 log_file.write(f"[{time.monotonic() - launched:7.2f}] {part.strip()}\n")
     log_file.flush()
-
-
-def _wait_serving(target: str, server, deadline: float) -> float:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    with grpc.insecure_channel(target) as channel:
-        health = health_pb2_grpc.HealthStub(channel)
-        while server.poll() is None and time.monotonic() < deadline:
-            try:
-                if health.Check(health_pb2.HealthCheckRequest(), timeout=2).status == \
-                        health_pb2.HealthCheckResponse.SERVING:
-                    return time.monotonic()
-            except grpc.RpcError:
-                pass
-            time.sleep(0.1)
-    raise RuntimeError("the server did not serve (exit code %s)" % server.poll())
 
 
 def _generate(target: str, prompt_len: int, max_tokens: int, seed: int) -> tuple[float, float]:

@@ -32,14 +32,8 @@ def add_tune(subparsers):
     p.add_argument("--out", metavar="FILE", help="write a tile table (JSON) for this GPU family")
     p.add_argument("--from-cache", nargs="+", metavar="JSON", help="tile cache files to make the table of")
     p.add_argument("--family", help="the table's GPU family with --from-cache, e.g. sm90 (default: the cache's)")
-    try:
-        from jetserve.engine.config import EngineArgs
-    except ModuleNotFoundError as exc:
-        missing = exc.name
-        p.set_defaults(func=lambda args: sys.exit("jetserve tune: Python module %r is not installed" % missing))
-        return
-    EngineArgs.add_cli_args(p)
-    p.set_defaults(func=_tune)
+    if _add_engine_flags(p, "tune"):
+        p.set_defaults(func=_tune)
 
 
 def _tune(args):
@@ -64,17 +58,25 @@ def add_plan(subparsers):
                     "max_model_len x max_num_seqs; activations; CUDA graphs; runtime) against what a board leaves "
                     "beside its OS, and the batch-1 decode speed its bandwidth allows. Reads metadata only. "
                     "Exit status 1 when it does not fit.", conflict_handler="resolve")
-    try:
-        from jetserve.engine.config import EngineArgs
-    except ModuleNotFoundError as exc:
-        missing = exc.name
-        p.set_defaults(func=lambda args: sys.exit("jetserve plan: Python module %r is not installed" % missing))
+    if not _add_engine_flags(p, "plan"):
         return
-    EngineArgs.add_cli_args(p)
     p.add_argument("--device", default="this",
                    help="orin-nano-8gb, orin-nx-16gb, agx-orin-32gb, agx-orin-64gb, thor, or this (this machine's "
                         "free memory now; default)")
     p.set_defaults(func=_plan)
+
+
+def _add_engine_flags(p, command) -> bool:
+    """The engine's flags on `p`; False (and a command that says what is missing) where the
+    engine's modules are not installed (a device with the agent alone)."""
+    try:
+        from jetserve.engine.config import EngineArgs
+    except ModuleNotFoundError as exc:
+        missing = exc.name
+        p.set_defaults(func=lambda args: sys.exit("jetserve %s: Python module %r is not installed" % (command, missing)))
+        return False
+    EngineArgs.add_cli_args(p)
+    return True
 
 
 def _plan(args):
