@@ -343,7 +343,7 @@ class EngineCore:
         Timed only for a step launched while another was in flight: the first step after a wait
         (a prefill, a chain that broke, the plain step of a probe) pays the pipeline's whole
         latency, which steady decoding at that k does not; counted, it made plain decoding look
-        1.5x slower than it runs. Every step counts in the realized rates
+        much slower than it runs (bench/results/mtp-h200-r7). Every step counts in the realized rates
         (DraftLength.record_progress), where that latency is part of what drafting costs."""
         seconds = self.pipeline.period(launch)
         if launch.pipelined:
