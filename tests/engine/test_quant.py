@@ -5,6 +5,7 @@ the fly; the W8A16/W4A16 kernels against torch (Triton's interpreter without a G
 plan on the Jetson boards."""
 
 import json
+import logging
 import math
 
 import pytest
@@ -406,11 +407,14 @@ def test_plan_qwen3_4b_on_an_orin_nano(tmp_path, capsys):
         assert 2.4 < float(accepted.split("weights")[1].split("GiB")[0]) < 2.8  # bf16 embedding + 4-bit layers
 
 
-def test_serve_refuses_what_cannot_fit(tmp_path):
+def test_serve_refuses_what_cannot_fit(tmp_path, caplog):
+    """The engine process checks the plan before it loads a weight (the server holds no GPU
+    memory of its own): `jetserve serve` exits 1 with the plan in its log."""
     from jetserve.cli import main
 
     _sparse_checkpoint(tmp_path / "bf16", _qwen3_4b_tensors(awq=False), QWEN3_4B)
-    with pytest.raises(SystemExit) as exit:
-        main(["serve", "--model", str(tmp_path / "bf16"), "--device", "cpu", "--max-num-seqs", "512",
-              "--max-model-len", "40960", "--port", "0", "--metrics-port", "0"])
-    assert "does not fit" in str(exit.value.code) and "KV cache" in str(exit.value.code)
+    with caplog.at_level(logging.ERROR, logger="jetserve.server.app"):
+        code = main(["serve", "--model", str(tmp_path / "bf16"), "--device", "cpu", "--max-num-seqs", "512",
+                     "--max-model-len", "40960", "--port", "0", "--metrics-port", "0", "--openai-port", "0"])
+    failed = [r.getMessage() for r in caplog.records if "failed to load" in r.getMessage()]
+    assert code == 1 and failed and "does not fit" in failed[0] and "KV cache" in failed[0]
