@@ -141,7 +141,7 @@ def test_a_killed_core_is_seen_at_once(tiny_model):
         with server.channel() as channel:
             stub = pb_grpc.InferenceServiceStub(channel)
             health = health_pb2_grpc.HealthStub(channel)
-            stream = stub.Generate(pb.GenerateRequest(text="robot", sampling=greedy(5000, ignore_eos=True)))
+            stream = stub.Generate(pb.GenerateRequest(text="robot", sampling=greedy(500, ignore_eos=True)))
             next(stream)
             server.engine.core.process.kill()
             with pytest.raises(grpc.RpcError) as ended:
