@@ -54,8 +54,10 @@ def table_from_caches(paths: list[str], name: str | None = None) -> tile_tables.
     timed, family = {}, name
     for path in paths:
         doc = json.loads(Path(path).read_text())
-        fp = doc.get("fingerprint", {})
-        capability = fp.get("device", {}).get("capability", "")
+        fp = doc.get("fingerprint") if isinstance(doc, dict) else None
+        if not isinstance(fp, dict) or not isinstance(fp.get("device"), dict):
+            raise ValueError(f"{path}: not a tile cache file (no fingerprint naming its GPU)")
+        capability = str(fp["device"].get("capability", ""))
         family = family or ("sm" + capability.replace(".", "") if capability else None)
         for key, entry in parse_shapes(doc).items():
             timed[tuple(key.split("|"))] = dict(zip(entry.candidates, entry.times_ms))

@@ -182,3 +182,14 @@ def test_tune_from_a_cache_file_without_an_engine(tmp_path):
     assert done.returncode == 0, done.stderr
     doc = json.loads(out.read_text())
     assert doc["family"] == "sm90" and doc["shapes"][shape_key(_key(777, 1024))] == [list(A), None]
+
+
+@pytest.mark.parametrize("text, says", [("[1, 2]", "not a tile cache file"), ("{", "Expecting"),
+                                        ('{"fingerprint": {"device": {}}, "shapes": 7}', "'shapes' must be")])
+def test_tune_refuses_a_file_that_is_no_tile_cache(tmp_path, text, says):
+    bad = tmp_path / "bad.json"
+    bad.write_text(text)
+    done = subprocess.run([sys.executable, "-m", "jetserve.cli", "tune", "--from-cache", str(bad), "--family", "sm90",
+                           "--out", str(tmp_path / "t.json")], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "t.json").exists()
