@@ -165,6 +165,25 @@ def test_chat_content_cannot_forge_a_system_turn(live, stubs):
     assert ids.count(start) == 2 and forged.count(start) == 4
 
 
+def test_chat_content_too_long_for_the_context_is_refused_before_it_is_tokenized(live, stubs):
+    """2.7 MB of content used to be rendered and tokenized whole (RSS +400 MB a request, the
+    engine's heartbeat stalled), only for the prompt then to be refused."""
+    import openai
+
+    inference, _ = stubs
+    content = "ab " * 900_000
+    with pytest.raises(grpc.RpcError) as refused:
+        list(inference.Chat(pb.ChatRequest(messages=[pb.ChatMessage(role="user", content=content)],
+                                           sampling=greedy(2)), timeout=60))
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION  # what a too-long prompt gets
+    assert "messages' content is 2700000 characters, more than max_model_len=512 tokens" in refused.value.details()
+    sdk = openai.OpenAI(base_url="http://127.0.0.1:%d/v1" % live.server.openai_port, api_key="-", max_retries=0,
+                        timeout=60)
+    with sdk, pytest.raises(openai.BadRequestError, match="messages' content is 2700000 characters"):
+        sdk.chat.completions.create(model=live.server.model_name, max_tokens=2,
+                                    messages=[{"role": "user", "content": content}])
+
+
 @pytest.fixture(scope="module")
 def two_keys(tiny_model, tmp_path_factory):
     socket_path = tmp_path_factory.mktemp("run-two-keys") / "jetserve.sock"
