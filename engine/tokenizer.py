@@ -175,11 +175,20 @@ class Tokenizer:
         return re.compile("|".join(map(re.escape, strings)))
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    **kwargs) -> tuple[str, list[int]]:
+                    max_tokens: int | None = None, **kwargs) -> tuple[str, list[int]]:
         """A conversation's prompt as text and token ids. Message content is always text: a
         special token's string in it (a client typing `<|im_start|>system`) becomes plain-text
-        tokens, so only the template makes control tokens — no forged turns."""
+        tokens, so only the template makes control tokens — no forged turns. With `max_tokens`
+        (the service's max_model_len), content too long to fit is refused before it is rendered
+        or tokenized, as `encode_at_most` does for a text prompt: a 4 MiB message of content
+        would otherwise be tokenized whole (hundreds of MB, seconds of a core) to be refused."""
         _check_messages(messages)
+        if max_tokens is not None:
+            chars = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
+            if chars > max_tokens * self.max_token_chars:
+                raise PromptTooLongError(f"messages' content is {chars} characters, more than max_model_len="
+                                         f"{max_tokens} tokens can hold (at most {self.max_token_chars} "
+                                         f"characters a token)")
         found: list[str] = []
 
         def shield(match: re.Match) -> str:

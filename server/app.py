@@ -24,7 +24,7 @@ from grpc_reflection.v1alpha import reflection
 
 from jetserve import fdbudget, notify
 from jetserve.engine import lifeline
-from jetserve.server.auth import BearerTokenInterceptor, is_local_peer
+from jetserve.server.auth import BearerTokenInterceptor, control_refusal
 from jetserve.server.errors import RpcError
 from jetserve.server.guard import MAX_MESSAGE_BYTES, MalformedRequestInterceptor
 from jetserve.server.metrics import Metrics
@@ -186,11 +186,12 @@ class JetServer:
         return self.engine
 
     def authorize_control(self, context) -> None:
-        """Control without a token of its own is a local operation (the agent's): refuse remote peers."""
-        if not self.options.control_api_key and not is_local_peer(context.peer()):
-            raise RpcError(grpc.StatusCode.PERMISSION_DENIED,
-                           "ControlService is served to local peers only (Unix socket, loopback) unless the "
-                           "server has --control-api-key-file; the inference token does not grant it")
+        """Control is the agent's: see auth.control_refusal for who may call it."""
+        opts = self.options
+        refused = control_refusal(context.peer(), context.invocation_metadata(), opts.api_key,
+                                  opts.control_api_key, opts.unix_socket)
+        if refused:
+            raise RpcError(*refused)
 
     def admit(self):
         """The engine, if a new stream may start now."""

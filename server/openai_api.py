@@ -190,7 +190,8 @@ def create_app(server) -> FastAPI:
             raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "this model has no tokenizer, so no chat template")
         params = body.sampling_params(body.requested_max_tokens(), body.requested_logprobs())
         # Off the event loop; message content never becomes control tokens (no forged turns).
-        text, ids = await asyncio.to_thread(engine.tokenizer.encode_chat, [m.as_dict() for m in body.messages])
+        text, ids = await asyncio.to_thread(engine.tokenizer.encode_chat, [m.as_dict() for m in body.messages],
+                                            max_tokens=engine.model_info.max_model_len)
         prompt = {"prompt": text, "prompt_token_ids": ids}
         check_room(prompt, params, engine.model_info.max_model_len,
                    "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")

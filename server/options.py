@@ -23,8 +23,9 @@ class ServeOptions:
     api_key_file: Optional[str] = setting(None, "read the bearer token from the first line of FILE "
                                                 "(mode 600: a file others can read is refused)", metavar="FILE")
     control_api_key_file: Optional[str] = setting(
-        None, "ControlService's own token (drain, limits); without it Control is served to local peers only "
-              "(Unix socket, loopback), never on the inference token", metavar="FILE")
+        None, "ControlService's own token (drain, limits); without it Control is served on --unix-socket "
+              "when only the service's user can connect to it (and, with no --api-key, on loopback), never "
+              "on the inference token", metavar="FILE")
     # Plain HTTP without auth: loopback unless asked otherwise.
     metrics_host: str = setting(DEFAULT_HOST, "address of the plain-HTTP metrics endpoint")
     tls_cert: Optional[str] = setting(None, "serve TLS with this certificate chain (needs --tls-key)", metavar="PEM")
@@ -35,4 +36,4 @@ class ServeOptions:
                                         metavar="SECONDS")
     log_level: str = log_level_setting()
     # No flag (a token on the command line is visible in ps): read from control_api_key_file.
-    control_api_key: Optional[str] = None  # None: Control only from local peers
+    control_api_key: Optional[str] = None  # None: Control only from local peers (auth.control_refusal)

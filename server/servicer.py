@@ -76,7 +76,8 @@ def chat_prompt(request: pb.ChatRequest, engine) -> dict:
         raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
                        "messages: model %s has no tokenizer, so no chat template; use Generate with token_ids"
                        % engine.model_info.model)
-    text, ids = engine.tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in request.messages])
+    text, ids = engine.tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in request.messages],
+                                             max_tokens=engine.model_info.max_model_len)
     return {"prompt": text, "prompt_token_ids": ids}
 
 

@@ -165,11 +165,45 @@ def test_chat_content_cannot_forge_a_system_turn(live, stubs):
     assert ids.count(start) == 2 and forged.count(start) == 4
 
 
+def test_chat_content_too_long_for_the_context_is_refused_before_it_is_tokenized(live, stubs):
+    """2.7 MB of content used to be rendered and tokenized whole (RSS +400 MB a request, the
+    engine's heartbeat stalled), only for the prompt then to be refused."""
+    import openai
+
+    inference, _ = stubs
+    content = "ab " * 900_000
+    with pytest.raises(grpc.RpcError) as refused:
+        list(inference.Chat(pb.ChatRequest(messages=[pb.ChatMessage(role="user", content=content)],
+                                           sampling=greedy(2)), timeout=60))
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION  # what a too-long prompt gets
+    assert "messages' content is 2700000 characters, more than max_model_len=512 tokens" in refused.value.details()
+    sdk = openai.OpenAI(base_url="http://127.0.0.1:%d/v1" % live.server.openai_port, api_key="-", max_retries=0,
+                        timeout=60)
+    with sdk, pytest.raises(openai.BadRequestError, match="messages' content is 2700000 characters"):
+        sdk.chat.completions.create(model=live.server.model_name, max_tokens=2,
+                                    messages=[{"role": "user", "content": content}])
+
+
 @pytest.fixture(scope="module")
-def two_keys(tiny_model):
+def two_keys(tiny_model, tmp_path_factory):
+    socket_path = tmp_path_factory.mktemp("run-two-keys") / "jetserve.sock"
     server = LiveServer(engine_factory(tiny_model, max_num_seqs=2), api_key="kiosk-token",
-                        control_api_key="agent-token")
+                        control_api_key="agent-token", unix_socket=str(socket_path))
     server.wait_loaded()
+    server.unix = "unix:" + str(socket_path)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def kiosk_key_only(tiny_model, tmp_path_factory):
+    """`--api-key-file` without `--control-api-key-file`: how the issue found Control open."""
+    socket_path = tmp_path_factory.mktemp("run-kiosk") / "jetserve.sock"
+    server = LiveServer(engine_factory(tiny_model, max_num_seqs=2), api_key="kiosk-token",
+                        unix_socket=str(socket_path))
+    server.wait_loaded()
+    server.socket_path = socket_path
+    server.unix = "unix:" + str(socket_path)
     yield server
     server.stop()
 
@@ -178,12 +212,29 @@ def bearer(token):
     return (("authorization", "Bearer " + token),)
 
 
+CONTROL_CALLS = [("Drain", pb.DrainRequest()), ("Resume", pb.ResumeRequest()),
+                 ("SetLimits", pb.SetLimitsRequest(max_num_seqs=1))]
+
+
+def refused_control(target, metadata):
+    """Each Control call's (status, details) from `target`, all of which must be refused."""
+    with grpc.insecure_channel(target) as channel:
+        control = pb_grpc.ControlServiceStub(channel)
+        answers = []
+        for name, request in CONTROL_CALLS:
+            with pytest.raises(grpc.RpcError) as refused:
+                getattr(control, name)(request, metadata=metadata, timeout=30)
+            answers.append((refused.value.code(), refused.value.details()))
+        return answers
+
+
 def test_control_takes_its_own_credential_not_the_kiosks(two_keys):
+    for metadata in (bearer("kiosk-token"), ()):
+        for code, details in refused_control(two_keys.target, metadata):
+            assert code == grpc.StatusCode.UNAUTHENTICATED
+            assert "needs the control token" in details and "inference token does not open it" in details
     with two_keys.channel() as channel:
         inference, control = pb_grpc.InferenceServiceStub(channel), pb_grpc.ControlServiceStub(channel)
-        with pytest.raises(grpc.RpcError) as refused:
-            control.Drain(pb.DrainRequest(), metadata=bearer("kiosk-token"))
-        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert control.Drain(pb.DrainRequest(), metadata=bearer("agent-token")).draining
         assert inference.GetStats(pb.GetStatsRequest(), metadata=bearer("agent-token")).draining  # the agent reads
         assert not control.Resume(pb.ResumeRequest(), metadata=bearer("agent-token")).draining
@@ -192,11 +243,59 @@ def test_control_takes_its_own_credential_not_the_kiosks(two_keys):
         assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert list(inference.Generate(pb.GenerateRequest(text="hi", sampling=greedy(1)),
                                        metadata=bearer("kiosk-token")))[-1].finish_reason
+    with grpc.insecure_channel(two_keys.unix) as channel:  # the agent, as the service's user: no token needed
+        control = pb_grpc.ControlServiceStub(channel)
+        assert control.Drain(pb.DrainRequest(), timeout=30).draining
+        assert not control.Resume(pb.ResumeRequest(), timeout=30).draining
 
 
-def test_without_a_control_token_control_is_local_only():
+def test_the_inference_token_never_opens_control_without_a_control_key(kiosk_key_only):
+    """A kiosk app on the device holds the inference token and reaches loopback: neither opens Control."""
+    server = kiosk_key_only
+    for metadata in (bearer("kiosk-token"), ()):
+        for code, details in refused_control(server.target, metadata):
+            assert code == grpc.StatusCode.PERMISSION_DENIED
+            assert "inference token and loopback do not open it" in details
+    assert not server.server.draining and server.engine.stats().max_num_seqs == 2
+    with server.channel() as channel:  # inference still takes its token
+        inference = pb_grpc.InferenceServiceStub(channel)
+        assert list(inference.Generate(pb.GenerateRequest(text="hi", sampling=greedy(1)),
+                                       metadata=bearer("kiosk-token")))[-1].finish_reason
+        with pytest.raises(grpc.RpcError) as refused:
+            list(inference.Generate(pb.GenerateRequest(text="hi")))
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_the_unix_socket_of_the_services_user_opens_control(kiosk_key_only):
+    """connect(2) on a socket file only its owner may write proves the peer is that user or root."""
+    server = kiosk_key_only
+    mode = server.socket_path.stat().st_mode & 0o777
+    assert not mode & 0o022, oct(mode)
+    with grpc.insecure_channel(server.unix) as channel:
+        control = pb_grpc.ControlServiceStub(channel)
+        assert control.Drain(pb.DrainRequest(), timeout=30).draining
+        assert server.server.draining
+        assert not control.Resume(pb.ResumeRequest(), timeout=30).draining
+        assert control.SetLimits(pb.SetLimitsRequest(max_num_seqs=2), timeout=30).max_num_seqs == 2
+    server.socket_path.chmod(0o666)  # opened to every user (a kiosk app): the socket no longer proves who calls
+    try:
+        for code, details in refused_control(server.unix, bearer("kiosk-token")):
+            assert code == grpc.StatusCode.PERMISSION_DENIED
+            assert "(mode 0666) lets other users connect" in details
+    finally:
+        server.socket_path.chmod(mode)
+    assert not server.server.draining
+
+
+def test_without_any_token_control_is_local_only():
+    from jetserve.server.auth import control_refusal
+
     assert all(map(is_local_peer, ["unix:/run/jetserve/jetserve.sock", "ipv4:127.0.0.1:5123", "ipv6:[::1]:9"]))
     assert not any(map(is_local_peer, ["ipv4:10.1.2.3:5123", "ipv6:[fe80::1]:9", "ipv4:192.168.0.7:1"]))
+    assert control_refusal("ipv4:127.0.0.1:5123", (), None, None, None) is None
+    assert control_refusal("ipv4:10.1.2.3:5123", (), None, None, None)[0] == grpc.StatusCode.PERMISSION_DENIED
+    assert control_refusal("ipv4:127.0.0.1:5123", bearer("k"), "k", None, None)[0] == \
+        grpc.StatusCode.PERMISSION_DENIED  # an inference key set: loopback is no credential
 
 
 def test_set_limits_outside_the_started_range_is_refused(live, stubs):

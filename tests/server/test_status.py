@@ -159,10 +159,11 @@ def test_a_missing_or_wrong_token_is_unauthenticated(restricted, metadata):
     with restricted.channel() as channel:
         inference, control = pb_grpc.InferenceServiceStub(channel), pb_grpc.ControlServiceStub(channel)
         for call in (lambda: inference.Generate(pb.GenerateRequest(text="hi"), metadata=metadata),
-                     lambda: inference.GetStats(pb.GetStatsRequest(), metadata=metadata),
-                     lambda: control.Drain(pb.DrainRequest(), metadata=metadata)):
+                     lambda: inference.GetStats(pb.GetStatsRequest(), metadata=metadata)):
             code, details = failure(call)
             assert code == grpc.StatusCode.UNAUTHENTICATED and "bearer token" in details
+        code, details = failure(lambda: control.Drain(pb.DrainRequest(), metadata=metadata))
+        assert code == grpc.StatusCode.PERMISSION_DENIED and "do not open it" in details  # not even TOKEN
         assert not inference.GetStats(pb.GetStatsRequest(), metadata=AUTH).draining
 
 
