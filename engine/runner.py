@@ -59,7 +59,7 @@ def skinny_row_counts() -> list[int]:
 @torch.inference_mode()
 def tune_kernels(model, kv_cache: torch.Tensor, block_size: int, scratch_block: int, prefill: int,
                  row_counts: list[int] | None = None, progress: Callable[[str], None] | None = None,
-                 split_items: int = 1) -> None:
+                 split_items: int = 1, label: str = "warming up kernels") -> None:
     """The start-up warm-up (and a tuning engine's timing), so that no request pays for a kernel's
     compile or timing: a dry step of each row count a skinny product may see (`skinny_row_counts`: decode batches, verifies, drafts, small
     mixed steps), with the vocab projection and the MTP layers, then a `prefill`-token prefill
@@ -67,9 +67,11 @@ def tune_kernels(model, kv_cache: torch.Tensor, block_size: int, scratch_block: 
     first blocks (no sequence holds any yet)."""
     device = kv_cache.device
     todo = (row_counts or skinny_row_counts()) + [prefill]
-    for i, n in enumerate(tqdm(todo, desc="tuning kernel tiles", unit="shape", leave=False)):
+    # One report of progress: with `progress` (the service's log records) no bar; without it a
+    # bar, on a terminal only (tqdm's None).
+    for i, n in enumerate(tqdm(todo, desc=label, unit="shape", leave=False, disable=True if progress else None)):
         if progress:
-            progress(f"tuning kernel tiles {i + 1}/{len(todo)}")
+            progress(f"{label} {i + 1}/{len(todo)}")
         rows = i < len(todo) - 1  # n sequences of one token each
         meta = (AttentionMetadata.build([1] * n, [1] * n, [[scratch_block]] * n, block_size, device, True) if rows
                 else AttentionMetadata.build([n], [n], [list(range(-(-n // block_size)))], block_size, device, True,
@@ -210,8 +212,8 @@ class ModelRunner:
                                   self._row_counts(), split_items=self.split_items)
         if not self.kernels.tile_timing:
             with parallel_compile.compile_only():
-                steps()
-        steps(progress=self.progress)
+                steps(progress=self.progress, label="compiling kernels")
+        steps(progress=self.progress, label="tuning kernel tiles" if self.kernels.tile_timing else "warming up kernels")
         log.info("kernel tiles: %s", self.kernels.tuning_summary())
 
     def _capture_graphs(self) -> None:
