@@ -551,7 +551,7 @@ def _compile_main(spec: dict) -> int:
         os._exit(3)
 
     threading.Thread(target=orphaned, daemon=True).start()
-    os.nice(10)  # below the engine it compiles for (and the C++ compilers it starts): serving comes first
+    os.nice(5)  # below the engine it compiles for (and the C++ compilers it starts): serving comes first
     torch.set_num_threads(spec["threads"])  # part of a program's key: the engine's own count
     dtype = torch_dtype(spec["dtype"])
     model = load_model(spec["model"], dtype, torch.device("cpu"), spec["max_model_len"], None, None)

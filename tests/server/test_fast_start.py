@@ -17,6 +17,7 @@ import urllib.request
 from pathlib import Path
 
 import openai
+import pytest
 
 from tests.server.conftest import free_port
 
@@ -64,6 +65,7 @@ def _files(root: Path) -> set[str]:
     return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
 
 
+@pytest.mark.timeout(1200)  # the compile is bounded work; on a loaded box it can take minutes
 def test_the_demo_answers_at_once_and_its_compiled_steps_take_over(tmp_path):
     cache = tmp_path / "cache"
     env = {k: v for k, v in os.environ.items() if k not in ("TORCH_COMPILE_DISABLE", "XDG_CACHE_HOME")}
