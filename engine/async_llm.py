@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator
 from jetserve.engine.config import EngineConfig
 from jetserve.engine.core import CoreOutput
 from jetserve.engine.core_client import InprocClient, MPClient
+from jetserve.engine.core_process import CoreProcess
 from jetserve.engine.errors import EngineError, QueueFullError
 from jetserve.engine.output_processor import OutputProcessor, RequestOutputCollector
 from jetserve.engine.outputs import RequestOutput
@@ -34,7 +35,8 @@ from jetserve.engine.tokenizer import Tokenizer
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig, on_status=None):
+    def __init__(self, config: EngineConfig, on_status=None, core_process: CoreProcess | None = None):
+        """`core_process`: the core's process started before `config` was made (core_process.py)."""
         self.config = config
         self.tokenizer = Tokenizer.from_pretrained(config.model) if config.has_tokenizer else None
         self._processor = OutputProcessor(self.tokenizer)
@@ -42,8 +44,12 @@ class AsyncLLM:
         self._lock = threading.Lock()  # streams and processor: the caller's loops and the core's reader
         self._error: BaseException | None = None
         self._stopping = False
-        client = MPClient if config.engine_core_process else InprocClient
-        self.core = client(config, on_status, self._on_outputs, self._on_death)
+        if config.engine_core_process:
+            self.core = MPClient(config, on_status, self._on_outputs, self._on_death, core_process)
+        else:
+            if core_process is not None:
+                core_process.close()
+            self.core = InprocClient(config, on_status, self._on_outputs, self._on_death)
 
     @property
     def model_info(self) -> ModelInfo:
@@ -169,9 +175,11 @@ def _deliver(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
         pass
 
 
-def open_engine(config: EngineConfig, on_status=None) -> EngineClient:
+def open_engine(config: EngineConfig, on_status=None, core_process: CoreProcess | None = None) -> EngineClient:
     """The streaming engine for `config.backend` (blocking: loads the model)."""
     if config.backend == "tensorrt-llm":
         from jetserve.engine.backends.trtllm import TensorRTLLMEngine
+        if core_process is not None:
+            core_process.close()
         return TensorRTLLMEngine(config, on_status)
-    return AsyncLLM(config, on_status)
+    return AsyncLLM(config, on_status, core_process)

@@ -36,14 +36,14 @@ from jetserve.engine.outputs import LogprobsLists
 from jetserve.engine.pipeline import Pipeline
 from jetserve.engine.prompts import check_prompt
 from jetserve.engine.protocol import ITERATION_TOKENS_BUCKETS, EngineStats, ModelInfo
-from jetserve.engine.runner import Launch, ModelRunner, SpeculativeLaunch
+from jetserve.engine.runner import Launch, ModelRunner, SpeculativeLaunch, log_import_time
 from jetserve.engine.sampling_params import SamplingParams
 from jetserve.engine.scheduler import ScheduledBatch, Scheduler
 from jetserve.engine.sequence import Sequence, SequenceStatus
 from jetserve.engine.spec_decode import DraftLength, SpecCounters
 from jetserve.engine.tokenizer import Tokenizer
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("jetserve.engine.core")  # its name when run as __main__ too
 
 # An idle core still reports this often: a front end that hears nothing for longer knows it is wedged.
 IDLE_TICK = 0.5
@@ -537,8 +537,18 @@ def main(argv: list[str]) -> None:
     input_address, output_address, lifeline_fd, server_pid = argv
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s[core]: %(message)s")
     _live_with_server(int(lifeline_fd), int(server_pid), input_address)
-    config = pickle.loads(sys.stdin.buffer.read())
-    run_engine_core(config, input_address, output_address)
+    # Started early (core_process.py): the driver's initialisation, too, waits for no configuration.
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.init()
+    log_import_time()
+    began = time.perf_counter()
+    payload = sys.stdin.buffer.read()
+    if not payload:  # the front end gave up before it had a configuration (a bad flag, a taken port)
+        return
+    log.info("start-up: configuration in %.1f s (the front end's own start, beside ours)", time.perf_counter() - began)
+    run_engine_core(pickle.loads(payload), input_address, output_address)
 
 
 def _live_with_server(lifeline_fd: int, server_pid: int, input_address: str) -> None:

@@ -16,20 +16,16 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
 import pickle
 import queue
-import shutil
 import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import msgspec
 
-from jetserve.engine import lifeline
 from jetserve.engine.config import EngineConfig
+from jetserve.engine.core_process import CoreProcess
 from jetserve.engine.core import (
     IDLE_TICK, Abort, AddRequest, Call, CoreMessage, CoreOutput, EngineCore, Failed, Outputs, Ready, Reply, Shutdown,
     Status)
@@ -188,18 +184,25 @@ class MPClient(_CoreClient):
     our end turns readable the moment the core exits, however it exits, and the core exits the
     moment we do."""
 
-    def __init__(self, config: EngineConfig, on_status, on_outputs, on_death):
+    def __init__(self, config: EngineConfig, on_status, on_outputs, on_death, process: CoreProcess | None = None):
+        """`process`: one started before the configuration was made (`jetserve serve` does), else
+        started here."""
         import zmq
 
         self._on_outputs, self._on_death = on_outputs, on_death
-        self._dir, self._dir_lock = lifeline.ipc_dir()
-        self._context = zmq.Context(io_threads=1)
-        self._inbox = self._context.socket(zmq.PUSH)  # the core's inbox
-        self._inbox.setsockopt(zmq.SNDHWM, 0)  # requests are small and few: queue them, never block
-        self._outbox = self._context.socket(zmq.PULL)
-        input_address, output_address = (f"ipc://{Path(self._dir) / name}" for name in ("input", "output"))
-        self._inbox.bind(input_address)
-        self._outbox.bind(output_address)
+        self._core = process or CoreProcess.start()
+        self.process, self.sentinel = self._core.process, self._core.sentinel
+        try:
+            self._context = zmq.Context(io_threads=1)
+            self._inbox = self._context.socket(zmq.PUSH)  # the core's inbox
+            self._inbox.setsockopt(zmq.SNDHWM, 0)  # requests are small and few: queue them, never block
+            self._outbox = self._context.socket(zmq.PULL)
+            # A core started earlier has been connecting all along: ZMQ retries until these exist.
+            self._inbox.bind(self._core.input_address)
+            self._outbox.bind(self._core.output_address)
+        except BaseException:
+            self._core.close()
+            raise
         self._send_lock = threading.Lock()  # ZMQ sockets are not thread-safe; several threads send
         self._encode = msgspec.msgpack.Encoder().encode
         self._decode = msgspec.msgpack.Decoder(CoreMessage).decode
@@ -208,14 +211,9 @@ class MPClient(_CoreClient):
         self._loop: asyncio.AbstractEventLoop | None = None  # the one that reads the core (start())
         self._loop_thread: int | None = None
         try:
-            self.process, self.sentinel = lifeline.spawn(
-                [sys.executable, "-m", "jetserve.engine.core", input_address, output_address], stdin=subprocess.PIPE)
-        except BaseException:
-            self._context.destroy(linger=0)
-            self._remove_dir()
-            raise
-        self.process.stdin.write(pickle.dumps(config))
-        self.process.stdin.close()
+            self._core.hand_over(pickle.dumps(config))
+        except OSError:  # it died before reading it: said below, by its exit
+            pass
         try:
             ready = self._wait_ready(on_status)
         except BaseException:
@@ -301,13 +299,8 @@ class MPClient(_CoreClient):
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait()
-        os.close(self.sentinel)
         self._context.destroy(linger=0)
-        self._remove_dir()
-
-    def _remove_dir(self) -> None:
-        shutil.rmtree(self._dir, ignore_errors=True)
-        os.close(self._dir_lock)
+        self._core.close()
 
     def _send(self, request) -> None:
         import zmq

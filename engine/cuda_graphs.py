@@ -219,6 +219,16 @@ class CUDAGraphs:
         return hidden, self.draw(logits, q_len, bucket)
 
     @torch.inference_mode()
+    def dry_run(self) -> None:
+        """Every plain step's launches once, for `parallel_compile.compile_only()` to queue their
+        kernels (batch sizes specialise some) side by side before the captures need them one by
+        one. Speculative steps stay out: their inputs come from kernels a dry pass does not run."""
+        for d, q in self.shapes:
+            if d is None:
+                for b in self.sizes:
+                    self._step(d, q, b)
+
+    @torch.inference_mode()
     def capture(self, pool, progress: Callable[[str], None] | None = None) -> None:
         todo = sorted(((d, q, b) for d, q in self.shapes for b in self.sizes), key=lambda k: -k[1] * k[2])
         start, reserved = time.perf_counter(), torch.cuda.memory_reserved()
@@ -397,6 +407,14 @@ class MixedStepGraphs:
         only its KV writes matter (a step with prefill drafts nothing; see MTPProposer)."""
         self.model.mtp_forward(0, self.shifted[:tokens], self.positions[:tokens], self.hidden[:tokens], self.kv_cache,
                                self.meta(tokens))
+
+    @torch.inference_mode()
+    def dry_run(self) -> None:
+        """Each bucket's launches once, as `CUDAGraphs.dry_run` (every input here is staged)."""
+        for tokens in self.sizes:
+            self.step(tokens)
+            if self.hidden is not None:
+                self.mtp_step(tokens)
 
     @torch.inference_mode()
     def capture(self, pool, progress: Callable[[str], None] | None = None) -> None:

@@ -100,17 +100,20 @@ def block_bytes(config: EngineConfig) -> int:
 _imported = False
 
 
-def _log_import_time(startup_s: dict[str, float]) -> None:
-    """The first engine of a process: seconds from the process's start to here (interpreter,
-    torch, Triton and jetserve imported), as the first start-up phase."""
+def log_import_time(startup_s: dict[str, float] | None = None) -> None:
+    """Once a process: seconds from its start to here (interpreter, torch, Triton and jetserve
+    imported), as the first start-up phase. The core's process says it before it waits for its
+    configuration (core.main); otherwise the first engine does."""
     global _imported
     if _imported:
         return
     _imported = True
     import psutil
 
-    startup_s["import"] = round(time.time() - psutil.Process().create_time(), 2)
-    log.info("start-up: import in %.1f s", startup_s["import"])
+    seconds = round(time.time() - psutil.Process().create_time(), 2)
+    if startup_s is not None:
+        startup_s["import"] = seconds
+    log.info("start-up: import in %.1f s", seconds)
 
 
 class ModelRunner:
@@ -131,7 +134,7 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         if config.fused_kernels:
             compile_watch.install()  # Triton's compiles; a CPU engine imports no Triton
-        _log_import_time(self.startup_s)
+        log_import_time(self.startup_s)
         with compile_watch.starting():
             with self._phase("weights"):
                 self.model = load_model(config.model, self.dtype, self.device, config.max_model_len, progress,
@@ -226,6 +229,14 @@ class ModelRunner:
                                          config.max_num_seqs, self.graphs.width, self.block_size,
                                          scratch_block=self.num_blocks, num_warmup=config.cuda_graphs.num_warmup,
                                          split_items=self.split_items, mtp_pass=self.proposer is not None)
+        if self.kernels is not None and not self.kernels.tile_timing:
+            # What only the captured steps launch, compiled side by side first (a tuning engine's
+            # compiles came with its timing).
+            with parallel_compile.compile_only():
+                for graphs in (self.mixed, self.graphs):
+                    if graphs is not None:
+                        graphs.dry_run()
+        if self.mixed is not None:
             self.mixed.capture(pool, self.progress)
         self.graphs.capture(pool, self.progress)
         self.kernels.freeze()

@@ -99,6 +99,13 @@ def run_serve(args):
         sys.exit("jetserve serve: --tls-cert and --tls-key go together")
     if args.tls_client_ca and not args.tls_cert:
         sys.exit("jetserve serve: --tls-client-ca needs --tls-cert and --tls-key")
+    core_process = None
+    if getattr(args, "backend", None) == "torch" and getattr(args, "engine_core_process", False):
+        # Before anything heavy is imported here: the core imports torch and the model's modules
+        # while this process imports its own and makes the configuration (core_process.py).
+        from jetserve.engine.core_process import CoreProcess
+
+        core_process = CoreProcess.start()
     import asyncio
 
     from jetserve.engine import EngineArgs, open_engine
@@ -110,7 +117,8 @@ def run_serve(args):
     options = from_args(ServeOptions, args, api_key=read_token(args.api_key, args.api_key_file),
                         control_api_key=read_token(None, args.control_api_key_file, "--control-api-key-file"))
     try:
-        return asyncio.run(serve(lambda on_status: open_engine(engine_args.resolve(), on_status=on_status), options))
+        return asyncio.run(serve(lambda on_status: open_engine(engine_args.resolve(), on_status=on_status,
+                                                               core_process=core_process), options))
     except StartError as exc:
         sys.exit("jetserve serve: %s" % exc)
 

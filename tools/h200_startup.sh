@@ -5,6 +5,7 @@
 #   probe   — the image's versions, and Triton compiles serial vs in compile_only()'s threads
 #   start   — `bench startup` fresh + warm: 0.6B bf16 (8k prompt beside 8 streams), 4B bf16, 4B INT4
 #   tune    — `jetserve tune` for each shape and weight format: tables to ship, and the tuned cache
+#   phases  — where the engine core's start goes before the model loads (tools/startup_probe.py)
 #   decode  — `bench decode` batch 1: shipped table vs tuned tiles, interleaved, same run
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -35,6 +36,12 @@ probe)
     torch.cuda.get_device_name(), torch.cuda.get_device_capability())'
   python3 tools/compile_probe.py
   python3 -X importtime -c "import jetserve.engine.core, jetserve.engine.llm_engine" 2>&1 | sort -t'|' -k2 -n | tail -12
+  ;;
+phases)  # where the core's start goes before the model loads, twice (the second with warm file caches)
+  checkpoints
+  for m in qwen3-0.6b qwen3-4b qwen3-4b; do python3 tools/startup_probe.py "$W/ckpt/$m" 2>&1 | grep -E 'probe|Error'; done
+  python3 -X importtime -c "import jetserve.engine.core" 2>&1 | sort -t'|' -k2 -n | tail -14
+  for i in 1 2; do /usr/bin/time -f "[probe] jetserve --help %e s" $J --help >/dev/null; done
   ;;
 pack)  # the device tool brings back 8 files: everything in one
   (cd "$OUT" && tar czf /tmp/results.tgz --exclude=results.tgz . && find . -mindepth 1 -delete && mv /tmp/results.tgz .)

@@ -99,7 +99,9 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_pos
     cfg = ModelConfig.from_dict(ckpt.config)
     model, sources, modes = build_meta_model(ckpt, dtype, max_positions, quantization)
 
-    model = model.to_empty(device=device)
+    # nn.Module.to_empty, less its torch.empty_like on meta tensors: that one's meta kernel is
+    # Python which imports torch's symbolic-shape machinery (sympy), seconds of every start.
+    model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     model.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, max_positions).to(device)  # fp32 tables
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight

@@ -86,11 +86,18 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, theta: float, max_positions: int):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        if torch.get_default_device().type == "meta":
+            # The memory plan's model: tables of the right size, no arithmetic (torch's meta
+            # kernels for it import its whole compiler stack, the longest wait of a start).
+            emb = torch.empty(max_positions, head_dim)
+            self.register_buffer("cos", emb, persistent=False)
+            self.register_buffer("sin", torch.empty(max_positions, head_dim), persistent=False)
+        else:
+            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+            freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+            emb = torch.cat([freqs, freqs], dim=-1)
+            self.register_buffer("cos", emb.cos(), persistent=False)
+            self.register_buffer("sin", emb.sin(), persistent=False)
         self._cast: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype):
@@ -220,7 +227,10 @@ class Qwen3ForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # No random init: the weights come from the checkpoint (or a trainer's own init), and
+        # normal_ on the meta device (the memory plan's model) imports torch's compiler stack.
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
