@@ -229,7 +229,7 @@ class ModelRunner:
                                          config.max_num_seqs, self.graphs.width, self.block_size,
                                          scratch_block=self.num_blocks, num_warmup=config.cuda_graphs.num_warmup,
                                          split_items=self.split_items, mtp_pass=self.proposer is not None)
-        if self.kernels is not None and not self.kernels.tile_timing:
+        if self.kernels is not None and not self.kernels.tile_timing and self.device.type == "cuda":
             # What only the captured steps launch, compiled side by side first (a tuning engine's
             # compiles came with its timing).
             with parallel_compile.compile_only():
