@@ -12,7 +12,8 @@ kill -9 (after a power cut at worst once more, which the controller drops as a r
 that is not a database, or fails SQLite's quick check at start, is set aside with a warning and a
 new outbox (new epoch) started. A disk that refuses writes (full, or failing) costs no message and
 stops nothing: messages get their ids and wait in memory (at most SPILL_LIMIT; the oldest health
-goes first), acknowledgements too, all written at the next message or acknowledgement once it can;
+goes first), acknowledgements too, all written at a later message or acknowledgement once it can
+(tried every RETRY_S at most);
 a new outbox on a full disk lives in memory until the next start. Each episode logs one line.
 """
 
@@ -30,6 +31,7 @@ from jetserve import atomic
 log = logging.getLogger(__name__)
 
 SPILL_LIMIT = 1000  # messages held in memory while the disk refuses writes
+RETRY_S = 5.0  # while it does, a write is tried again this often at most (each try rewrites the whole spill)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -57,6 +59,9 @@ class Outbox:
         self._forget = set()  # acknowledged, not yet deleted on disk
         self._dropped = {"health": 0, "alert": 0}  # dropped from the spill, not yet counted on disk
         self._failing = None  # the write error of the episode under way (logged once)
+        self._retry_at = 0.0  # monotonic: no write is tried before, while failing
+        self.retry_s = RETRY_S
+        self._bdseq_unwritten = False
         try:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             self._db = self._open(path)
@@ -110,8 +115,8 @@ class Outbox:
         (in memory while the disk refuses it)."""
         with self._lock:
             self._bdseq = (self._bdseq + 1) % 256
-            self._write(lambda: self._db.execute("INSERT INTO meta VALUES ('bdseq', ?) ON CONFLICT(key) DO UPDATE "
-                                                 "SET value = excluded.value", (str(self._bdseq),)))
+            self._bdseq_unwritten = True
+            self._write()
             return self._bdseq
 
     def add(self, kind, topic, doc):
@@ -119,7 +124,7 @@ class Outbox:
         with self._lock:
             n, self._next_n = self._next_n, self._next_n + 1
             self._spill.append((n, kind, topic, json.dumps(doc, sort_keys=True), time.time()))
-            self._write(None)
+            self._write()
             while len(self._spill) > min(self.limit, SPILL_LIMIT):
                 self._drop_spilled()
             return n
@@ -129,9 +134,12 @@ class Outbox:
         self._spill.remove(victim)
         self._dropped[victim[1]] += 1
 
-    def _write(self, also):
-        """One transaction: what waits in memory (acknowledgements, dropped counts, messages), then
-        `also()`. False, with one log line an episode, when the disk refuses it (all kept in memory)."""
+    def _write(self):
+        """One transaction: what waits in memory (acknowledgements, dropped counts, the bdSeq,
+        messages). False, with one log line an episode, when the disk refuses it (all kept in
+        memory) or refused it less than `retry_s` ago."""
+        if self._failing is not None and time.monotonic() < self._retry_at:
+            return False
         try:
             self._db.execute("BEGIN IMMEDIATE")
             if self._forget:
@@ -145,8 +153,9 @@ class Outbox:
                     self._drop_one()
                 self._db.execute("INSERT INTO messages (n, kind, topic, body, created) VALUES (?, ?, ?, ?, ?)",
                                  message)
-            if also is not None:
-                also()
+            if self._bdseq_unwritten:
+                self._db.execute("INSERT INTO meta VALUES ('bdseq', ?) ON CONFLICT(key) DO UPDATE "
+                                 "SET value = excluded.value", (str(self._bdseq),))
             self._db.execute("COMMIT")
         except sqlite3.OperationalError as exc:  # full, failing, or locked: the same work again at the next call
             if self._db.in_transaction:
@@ -155,6 +164,7 @@ class Outbox:
                 log.warning("outbox %s cannot be written (%s): messages wait in memory (at most %d) and are "
                             "written once it can", self.path, exc, min(self.limit, SPILL_LIMIT))
             self._failing = str(exc)
+            self._retry_at = time.monotonic() + self.retry_s
             return False
         except BaseException:
             if self._db.in_transaction:
@@ -166,6 +176,7 @@ class Outbox:
             self._failing = None
         self._spill.clear()
         self._forget.clear()
+        self._bdseq_unwritten = False
         self._dropped = dict.fromkeys(self._dropped, 0)
         return True
 
@@ -191,7 +202,7 @@ class Outbox:
                 self._spill.remove(spilled)
             else:
                 self._forget.add(n)
-            self._write(None)
+            self._write()
 
     def stats(self):
         with self._lock:
