@@ -13,8 +13,9 @@ that is not a database, or fails SQLite's quick check at start, is set aside wit
 new outbox (new epoch) started. A disk that refuses writes (full, or failing) costs no message and
 stops nothing: messages get their ids and wait in memory (at most SPILL_LIMIT; the oldest health
 goes first), acknowledgements too, all written at a later message or acknowledgement once it can
-(tried every RETRY_S at most);
-a new outbox on a full disk lives in memory until the next start. Each episode logs one line.
+(tried every RETRY_S at most); an outbox that cannot be opened on a full disk (SQLite must make
+its -shm file) lives in memory until the next start, and the agent runs (a crash loop would send
+nothing at all). Each episode logs one line.
 """
 
 import collections
@@ -66,9 +67,11 @@ class Outbox:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             self._db = self._open(path)
         except (OSError, sqlite3.Error) as exc:
-            if not (atomic.no_space(exc) or _disk_full(exc)):
+            directory = os.path.dirname(os.path.abspath(path))
+            if not (atomic.no_space(exc) or _disk_full(exc) or atomic.disk_full(directory)):
                 raise OutboxError("cannot open outbox %s: %s" % (path, exc))
-            log.warning("outbox %s cannot be made (%s): messages are kept in memory until the next start", path, exc)
+            log.warning("outbox %s cannot be opened: no space left on its disk (%s); new messages are kept in "
+                        "memory until the next start (those already on disk wait for it)", path, exc)
             self._db = self._connect(":memory:")
         self.epoch = self._meta("epoch")
         row = self._db.execute("SELECT seq FROM sqlite_sequence WHERE name = 'messages'").fetchone()

@@ -11,6 +11,7 @@ trying the same work again later may succeed. Any other error is the work's own 
 """
 
 import contextlib
+import os
 import sqlite3
 import threading
 import time
@@ -84,7 +85,8 @@ class SQLiteStore:
                 atomic.set_aside(path, "registry: %s" % exc)
                 self._open(path)
         except (sqlite3.Error, OSError) as exc:
-            raise StoreError("cannot open registry %s: %s" % (path, exc))
+            full = atomic.no_space(exc) or atomic.disk_full(os.path.dirname(os.path.abspath(path)))
+            raise StoreError("cannot open registry %s: %s%s" % (path, exc, " (no space left on its disk)" if full else ""))
 
     def _open(self, path):
         connections = []

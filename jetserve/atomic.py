@@ -38,6 +38,20 @@ def no_space(exc):
     return False
 
 
+def disk_full(path, margin=64 << 10):
+    """True when the file system holding `path` has (about) no room left for us: fewer than
+    `margin` bytes, or no inode. For errors that do not say ENOSPC themselves (SQLite's "disk I/O
+    error" when it cannot make its -shm file)."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return False
+    root = os.geteuid() == 0  # root may use the blocks reserved for it
+    free = (st.f_bfree if root else st.f_bavail) * st.f_frsize
+    inodes = st.f_ffree if root else st.f_favail
+    return free < margin or (st.f_files > 0 and inodes == 0)
+
+
 def fsync_directory(directory):
     """Make the directory's entries (a rename, a new or removed file) survive a power cut."""
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)

@@ -371,13 +371,21 @@ def test_outbox_spill_is_bounded_and_drops_health_first(small_disk):
     box.close()
 
 
-def test_a_new_outbox_on_a_full_disk_lives_in_memory(small_disk, caplog):
+def test_an_outbox_that_cannot_be_opened_on_a_full_disk_lives_in_memory(small_disk, caplog):
+    """A new one, and an existing one (SQLite cannot make its -shm file): the agent runs, no crash loop."""
+    old = Outbox(str(small_disk.path / "old.db"))
+    old.add("health", "t", {"queued": "before"})
+    old.close()
     small_disk.fill()
-    with caplog.at_level(logging.WARNING, logger="jetserve.agent.outbox"):
-        box = Outbox(str(small_disk.path / "state" / "outbox.db"))
-    assert "kept in memory until the next start" in caplog.text
-    assert box.add("health", "t", {}) == 1 and box.stats()["pending"] == 1
-    box.close()
+    for path in (small_disk.path / "state" / "new.db", small_disk.path / "old.db"):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="jetserve.agent.outbox"):
+            box = Outbox(str(path))
+        assert "no space left" in caplog.text and "kept in memory until the next start" in caplog.text
+        assert box.add("health", "t", {}) == 1 and box.stats()["pending"] == 1
+        box.close()
+    small_disk.free()
+    assert Outbox(str(small_disk.path / "old.db")).pending()[0][2]["queued"] == "before", "kept on disk"
 
 
 def test_registry_on_a_full_disk_refuses_writes_as_retryable_and_recovers(small_disk):
