@@ -89,7 +89,7 @@ def test_tile_cache_survives_kill_9_mid_write(tmp_path, caplog):
     from jetserve.engine.model.tile_cache import Entry
 
     # a file large enough that a write takes a while
-    TileCache(tmp_path, FP)._write({str(i): Entry(TILES[i % 3], TILES, (1.0, 2.0, 3.0)) for i in range(50)})
+    TileCache(tmp_path, FP)._write({str(i): Entry(TILES[i % 3], TILES, (1.0, 2.0, 3.0)) for i in range(20)})
 
     def child(report):
         cache = TileCache(tmp_path, FP)
