@@ -4,11 +4,11 @@ seconds what the first start compiled in a minute.
 An entry is one `.pt2` file named by the digest of everything its code and constants depend on
 (`program_key`: the model's weights, the source of the code traced into it, the input layout,
 torch's version, the CPU's vector ISA and the thread count its loops were compiled for) and by
-the digest of its own bytes. Entries are written whole or not at all (a temporary file renamed
-into place), so a crash or a second engine compiling the same key never leaves half a file under
-a valid name; an entry whose bytes do not match its name, that does not load, or whose program
-disagrees with the eager step (`CPUGraphs` checks every program before use) is removed and
-compiled again. The directory keeps the `MAX_ENTRIES` most recently used entries.
+the digest of its own bytes. Entries are written whole or not at all (jetserve.atomic: a temporary
+file flushed and renamed into place), so a kill -9, a power cut or a second engine compiling the
+same key never leaves half a file under a valid name; an entry whose bytes do not match its name,
+that does not load, or whose program disagrees with the eager step (`CPUGraphs` checks every
+program before use) is removed and compiled again. The directory keeps the `MAX_ENTRIES` most recently used entries.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
-import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
+
+from jetserve import atomic
 
 log = logging.getLogger(__name__)
 
@@ -93,18 +93,16 @@ class ProgramCache:
 
     def store(self, key: str, write: Callable[[str], None]) -> Path:
         """Write an entry through `write(path)` (which may load and check it there) into a temporary
-        file, then rename it into place in lieu of the key's older entry."""
+        file, then flush it and rename it into place in lieu of the key's older entry
+        (jetserve.atomic: a kill -9 or a power cut leaves the old entry or the new, never a torn
+        one under a valid name). A full disk raises (OSError ENOSPC) and leaves no temporary file."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{key}.", suffix=".pt2")
-        os.close(fd)
-        try:
-            write(tmp)
-            self._remove(key)
-            path = self.directory / f"{key}.{file_digest(tmp)[:16]}.pt2"
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        self._prune()  # first too: compiles killed at every start leave no pile of temporary files
+        with atomic.Staged(self.directory / key, suffix=".pt2") as staged:
+            write(staged.temp)
+            path = self.directory / f"{key}.{file_digest(staged.temp)[:16]}.pt2"
+            staged.publish(path)
+        self._remove(key, keep=path)  # after: a kill between the two leaves both entries, each whole
         self._prune()
         return path
 
@@ -112,14 +110,15 @@ class ProgramCache:
         log.warning("CPU program cache: %s is unusable (%s); compiling it again", self.path(key), why)
         self._remove(key)
 
-    def _remove(self, key: str) -> None:
+    def _remove(self, key: str, keep: Path | None = None) -> None:
         for path in self.directory.glob(f"{key}.*.pt2"):
-            path.unlink(missing_ok=True)
+            if path != keep:
+                path.unlink(missing_ok=True)
 
     def _prune(self) -> None:
-        """Keep the newest MAX_ENTRIES entries, and temporary files younger than a day (another
-        engine may be writing one; older ones a killed compile left)."""
+        """Keep the newest MAX_ENTRIES entries, and the temporary files of compiles still running
+        (another engine's: it holds a lock on its file; those a killed compile left are removed)."""
         entries = sorted(self.directory.glob("[!.]*.pt2"), key=lambda p: p.stat().st_mtime, reverse=True)
-        leftovers = [p for p in self.directory.glob(".*.pt2") if time.time() - p.stat().st_mtime > 86400]
-        for stale in entries[MAX_ENTRIES:] + leftovers:
+        for stale in entries[MAX_ENTRIES:]:
             stale.unlink(missing_ok=True)
+        atomic.clear_leftovers(self.directory, suffix=".pt2")

@@ -49,6 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from jetserve import atomic
 from jetserve.engine import compile_cache
 from jetserve.engine.config import CPUCompileConfig
 from jetserve.engine.model import attention, qwen3
@@ -356,6 +357,10 @@ class CPUGraphs:
         try:  # loaded and checked before it is renamed into place: no other engine can remove it first
             path = self.cache.store(key, lambda tmp: (self._compile(program, tmp), self._loader(program)(tmp)))
         except Exception as exc:  # those buckets run eagerly (nothing cached); the engine still starts
+            if atomic.no_space(exc):
+                log.warning("CPU decode step for %s not cached: no space left on %s; it runs eagerly, and the "
+                            "next start compiles it again", _names([program]), self.cache.directory)
+                return
             log.warning("compiling the CPU decode step for %s failed (%s: %s); it runs eagerly", _names([program]),
                         type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
             return

@@ -11,9 +11,12 @@ trying the same work again later may succeed. Any other error is the work's own 
 """
 
 import contextlib
+import os
 import sqlite3
 import threading
 import time
+
+from jetserve import atomic
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS devices (
@@ -59,7 +62,13 @@ def open_store(location):
 
 class SQLiteStore:
     """One file; a write takes the database's write lock (BEGIN IMMEDIATE), so replicas in other
-    processes on the same host see each other's updates whole."""
+    processes on the same host see each other's updates whole.
+
+    WAL with synchronous=NORMAL: a kill -9 loses no commit, and a power cut loses at most the
+    commits since the last checkpoint and corrupts nothing. FULL would add an fsync to every
+    group commit for what the devices send again anyway (the next health, a birth on rebirth).
+    A file that is not a database is set aside with a warning and a new registry started (the
+    devices fill it again); a full disk fails each write with StoreError, retried until it fits."""
 
     name = "sqlite"
     row_lock = ""  # the whole database is locked for the transaction already
@@ -68,10 +77,27 @@ class SQLiteStore:
     def __init__(self, path):
         self._locks = threading.Lock(), threading.Lock()
         try:
-            self._writer, self._reader = (self._connect(path) for _ in range(2))
-            self._writer.executescript(SCHEMA.format(real="REAL", serial="INTEGER PRIMARY KEY AUTOINCREMENT"))
-        except sqlite3.Error as exc:
-            raise StoreError("cannot open registry %s: %s" % (path, exc))
+            try:
+                self._open(path)
+            except sqlite3.DatabaseError as exc:
+                if type(exc) is not sqlite3.DatabaseError or path == ":memory:":  # subclasses: locked, full, …
+                    raise
+                atomic.set_aside(path, "registry: %s" % exc)
+                self._open(path)
+        except (sqlite3.Error, OSError) as exc:
+            full = atomic.no_space(exc) or atomic.disk_full(os.path.dirname(os.path.abspath(path)))
+            raise StoreError("cannot open registry %s: %s%s" % (path, exc, " (no space left on its disk)" if full else ""))
+
+    def _open(self, path):
+        connections = []
+        try:
+            connections += [self._connect(path), self._connect(path)]
+            connections[0].executescript(SCHEMA.format(real="REAL", serial="INTEGER PRIMARY KEY AUTOINCREMENT"))
+        except BaseException:
+            for db in connections:
+                db.close()
+            raise
+        self._writer, self._reader = connections
 
     @staticmethod
     def _connect(path, timeout=10.0):
@@ -85,8 +111,12 @@ class SQLiteStore:
                 break
             except sqlite3.OperationalError:
                 if time.monotonic() > deadline:
+                    db.close()
                     raise
                 time.sleep(0.05)
+            except BaseException:  # not a database
+                db.close()
+                raise
         db.execute("PRAGMA synchronous=NORMAL")  # WAL's usual setting: a commit is one append, no fsync
         return db
 

@@ -5,9 +5,11 @@ minutes at each start on a Jetson. A choice depends only on the shape and on wha
 name hashes: the GPU (name, SMs, compute capability, memory, L2), the CUDA driver, CUDA, torch
 and Triton, and the kernels' source. A changed candidate set misses shape by shape (each entry
 keeps the candidates it chose among). One JSON file per such fingerprint, rewritten whole
-(a temporary file renamed over it, under a lock) whenever a shape is added, so concurrent engines
-never leave a torn file; a file that is corrupt, hostile or another device's is ignored with a
-warning and replaced by the next write. Like Triton's kernel cache, it is only ever a shortcut:
+(jetserve.atomic: a temporary file flushed and renamed over it, under a lock) whenever a shape is
+added, so neither concurrent engines nor a kill -9 or a power cut mid-write leave a torn file; a file
+that is corrupt, hostile or another device's is ignored with a warning and replaced by the next
+write. A full disk keeps the old file and is tried again at the next shape (each write holds all of
+this engine's choices). Like Triton's kernel cache, it is only ever a shortcut:
 delete it to time every shape again.
 """
 
@@ -21,7 +23,6 @@ import logging
 import math
 import os
 import re
-import tempfile
 import time
 import typing
 from collections.abc import Iterator, Sequence
@@ -32,6 +33,7 @@ from typing import NamedTuple
 import torch
 import triton
 
+from jetserve import atomic
 from jetserve.engine.model.kernels import Tile
 
 log = logging.getLogger(__name__)
@@ -98,6 +100,7 @@ class TileCache:
                         problem)
         self.added: dict[str, Entry] = {}  # this engine's choices: what it writes
         self.writable = True
+        self.disk_full = False  # the last write found no space: said once, tried again at the next shape
 
     @classmethod
     def for_device(cls, directory: str | os.PathLike, device: torch.device) -> TileCache:
@@ -118,12 +121,23 @@ class TileCache:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with self._locked():
+                atomic.clear_leftovers(self.path.parent, self.path.name)
                 on_disk, _ = self._read()
                 merged = {**on_disk, **self.added}
                 self._write(merged if len(merged) <= MAX_SHAPES else self.added)
         except OSError as exc:
+            if atomic.no_space(exc):
+                if not self.disk_full:
+                    log.warning("tile cache %s not written: no space left on its disk; the old file is kept "
+                                "and the write tried again at the next shape", self.path)
+                self.disk_full = True
+                return
             self.writable = False  # one warning, not one a shape
             log.warning("tile cache %s not written (%s): the next start times these tiles again", self.path, exc)
+            return
+        if self.disk_full:
+            self.disk_full = False
+            log.info("tile cache %s written again: space was freed", self.path)
 
     @contextmanager
     def _locked(self) -> Iterator[None]:
@@ -147,16 +161,7 @@ class TileCache:
                "shapes": {key: {"tile": e.tile, "candidates": e.candidates,
                                 "times_ms": [t if math.isfinite(t) else None for t in e.times_ms]}
                           for key, e in sorted(shapes.items())}}
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name + ".", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(doc, f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
+        atomic.write_file(self.path, json.dumps(doc, indent=1))
 
     def _read(self) -> tuple[dict[str, Entry], str | None]:
         """The file's shapes, or none and what is wrong with it (nothing, if it does not exist)."""
