@@ -140,7 +140,7 @@ def _tokens(outputs):
 
 @pytest.fixture(scope="module")
 def plain_greedy():
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     return params, _tokens(LLM(demo_model_dir(), **COMMON).generate(PROMPTS[:16], params, use_tqdm=False))
 
 
@@ -158,7 +158,7 @@ def test_greedy_with_drafting_is_greedy_without_in_bf16(plain_greedy, k):
 
 
 def test_a_seeded_request_samples_the_same_alone_and_in_a_batch_of_8():
-    params = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=24, ignore_eos=True, seed=7 + i)
+    params = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=16, ignore_eos=True, seed=7 + i)
               for i in range(8)]
     llm = LLM(demo_model_dir(), **COMMON)
     alone = _tokens(llm.generate(PROMPTS[16:17], params[:1], use_tqdm=False))[0]
