@@ -23,6 +23,11 @@ tokens a second; and `profile`: where the time of a graphed k-draft step goes, e
 steps) captured and replayed as its own CUDA graph, next to the whole step's graph and the
 plain decode graph (GPU with CUDA graphs only).
 
+`--batch-invariant`: every engine runs in batch-invariant mode (docs/engine.md), so greedy with
+drafting must equal plain greedy on every prompt (`greedy_divergence`'s `equal_per_prompt`), and
+one more plain engine runs without it: `batch_invariant_cost` is the mode's step time (TPOT, all
+sequences decoding) and single-stream tok/s against it, in the same run.
+
 Method: every engine serves every shape once before anything is timed (graphs captured,
 kernels compiled and tuned): the warm-up prefills a prompt of random ids of every length a
 timed prompt has (Triton specializes kernels on sizes, so a new length can compile inside a
@@ -47,6 +52,7 @@ from jetserve.bench.common import SHAPES, environment, write_results
 
 PROMPTS_FILE = Path(__file__).with_name("mtp_prompts.json")
 MAX_MODEL_LEN, BLOCK_SIZE = 1024, 16
+DEFAULT_PLAIN = "plain, not batch-invariant"  # --batch-invariant: the engine its cost is measured against
 WARM_UP = "def warm_up(value):\n    \"\"\"Return the value, warmed.\"\"\"\n"
 
 
@@ -66,6 +72,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="every engine in batch-invariant mode, plus a plain engine without it (its cost: "
+                             "'batch_invariant_cost'); greedy_divergence then says per prompt whether greedy with "
+                             "drafting equals plain greedy")
 
 
 def break_even_acceptance(ratio: float, k: int) -> float | None:
@@ -105,7 +115,7 @@ def _summary(values: list[float], digits: int = 6) -> dict:
             "runs": [round(v, digits) for v in values]}
 
 
-def _engine(model: str, k: int | None, args, max_num_seqs: int, adaptive: bool = False):
+def _engine(model: str, k: int | None, args, max_num_seqs: int, adaptive: bool = False, invariant: bool = True):
     from jetserve.engine import LLM
 
     spec = ({"method": "mtp", "num_speculative_tokens": k, "adaptive": adaptive,
@@ -116,7 +126,8 @@ def _engine(model: str, k: int | None, args, max_num_seqs: int, adaptive: bool =
     blocks = max_num_seqs * -(-(MAX_MODEL_LEN + (k or 0) + 1) // BLOCK_SIZE) + 1
     return LLM(model, speculative_config=spec, device=args.device, dtype=args.dtype, enforce_eager=args.enforce_eager,
                max_num_seqs=max_num_seqs, max_model_len=MAX_MODEL_LEN, enable_prefix_caching=False,
-               cudagraph_capture_sizes=sizes, block_size=BLOCK_SIZE, num_kv_blocks=blocks)
+               cudagraph_capture_sizes=sizes, block_size=BLOCK_SIZE, num_kv_blocks=blocks,
+               batch_invariant=args.batch_invariant and invariant)
 
 
 def _set_k(llm, k: int | None) -> None:
@@ -296,7 +307,8 @@ def _divergence(plain: list[list[int]], drafted: list[list[int]]) -> dict:
     and a decode row are different GEMM shapes)."""
     first = [next((i for i, (a, b) in enumerate(zip(p, d)) if a != b), None) for p, d in zip(plain, drafted)]
     diverged = [f for f in first if f is not None]
-    return {"prompts": len(first), "diverged": len(diverged), "first_divergence_positions": diverged}
+    return {"prompts": len(first), "diverged": len(diverged), "first_divergence_positions": diverged,
+            "equal_per_prompt": [f is None for f in first]}
 
 
 def _random_checkpoint_with_mtp(shape: str, directory: Path, dtype, device) -> None:
@@ -361,11 +373,15 @@ def run(args) -> dict:
     step_time: dict[str, dict] = {}
     generation: dict[str, dict] = {}
     profile: dict[str, dict] = {}
-    # (engine's k: None = no drafting; adaptive; the k each run drafts, None = as the engine decides)
-    engines = [(None, False, [0]), (max(ks), False, ks)] + ([(max(ks), True, [None])] if temperatures else [])
+    # (engine's k: None = no drafting; adaptive; the k each run drafts, None = as the engine decides;
+    # batch-invariant where --batch-invariant asks)
+    engines = [(None, False, [0], True), (max(ks), False, ks, True)] + (
+        [(max(ks), True, [None], True)] if temperatures else [])
+    if args.batch_invariant:  # the mode's cost: plain decoding without it, in the same run
+        engines.insert(1, (None, False, [0], False))
     configs = []  # (label, engine, k, adaptive): every engine stays up for the interleaved generation runs
-    for engine_k, adaptive, mine in engines:
-        llm = _engine(model, engine_k, args, max(batch_sizes), adaptive)
+    for engine_k, adaptive, mine, invariant in engines:
+        llm = _engine(model, engine_k, args, max(batch_sizes), adaptive, invariant)
         for k in mine:  # warm every shape this engine will run
             if not adaptive:
                 for batch in batch_sizes:
@@ -378,7 +394,7 @@ def run(args) -> dict:
                 profile[f"k={engine_k} batch {b}"] = _profile_step(llm, engine_k, b, step_prompts(b), args)
                 print(f"profile k={engine_k} batch {b}: {profile[f'k={engine_k} batch {b}']}", flush=True)
         for k in mine:
-            label = "plain" if engine_k is None else "k=auto" if adaptive else f"k={k}"
+            label = ("plain" if invariant else DEFAULT_PLAIN) if engine_k is None else "k=auto" if adaptive else f"k={k}"
             if not adaptive:
                 step_time[label] = {f"batch {b}": _summary([_step_times(llm, k, b, step_prompts(b), args)
                                                              for _ in range(args.repeats)]) for b in batch_sizes}
@@ -411,7 +427,7 @@ def run(args) -> dict:
     configs.clear()
     plain = step_time["plain"]
     for label, times in step_time.items():
-        k = 0 if label == "plain" else int(label[2:])
+        k = 0 if label.startswith("plain") else int(label[2:])
         for b in batch_sizes:
             entry = times[f"batch {b}"]
             entry["ratio_to_plain"] = round(entry["median"] / plain[f"batch {b}"]["median"], 3)
@@ -424,12 +440,22 @@ def run(args) -> dict:
             entry["speedup_min"] = round(entry["tok_s"]["min"] / base["tok_s"]["min"], 3)
             if temperature == 0:
                 entry["greedy_divergence"] = _divergence(base["outputs"], entry["outputs"])
+    cost = None
+    if args.batch_invariant:  # > 1: the mode is slower; step time is the TPOT of every sequence decoding
+        cost = {"step_time_ratio": {f"batch {b}": round(plain[f"batch {b}"]["median"]
+                                                       / step_time[DEFAULT_PLAIN][f"batch {b}"]["median"], 3)
+                                    for b in batch_sizes},
+                "tok_s_ratio": {f"T={t:g}": round(generation[f"{DEFAULT_PLAIN} T={t:g}"]["tok_s"]["median"]
+                                                  / generation[f"plain T={t:g}"]["tok_s"]["median"], 3)
+                                for t in temperatures}}
+        print(f"batch-invariant cost: {cost}", flush=True)
     for entry in generation.values():
         del entry["outputs"]
     result = {"benchmark": "mtp", "model": args.shape or args.model, "random_weights": bool(args.shape),
               "dtype": args.dtype, "draft_vocab_size": args.draft_vocab_size, "max_tokens": args.max_tokens, "repeats": args.repeats,
               "prompts_per_repeat": n, "prompts": None if args.shape else held_out["about"],
-              "enforce_eager": args.enforce_eager, "env": environment(device),
+              "enforce_eager": args.enforce_eager, "batch_invariant": args.batch_invariant,
+              "batch_invariant_cost": cost, "env": environment(device),
               "step_time_s": step_time, "generation": generation, "profile_us": profile}
     write_results(args.out, result, {"mtp": _figure(result, ks, batch_sizes, temperatures)} if args.out else {})
     if scratch is not None:

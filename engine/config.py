@@ -29,6 +29,11 @@ DEFAULT_CHUNK_BUDGET = 512  # tokens a step with chunked prefill computes at mos
 DEFAULT_STEP_LATENCY_MS: float | None = None
 DEFAULT_TARGET_BUDGET = 2048
 MAX_STEP_LATENCY_MS = 1000.0  # a target beyond a second paces nothing a user would notice
+# Batch-invariant mode (docs/engine.md, "Batch-invariant mode"): on by default where it costs at
+# most 5% of decode speed. A GPU's default awaits `jetserve bench mtp --batch-invariant` on it, so
+# off until then; on a CPU it costs the compiled decode steps (they reduce in their own order), far
+# more than 5%, so off.
+DEFAULT_BATCH_INVARIANT_GPU = False
 FINE_TOKEN_STEP = 128  # mixed-step buckets with a latency target: every flash prefill tile (PREFILL_BLOCK_M)
 HAS_TRITON = importlib.util.find_spec("triton") is not None  # the fused CUDA kernels and the graphs need it
 # Triton's interpreter runs the kernels on CPU tensors (the tests without a GPU). Read once, at import, as
@@ -329,6 +334,7 @@ class EngineConfig:
     cpu_compile: CPUCompileConfig | None = None  # compiled CPU decode steps; None: every CPU step eager
     max_step_latency_ms: float | None = None  # prefill chunks sized to keep a step under it; None: by budget alone
     tune_tiles: bool = False  # time every tile at start-up into tile_cache_dir (`jetserve tune`; never when serving)
+    batch_invariant: bool = False  # a row's logits independent of the step's other rows (see EngineArgs)
 
     @property
     def step_token_sizes(self) -> list[int]:
@@ -414,6 +420,15 @@ class EngineArgs:
         None, "where `jetserve tune` keeps the matmul tiles it timed on this GPU and software, read at every start "
               "before the shipped tile table (default: $JETSERVE_CACHE_DIR/tiles, else $XDG_CACHE_HOME/jetserve/tiles, "
               "else ~/.cache/jetserve/tiles); 'none': the shipped table alone")
+    # None: DEFAULT_BATCH_INVARIANT_GPU on a GPU, off on a CPU.
+    batch_invariant: bool | None = setting(
+        None, "batch-invariant mode (vLLM's name): a row's logits do not depend on how many rows its step has nor "
+              "which step computes them (every product, attention and norm reduces in one order whatever the row "
+              "count), so greedy decoding with MTP drafting gives exactly the tokens of greedy without, and a seeded "
+              "request the same tokens alone or in any batch, in bf16 too (not a vLLM flag). Costs speed: on a CPU "
+              "decode steps run eagerly; on a GPU steps with prefill chunks are not captured and every product "
+              "takes the fused kernel's tensor-core tiles; quantized products keep their own kernels. Default: "
+              "off (a GPU's default awaits its measurement)", action=argparse.BooleanOptionalAction)
     tune_tiles: bool = False  # `jetserve tune` sets it: no serving flag times tiles
 
     @staticmethod
@@ -472,12 +487,14 @@ class EngineArgs:
         quantization = QuantizationConfig.resolve(
             hf_config, self.quantization, (self.speculative_config or {}).get("quantization", "auto"))
         fused = self.backend == "torch" and device.startswith("cuda") and HAS_TRITON
+        invariant = self._batch_invariant(fused)
         graphs = None
         if not self.enforce_eager and (fused or self.backend == "tensorrt-llm"):
             k = spec.num_speculative_tokens if spec else 0
             # Steps with prefill chunks replay bucketed graphs; with drafting, those whose sequences
             # verify no drafts (their graph keeps every row's hidden state for the MTP pass after it).
-            mixed = self.cudagraph_mode == "full" and self.backend == "torch"
+            # Batch-invariant: their attention runs per token (kernels.paged_attention), which no graph captures.
+            mixed = self.cudagraph_mode == "full" and self.backend == "torch" and not invariant
             graphs = CUDAGraphConfig(
                 tuple(capture_sizes(self.cudagraph_capture_sizes, self.max_cudagraph_capture_size, self.max_num_seqs)),
                 tuple(step_shapes(k)), self.cuda_graph_num_warmup_steps,
@@ -486,7 +503,8 @@ class EngineArgs:
         # TORCH_COMPILE_DISABLE=1 is torch's own switch for torch.compile (the test suite sets it).
         compile_disabled = os.environ.get("TORCH_COMPILE_DISABLE") == "1"
         if (device == "cpu" and self.backend == "torch" and not self.enforce_eager and not compile_disabled
-                and quantization is None):  # with drafting, its plain decode steps (drafting off) run compiled
+                and quantization is None and not invariant):  # with drafting, its plain decode steps (drafting off) run compiled
+            # (not batch-invariant: a compiled program reduces in its own order, not the eager step's)
             cpu_compile = CPUCompileConfig(
                 tuple(cpu_capture_sizes(self.cudagraph_capture_sizes, self.max_cudagraph_capture_size,
                                         self.max_num_seqs)),
@@ -506,7 +524,19 @@ class EngineArgs:
             fused_kernels=fused, has_tokenizer=(Path(model) / "tokenizer.json").exists(),
             engine_core_process=self.engine_core_process, tile_cache_dir=tile_cache_dir,
             quantization=quantization, cpu_compile=cpu_compile, max_step_latency_ms=target,
-            tune_tiles=self.tune_tiles and graphs is not None and fused)
+            tune_tiles=self.tune_tiles and graphs is not None and fused, batch_invariant=invariant)
+
+    def _batch_invariant(self, fused: bool) -> bool:
+        """The mode, resolved: the torch backend's (TensorRT-LLM's kernels are its own)."""
+        value = self.batch_invariant
+        if value is not None and not isinstance(value, bool):
+            raise ValueError(f"batch_invariant must be true, false or null (default), got {value!r}")
+        if value and self.backend != "torch":
+            raise ValueError("batch_invariant is the torch backend's mode: TensorRT-LLM's kernels reduce in their "
+                             "own order")
+        if value is None:
+            return self.backend == "torch" and fused and DEFAULT_BATCH_INVARIANT_GPU
+        return value
 
     def _step_latency(self, device: str) -> float | None:
         """The step latency target, or None: off (0), or by default where it was not measured —

@@ -176,8 +176,10 @@ class ModelRunner:
 
             tile_cache = TileCache.for_device(config.tile_cache_dir, self.device) if config.tile_cache_dir else None
             self.kernels = QuantFusedKernels(tile_timing=config.tune_tiles and config.cuda_graphs is not None,
-                                             tile_cache=tile_cache, table=tile_tables.for_device(self.device))
+                                             tile_cache=tile_cache, table=tile_tables.for_device(self.device),
+                                             batch_invariant=config.batch_invariant)
             self.model.use_kernels(self.kernels)
+        self.model.set_batch_invariant(config.batch_invariant)
         if config.speculative and config.speculative.draft_vocab_size:
             self.model.draft_vocab_size = min(config.speculative.draft_vocab_size, self.model.config.vocab_size)
 
@@ -285,7 +287,7 @@ class ModelRunner:
                             c.head_dim, dtype=self.dtype, device=self.device)
         table = list(range(-(-n // self.block_size)))
         meta = AttentionMetadata.build([n], [n], [table], self.block_size, self.device, self.config.fused_kernels,
-                                       self.split_items)
+                                       self.split_items, self.config.batch_invariant)
         if meta.prefill is not None:  # the partial results a graphed step allocates, whatever its plan
             meta.prefill.num_parts = 2 * self.split_items
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
@@ -502,7 +504,7 @@ class ModelRunner:
                 step.drawn = drawn
             return step
         meta = AttentionMetadata.build(q_lens, ctx_lens, tables, self.block_size, self.device,
-                                       self.config.fused_kernels, self.split_items)
+                                       self.config.fused_kernels, self.split_items, self.config.batch_invariant)
         ids_t = to_device(torch.tensor(ids), self.device)
         if pending:
             self._fill_pending(ids_t, pending)

@@ -50,6 +50,7 @@ class SdpaGroup:
     valid_index: torch.Tensor  # [n] the real rows of the flattened [b * max_q]
     context_slots: torch.Tensor  # [b, max_ctx] flat cache slot of each context position
     mask: torch.Tensor  # [b, 1, max_q, max_ctx] bool: causal within the sequence's context
+    rows: list[tuple[int, int, int]]  # each real row: (token index, sequence in the group, keys it sees)
 
     @staticmethod
     def build(starts, q_lens, ctx_lens, block_tables, block_size) -> tuple[SdpaGroup, list[int]]:
@@ -67,13 +68,14 @@ class SdpaGroup:
         q_pos = (ctx_lens_t - q_lens_t)[:, None] + offs[None, :]
         mask = pos[None, None, :] <= q_pos[:, :, None]
         mask[:, :, 0] = True  # padded queries see one key, so no row is all -inf (no NaN)
+        rows = [(s + j, i, c - q + j + 1) for i, (s, q, c) in enumerate(zip(starts, q_lens, ctx_lens)) for j in range(q)]
         group = SdpaGroup(query_index, torch.nonzero(query_valid.flatten()).flatten(),
-                          blocks * block_size + pos % block_size, mask[:, None])
+                          blocks * block_size + pos % block_size, mask[:, None], rows)
         return group, query_index[query_valid].tolist()
 
     def to(self, device: torch.device) -> SdpaGroup:
         return SdpaGroup(*(to_device(t, device) for t in (self.query_index, self.valid_index, self.context_slots,
-                                                          self.mask)))
+                                                          self.mask)), self.rows)
 
 
 @dataclass
@@ -91,16 +93,26 @@ class AttentionMetadata:
     # Varlen form (any other step): the flash prefill kernel (model/flash_prefill.py).
     query_start_loc: torch.Tensor | None = None  # [B + 1] int32: where each sequence's tokens start
     prefill: PrefillWork | None = None  # its work list
+    # Batch-invariant form of any other step: the decode kernel, a token a program.
+    token_rows: torch.Tensor | None = None  # [T, 2] int32: each token's sequence and the keys it sees
 
     @staticmethod
     def build(q_lens: list[int], ctx_lens: list[int], block_tables: list[list[int]], block_size: int,
-              device: torch.device, fused: bool = False, split_items: int = 1) -> AttentionMetadata:
+              device: torch.device, fused: bool = False, split_items: int = 1,
+              invariant: bool = False) -> AttentionMetadata:
         """Describe a step; `ctx_lens` count the context after this step's tokens are added.
         `fused`: the model runs the Triton kernels, so a uniform step takes the paged decode
         kernel and any other the flash prefill kernel (its work cut into about `split_items`
-        items or more: `prefill_plan`); else SDPA in groups."""
+        items or more: `prefill_plan`), or with `invariant` (batch-invariant mode) the decode
+        kernel too, a token a program, so a row's attention is that of a decode row at its
+        position; else SDPA in groups."""
         if fused and len(set(q_lens)) == 1 and q_lens[0] <= MAX_UNIFORM_Q:
             return AttentionMetadata._uniform(q_lens[0], ctx_lens, block_tables, block_size, device)
+        if fused and invariant:
+            meta = AttentionMetadata._uniform(1, ctx_lens, block_tables, block_size, device, q_lens)
+            rows = [(b, c - q + j + 1) for b, (q, c) in enumerate(zip(q_lens, ctx_lens)) for j in range(q)]
+            meta.token_rows = to_device(torch.tensor(rows, dtype=torch.int32), device)
+            return meta
         if fused:
             return AttentionMetadata._varlen(q_lens, ctx_lens, block_tables, block_size, device, split_items)
         short = [i for i, q in enumerate(q_lens) if q <= MAX_UNIFORM_Q]
@@ -123,9 +135,9 @@ class AttentionMetadata:
 
     @staticmethod
     def _uniform(q_len: int, ctx_lens: list[int], block_tables: list[list[int]], block_size: int,
-                 device: torch.device) -> AttentionMetadata:
+                 device: torch.device, q_lens: list[int] | None = None) -> AttentionMetadata:
         width = max(len(t) for t in block_tables)
-        slots = slot_mapping(block_tables, ctx_lens, [q_len] * len(ctx_lens), block_size)
+        slots = slot_mapping(block_tables, ctx_lens, q_lens or [q_len] * len(ctx_lens), block_size)
         tables = [t + [0] * (width - len(t)) for t in block_tables]
         # One host-to-device copy for all three.
         packed = to_device(torch.tensor(slots + ctx_lens + [x for t in tables for x in t], dtype=torch.int32), device)
@@ -218,10 +230,13 @@ def causal_attention(q, k, v, scale: float):
     return out.transpose(1, 2)
 
 
-def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
-    """q: [T, H, D]; k, v: [T, KVH, D]; caches: [slots, KVH, D]. Returns [T, H, D]."""
+def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, invariant: bool = False):
+    """q: [T, H, D]; k, v: [T, KVH, D]; caches: [slots, KVH, D]. Returns [T, H, D].
+    `invariant`: batch-invariant (`invariant_attention`)."""
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
+    if invariant:
+        return invariant_attention(q, k_cache, v_cache, meta, scale)
     outs = []
     for g in meta.groups:
         keys = k_cache[g.context_slots].transpose(1, 2)  # [b, KVH, max_ctx, D]
@@ -237,3 +252,23 @@ def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: f
                                                  enable_gqa=queries.shape[1] != keys.shape[1])
         outs.append(out.transpose(1, 2).flatten(0, 1)[g.valid_index])  # the group's real rows
     return torch.cat(outs)[meta.output_index]  # [T, H, D]: back to flattened token order
+
+
+def invariant_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Batch-invariant attention (the CPU's; the cache already holds the step's keys): each query
+    row attends by itself to exactly the keys it sees, so every reduction in it has a shape set by
+    its position alone, never by its step's other rows (SDPA of a group pads keys to the longest
+    context and blocks queries by their count, and both change a row's rounding in bf16). A
+    decode row, a verify row and a prefill row at one position give the same bits."""
+    out = torch.empty_like(q)
+    gqa = q.shape[1] != k_cache.shape[1]
+    for g in meta.groups:
+        keys = values = None
+        for token, seq, n in g.rows:
+            if keys is None or seq != at:  # a sequence's context, gathered once: [KVH, max_ctx, D]
+                at, slots = seq, g.context_slots[seq]
+                keys, values = k_cache[slots].transpose(0, 1), v_cache[slots].transpose(0, 1)
+            row = F.scaled_dot_product_attention(q[token, :, None], keys[:, :n], values[:, :n], scale=scale,
+                                                 enable_gqa=gqa)
+            out[token] = row[:, 0]
+    return out

@@ -159,17 +159,21 @@ def qk_norm_rope_store(qkv, q_weight, k_weight, cos, sin, slot_mapping, k_cache,
 
 
 @triton.jit
-def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, ctx_ptr, out_ptr, part_ptr, lse_ptr, scale,
-                            table_stride, q_len, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, ctx_ptr, rows_ptr, out_ptr, part_ptr,
+                            lse_ptr, scale, table_stride, q_len, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                             NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
                             BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-                            IEEE: tl.constexpr):
+                            IEEE: tl.constexpr, PER_TOKEN: tl.constexpr):
     t = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    b = t // q_len
-    # Query j of a q_len-token step sits at position ctx - q_len + j; padded rows still see one key.
-    limit = tl.maximum(tl.load(ctx_ptr + b) - q_len + t % q_len + 1, 1)
+    if PER_TOKEN:  # any mix of new tokens: each token's (sequence, keys it sees)
+        b = tl.load(rows_ptr + 2 * t)
+        limit = tl.maximum(tl.load(rows_ptr + 2 * t + 1), 1)
+    else:
+        b = t // q_len
+        # Query j of a q_len-token step sits at position ctx - q_len + j; padded rows still see one key.
+        limit = tl.maximum(tl.load(ctx_ptr + b) - q_len + t % q_len + 1, 1)
     per_split = tl.cdiv(tl.cdiv(limit, SPLITS), BLOCK_N) * BLOCK_N
     lo = split * per_split
     hi = tl.minimum(lo + per_split, limit)
@@ -239,14 +243,16 @@ def _num_splits(programs: int, device: torch.device) -> int:
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, context_lens, q_len: int, block_size: int,
-                    scale: float, num_splits: int | None = None) -> torch.Tensor:
+                    scale: float, num_splits: int | None = None, token_rows: torch.Tensor | None = None) -> torch.Tensor:
     """Attention for steps where every sequence has `q_len` new tokens (decode: 1, verify: 1+k).
     q: [B * q_len, H, D]; caches: [slots, KVH, D]; block_tables: [B, W]; context_lens: [B]
     (after this step's tokens). Each program walks only its own sequence's blocks, up to its own
     length, or a slice of them when the batch is too small to fill the GPU (flash-decoding: the
     slices' results are combined by their log-sum-exp). No gathered copy of the batch's context,
     and fixed launch shapes whatever the lengths, so the step can live in a CUDA graph.
-    `num_splits` overrides the split count (benchmarks compare against one split)."""
+    `num_splits` overrides the split count (benchmarks compare against one split; batch-invariant
+    mode fixes it). `token_rows` [T, 2] int32: each token's (sequence, keys it sees), for a step of
+    any mix (batch-invariant mode's prefill chunks); then q_len is unused."""
     t, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -256,10 +262,11 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, q_len: int,
     lse = torch.empty(t, num_heads, splits, dtype=torch.float32, device=q.device) if splits > 1 else out
     head_pad = max(16, triton.next_power_of_2(head_dim))
     _paged_attention_kernel[(t, num_kv_heads, splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, part, lse, scale, block_tables.stride(0), q_len,
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_SIZE=block_size, BLOCK_N=32, SPLITS=splits,
-        IEEE=q.dtype == torch.float32, num_warps=4)
+        q, k_cache, v_cache, block_tables, context_lens, context_lens if token_rows is None else token_rows, out,
+        part, lse, scale, block_tables.stride(0), max(q_len, 1), GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)), NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        HEAD_PAD=head_pad, BLOCK_SIZE=block_size, BLOCK_N=32, SPLITS=splits, IEEE=q.dtype == torch.float32,
+        PER_TOKEN=token_rows is not None, num_warps=4)
     if splits > 1:
         _combine_splits_kernel[(t * num_heads,)](part, lse, out, SPLITS=splits,
                                                   SPLITS_PAD=triton.next_power_of_2(splits), HEAD_DIM=head_dim,
@@ -270,6 +277,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, q_len: int,
 # What the skinny matmul computes from its input rows before the product.
 PLAIN, NORM, ADD_NORM, SILU_MUL = 0, 1, 2, 3
 SKINNY_MAX_ROWS = 64  # decode batches and MTP verifies (batch x (k+1)); above, cuBLAS GEMMs with the elementwise kernels
+INVARIANT_ROWS = 16  # batch-invariant mode: rows a program, whatever the row count (tl.dot's smallest tile)
+INVARIANT_MAX_ROWS = 65535 * INVARIANT_ROWS  # ... up to the grid's limit (a step's token budget stays far below)
 DOT_MIN_ROWS = 16  # tl.dot's smallest tile: from here every product runs on tensor cores; below, rows are padded to it
 
 
@@ -332,7 +341,7 @@ def _skinny_matmul_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, out_ptr, res_out_pt
     pid = tl.program_id(0)
     k_lo = tl.program_id(1) * K_SPLIT
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
-    rows = tl.arange(0, BLOCK_M)
+    rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)  # one block of rows (batch-invariant: of 16)
     row_mask = rows < M
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
@@ -545,19 +554,21 @@ def split_k(k: int, tile: Tile, unit: int) -> tuple[int, int]:
     return (k, 1) if splits == 1 else (per, splits)
 
 
-def _run(tile, prologue, x, weight, residual, norm_weight, eps):
+def _run(tile, prologue, x, weight, residual, norm_weight, eps, row_block: int | None = None):
+    """The product in `tile` (None: cuBLAS); `row_block`: rows a program (batch-invariant mode's
+    fixed block), else all of them in one."""
     if tile is None:
         return torch_variant(prologue, x, weight, residual, norm_weight, eps)
     if tile.apart and prologue != PLAIN:
-        return run_apart(lambda y: _run(tile, PLAIN, y, weight, None, None, eps), prologue, x, residual,
+        return run_apart(lambda y: _run(tile, PLAIN, y, weight, None, None, eps, row_block), prologue, x, residual,
                          norm_weight, eps, tile.pdl)
     m, (n, k) = x.shape[0], weight.shape
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     res_out = torch.empty(m, k, dtype=x.dtype, device=x.device) if prologue == ADD_NORM else out
-    block_m = max(triton.next_power_of_2(m), DOT_MIN_ROWS if tile.dot else 1)
+    block_m = row_block or max(triton.next_power_of_2(m), DOT_MIN_ROWS if tile.dot else 1)
     k_split, splits = split_k(k, tile, tile.block_k)
     target = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
-    launch(_skinny_matmul_kernel, (triton.cdiv(n, tile.block_n), splits), tile.pdl,
+    launch(_skinny_matmul_kernel, (triton.cdiv(n, tile.block_n), splits, triton.cdiv(m, block_m)), tile.pdl,
            x, residual if residual is not None else x, norm_weight if norm_weight is not None else weight, weight,
            target, res_out, m, n, k, eps, NORM=prologue in (NORM, ADD_NORM), ADD=prologue == ADD_NORM,
            SILU=prologue == SILU_MUL, DOT=tile.dot, IEEE=x.dtype == torch.float32, BLOCK_M=block_m,
@@ -607,17 +618,32 @@ class FusedKernels:
     first tile that fits. Only a tuning engine (`tile_timing`: `jetserve tune`) times the shapes a
     start brings (the runner's `tune_kernels`) and keeps them in the tile cache; timing captures
     CUDA graphs, so it needs them. `freeze()` marks the start's end: a shape first seen later is
-    recorded in `untuned` (its kernel compiles on a request's path: the runner's warm-up missed it)."""
+    recorded in `untuned` (its kernel compiles on a request's path: the runner's warm-up missed it).
+
+    `batch_invariant` (docs/engine.md): a row's results do not depend on the other rows of its
+    step. Where the order of a reduction varies otherwise: a tile per row count (its BLOCK_K and
+    split-K set the order of the sums), FMA tiles for few rows and tensor-core dots for more,
+    cuBLAS above SKINNY_MAX_ROWS (its reduction depends on M), attention split over the context
+    by how many programs the batch brings, and prefill chunks in another attention kernel. In the
+    mode every product of any row count takes one tensor-core tile per (prologue, N, K), the one
+    chosen for INVARIANT_ROWS rows, over blocks of INVARIANT_ROWS rows (a row's block computes
+    the same whatever the others hold); attention splits every context into MAX_SPLITS pieces
+    (their bounds a function of the row's own length), and prefill rows take the decode kernel
+    one token a program (`AttentionMetadata.build`'s `invariant`). The elementwise kernels and
+    the norms already reduce each row by itself."""
 
     SKINNY_MAX_ROWS = SKINNY_MAX_ROWS
     rms_norm = staticmethod(rms_norm)
     silu_mul = staticmethod(silu_mul)
     qk_norm_rope_store = staticmethod(qk_norm_rope_store)
-    paged_attention = staticmethod(paged_attention)
 
-    def __init__(self, tile_timing: bool = False, tile_cache: TileCache | None = None, table: TileTable | None = None):
+    def __init__(self, tile_timing: bool = False, tile_cache: TileCache | None = None, table: TileTable | None = None,
+                 batch_invariant: bool = False):
         from jetserve.engine.model.tile_tables import EMPTY
 
+        self.batch_invariant = batch_invariant
+        if batch_invariant:  # every product takes the fused kernel: one reduction order for any row count
+            self.SKINNY_MAX_ROWS = INVARIANT_MAX_ROWS
         self.tile_timing = tile_timing
         self.tile_cache = tile_cache  # choices `jetserve tune` timed here: taken before the table's
         self.table = table or EMPTY
@@ -627,6 +653,12 @@ class FusedKernels:
         self.sources: dict[tuple, str] = {}  # where each choice came from: tuned, table, nearest, default
         self.chosen: dict[tuple, tuple[int, int, int] | None] = {}
         self.tuning_times: dict[tuple, dict[tuple[int, int, int] | None, float]] = {}  # ms per candidate tile
+
+    def paged_attention(self, q, k_cache, v_cache, block_tables, context_lens, q_len: int, block_size: int,
+                        scale: float, token_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The paged decode kernel (`paged_attention`); batch-invariant: MAX_SPLITS splits for any batch."""
+        return paged_attention(q, k_cache, v_cache, block_tables, context_lens, q_len, block_size, scale,
+                               MAX_SPLITS if self.batch_invariant else None, token_rows)
 
     def prefill_attention(self, *args, **kwargs):
         """The flash prefill kernel in the table's configuration; a tuning engine autotunes it."""
@@ -671,23 +703,33 @@ class FusedKernels:
         """The fused kernel in the tile found fastest for this shape, or the separate kernels
         where cuBLAS wins."""
         x, residual = x.contiguous(), residual if residual is None else residual.contiguous()  # the kernel's layout
-        key = (prologue, triton.next_power_of_2(x.shape[0]), *weight.shape, x.dtype)
+        rows = INVARIANT_ROWS if self.batch_invariant else triton.next_power_of_2(x.shape[0])  # the mode: any M alike
+        key = (prologue, rows, *weight.shape, x.dtype)
         tile = self.chosen[key] if key in self.chosen else self._choose_tile(key, prologue, x, weight, residual,
                                                                              norm_weight, eps)
-        return _run(tile, prologue, x, weight, residual, norm_weight, eps)
+        return _run(tile, prologue, x, weight, residual, norm_weight, eps, self._row_block)
+
+    @property
+    def _row_block(self) -> int | None:
+        return INVARIANT_ROWS if self.batch_invariant else None
 
     def _choose_tile(self, key, prologue, x, weight, residual, norm_weight, eps):
-        """A new shape's tile (None: cuBLAS), remembered (see the class docstring)."""
+        """A new shape's tile (None: cuBLAS), remembered (see the class docstring); batch-invariant:
+        a tensor-core tile, never cuBLAS."""
         tiles = candidate_tiles(key[1], prologue, pdl_supported(x.device))
+        if self.batch_invariant:
+            tiles = [t for t in tiles if t is not None and t.dot]
         timed = self.tile_timing and not self.frozen and weight.numel() * weight.element_size() >= _UNTUNED_BYTES
-        if self._untimed(key, tiles, timed, default=tiles[1]):
+        if self._untimed(key, tiles, timed, default=tiles[0] if self.batch_invariant else tiles[1]):
             return self.chosen[key]
+        block = self._row_block
         with parallel_compile.compile_only():  # every candidate's compile at once
-            for t in tiles[1:]:
-                _run(t, prologue, x, weight, residual, norm_weight, eps)
+            for t in tiles:
+                if t is not None:
+                    _run(t, prologue, x, weight, residual, norm_weight, eps, block)
         weights = cold_copies(weight)
-        times = [self._time([lambda w=w, t=t: _run(t, prologue, x, w, residual, norm_weight, eps) for w in weights])
-                 for t in tiles]
+        times = [self._time([lambda w=w, t=t: _run(t, prologue, x, w, residual, norm_weight, eps, block)
+                             for w in weights]) for t in tiles]
         self._record(key, tiles, times)
         log.debug("skinny matmul %s: %s (%.2f µs; cuBLAS %.2f µs)", key, self.chosen[key] or "cuBLAS",
                   min(times) * 1e3, times[0] * 1e3)

@@ -133,6 +133,7 @@ class Attention(KernelUser):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.scale = self.head_dim ** -0.5
+        self.invariant = False  # batch-invariant attention on the CPU path (Qwen3ForCausalLM.set_batch_invariant)
 
     def forward(self, qkv, rope, kv_cache, meta: AttentionMetadata):
         """From the qkv projection of the normed input (the layer makes it, so that the norm fuses
@@ -146,8 +147,9 @@ class Attention(KernelUser):
                 out = kernels.prefill_attention(q, kv_cache[0], kv_cache[1], meta.block_tables, meta.query_start_loc,
                                                 meta.context_lens, meta.prefill, self.scale, meta.block_size)
             else:
+                rows = {} if meta.token_rows is None else {"token_rows": meta.token_rows}  # batch-invariant prefill
                 out = kernels.paged_attention(q, kv_cache[0], kv_cache[1], meta.block_tables, meta.context_lens,
-                                              meta.q_len, meta.block_size, self.scale)
+                                              meta.q_len, meta.block_size, self.scale, **rows)
             return self.o_proj(out.flatten(1))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
@@ -159,7 +161,7 @@ class Attention(KernelUser):
             rows = qkv.shape[:-1]
             out = causal_attention(q.unflatten(0, rows), k.unflatten(0, rows), v.unflatten(0, rows), self.scale)
         else:
-            out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+            out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.invariant)
         return self.o_proj(out.flatten(-2))
 
 
@@ -245,6 +247,15 @@ class Qwen3ForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, KernelUser):
                 module.kernels = kernels
+
+    def set_batch_invariant(self, on: bool) -> None:
+        """Batch-invariant mode on the plain torch path: attention row by row (attention.py's
+        `invariant_attention`). Its products need nothing: torch's CPU matmul gives a row the same
+        bits whatever the row count (tests/engine/test_batch_invariant.py checks it), and the norms
+        reduce each row alone. The fused kernels take the mode from `FusedKernels`."""
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.invariant = on
 
     @property
     def num_kv_layers(self) -> int:
