@@ -34,8 +34,8 @@ import math
 from jetserve.engine.step_cost import DecodeCosts
 
 PRIOR = 0.5  # alpha of a position never verified: drafts as likely accepted as not
-PROBE_SHARE = 0.02
-MIN_PROBE_EVERY, MAX_PROBE_EVERY = 16, 4096
+PROBE_SHARE = 0.01
+MIN_PROBE_EVERY, MAX_PROBE_EVERY = 64, 4096
 
 
 class DraftPolicy:

@@ -129,7 +129,7 @@ class ModelRunner:
         self.startup_s: dict[str, float] = {}
         self.kernels = None
         self.graphs = self.mixed = None
-        self.decode_costs: DecodeCosts | None = None  # an adaptive draft length's step-cost table
+        self.decode_costs: DecodeCosts | None = None  # the adaptive draft policy's step-cost table
         torch.manual_seed(config.seed)
         if config.fused_kernels:
             compile_watch.install()  # Triton's compiles; a CPU engine imports no Triton
@@ -258,11 +258,8 @@ class ModelRunner:
         """Seconds of a decode step drafting k (0: plain) for every k in `ks` and every batch
         bucket (DecodeCosts): a captured graph's replay, a compiled CPU step, or else the eager
         step as the runner would run it, over padded inputs on the scratch block."""
-        graphs = self.graphs
-        if isinstance(graphs, CUDAGraphs):
-            buckets = graphs.sizes
-        else:
-            buckets = graphs.sizes if graphs else cpu_capture_sizes(None, None, self.config.max_num_seqs)
+        graphs = self.graphs  # CUDA graphs or CPU programs: their buckets; eager: a CPU's buckets
+        buckets = graphs.sizes if graphs is not None else cpu_capture_sizes(None, None, self.config.max_num_seqs)
         return {(k, b): time_runs(self._cost_run(k, b), self.COST_RUNS, self.device) for k in ks for b in buckets}
 
     def _cost_run(self, k: int, batch: int) -> Callable[[], object]:

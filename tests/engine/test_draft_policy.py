@@ -91,9 +91,9 @@ def test_off_for_good_where_no_k_can_pay_even_if_every_draft_is_accepted():
 def test_off_it_probes_one_draft_every_n_steps_by_the_stated_rule():
     """Off where drafting could pay: one step in N drafts one, N = 2 (T1 - T0) / (PROBE_SHARE T0)
     within its bounds, so probes cost at most PROBE_SHARE of the time; a k below the most probes k + 1."""
-    policy = with_acceptance([0.1, 0.1, 0.1])
+    policy = with_acceptance([0.1, 0.1, 0.1], table={**GPU, 1: 1.5})
     n = policy.probe_every(0, 1)
-    assert n == math.ceil(2 * (GPU[1] - GPU[0]) / (PROBE_SHARE * GPU[0])) and MIN_PROBE_EVERY <= n <= MAX_PROBE_EVERY
+    assert n == math.ceil(2 * (1.5 - 1.0) / PROBE_SHARE) and MIN_PROBE_EVERY < n < MAX_PROBE_EVERY
     ks = [policy.next(1) for _ in range(10 * n)]
     assert policy.k == 0 and ks.count(1) == 10 and ks[n - 1] == 1 and set(ks) == {0, 1}
     assert DraftPolicy(1, costs=DecodeCosts({(0, 1): 1.0, (1, 1): 1.0001})).probe_every(0, 1) == MIN_PROBE_EVERY
@@ -125,8 +125,8 @@ def test_drafting_recovers_when_acceptance_rises_while_off():
     policy = DraftPolicy(3, costs=costs(GPU))
     rng = random.Random(1)
     assert simulate(policy, 2000, 0.0, rng)[-1] == 0
-    history = simulate(policy, 3000, 0.9, rng)
-    assert history[-1] == 3 and 0 < history.index(3) < 2000, history[::100]
+    history = simulate(policy, 4000, 0.9, rng)
+    assert history[-1] == 3 and 0 < history.index(3) < 3000, history[::100]
 
 
 def test_each_batch_reads_its_own_bucket():
