@@ -250,17 +250,28 @@ class ModelRunner:
         rows |= {*graphs.token_sizes, self.config.max_num_seqs}
         return [n for n in skinny_row_counts() if any(n // 2 < r <= n for r in rows)]
 
-    # Timed runs of each step for the step-cost table (the fastest counts): few, as a compiled step is steady.
-    COST_RUNS = 3
+    # Timed runs of each step for the step-cost table (the fastest counts): few, as a step is steady.
+    COST_RUNS = {"cuda": 3, "cpu": 2}
 
     @torch.inference_mode()
     def _time_decode_steps(self, ks) -> dict[tuple[int, int], float]:
         """Seconds of a decode step drafting k (0: plain) for every k in `ks` and every batch
         bucket (DecodeCosts): a captured graph's replay, a compiled CPU step, or else the eager
-        step as the runner would run it, over padded inputs on the scratch block."""
+        step as the runner would run it, over padded inputs on the scratch block. Drafting steps
+        are timed from the smallest bucket up to the first where no k can pay even with every
+        draft accepted (a step drafting k costs more than k + 1 plain ones): a larger batch
+        gains less from drafting, and on a CPU each eager drafting step timed costs the start-up
+        many plain ones. Those past it stay unmeasured (never chosen)."""
         graphs = self.graphs  # CUDA graphs or CPU programs: their buckets; eager: a CPU's buckets
         buckets = graphs.sizes if graphs is not None else cpu_capture_sizes(None, None, self.config.max_num_seqs)
-        return {(k, b): time_runs(self._cost_run(k, b), self.COST_RUNS, self.device) for k in ks for b in buckets}
+        runs = self.COST_RUNS.get(self.device.type, 2)
+        table, timed = {}, list(ks)
+        for b in buckets:
+            for k in timed:
+                table[k, b] = time_runs(self._cost_run(k, b), runs, self.device)
+            if not any((k + 1) * table[0, b] > table[k, b] for k in timed if k):
+                timed = [k for k in timed if k == 0]
+        return table
 
     def _cost_run(self, k: int, batch: int) -> Callable[[], object]:
         """One decode step of `batch` padded sequences drafting k, as a call."""

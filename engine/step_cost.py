@@ -194,10 +194,10 @@ class DecodeCosts:
 
 
 def time_runs(run: Callable[[], object], runs: int, device: torch.device) -> float:
-    """The fastest of `runs` calls of `run`, after one untimed: a busy host or a stall only ever
-    adds time. CUDA events around each on a GPU (the device's time, no host sync between runs),
-    the host's clock on a CPU."""
-    run()
+    """The fastest of `runs` calls of `run`: a busy host or a stall only ever adds time. On a GPU
+    after one untimed call, CUDA events around each (the device's time, no host sync between
+    runs); on a CPU the host's clock, every call timed (an eager step needs no warming up, and
+    each costs the start-up a whole step)."""
     if device.type != "cuda":
         times = []
         for _ in range(runs):
@@ -205,6 +205,7 @@ def time_runs(run: Callable[[], object], runs: int, device: torch.device) -> flo
             run()
             times.append(time.perf_counter() - began)
         return min(times)
+    run()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(runs)]
     for start, end in events:
         start.record()

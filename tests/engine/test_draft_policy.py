@@ -158,17 +158,25 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
 def test_the_step_cost_table_is_measured_at_start_up(tmp_path, caplog):
-    """One real timing per batch bucket and k (0..num_speculative_tokens), logged in one line;
-    a fixed k measures nothing."""
+    """Real timings, logged in one line: plain decoding at every batch bucket, drafting (each k
+    up to num_speculative_tokens) from the smallest bucket up to the first where no k can pay
+    even with every draft accepted; a fixed k measures nothing."""
     model = build_drafting_model(tmp_path / "m")
     common = dict(max_model_len=64, block_size=4, num_kv_blocks=64, max_num_seqs=4)
     with caplog.at_level(logging.INFO, logger="jetserve.engine.runner"):
         llm = LLM(model, speculative_config={"method": "mtp", "num_speculative_tokens": 2}, **common)
     table = llm.engine.runner.decode_costs.table
     assert llm.engine.draft_policy.costs is llm.engine.runner.decode_costs
-    assert set(table) == {(k, b) for k in range(3) for b in cpu_capture_sizes(None, None, 4)} == \
-        {(k, b) for k in range(3) for b in (1, 2, 4)}
+    buckets = cpu_capture_sizes(None, None, 4)
+    assert buckets == [1, 2, 4]
+    drafted = [b for b in buckets if (1, b) in table]
+    assert drafted == buckets[:len(drafted)] and drafted  # batch 1 always
+    assert set(table) == {(0, b) for b in buckets} | {(k, b) for k in (1, 2) for b in drafted}
     assert all(0 < t < math.inf for t in table.values())
+
+    def pays(b):
+        return any((k + 1) * table[0, b] > table[k, b] for k in (1, 2))
+    assert all(pays(b) for b in drafted[:-1]) and (len(drafted) == len(buckets) or not pays(drafted[-1]))
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("decode step costs")]
     assert len(lines) == 1 and "batch 4: k=0" in lines[0]
     fixed = LLM(model, speculative_config={"method": "mtp", "num_speculative_tokens": 2, "adaptive": False}, **common)
