@@ -16,9 +16,10 @@ no drafting and for each k (k = 0: a decode with the MTP pass), their ratio to t
 decode step, and the break-even acceptance: the per-position acceptance a at which a step
 that drafts k emits as many tokens a second as plain decode (1 + a + ... + a^k = the ratio).
 
-Also: `k=auto`, the default adaptive draft length (up to the largest k), against no drafting
+Also: `k=auto`, the default adaptive draft policy (up to the largest k), against no drafting
 at every temperature — the 5% rule: drafting may never cost more than 5% of plain decoding's
-tokens a second; and `profile`: where the time of a graphed k-draft step goes, each piece
+tokens a second — with the k's it chose over the run (`chosen_k`: steps per k, probes included)
+and the step-cost table it chose from (`decode_costs_ms`); and `profile`: where the time of a graphed k-draft step goes, each piece
 (verify forward, vocab projection + argmax, acceptance, MTP pass, draft heads, drafting
 steps) captured and replayed as its own CUDA graph, next to the whole step's graph and the
 plain decode graph (GPU with CUDA graphs only).
@@ -31,8 +32,8 @@ sequences decoding) and single-stream tok/s against it, in the same run.
 Method: every engine serves every shape once before anything is timed (graphs captured,
 kernels compiled and tuned): the warm-up prefills a prompt of random ids of every length a
 timed prompt has (Triton specializes kernels on sizes, so a new length can compile inside a
-timed run) and decodes with every k (the adaptive engine learns its step times there, and each
-temperature's runs start from a `fresh` draft length: those times, no acceptance statistics);
+timed run) and decodes with every k (each temperature's runs start the adaptive engine's draft
+policy afresh: its measured step costs, no acceptance statistics);
 each timed request uses a prompt no earlier one used, and prefix caching is off, so no run
 inherits another's work; the engines stay up side by side and each repeat runs every
 configuration in turn on its prompts (a shared machine's load moves within minutes); each
@@ -89,13 +90,6 @@ def break_even_acceptance(ratio: float, k: int) -> float | None:
     return round(low, 4)
 
 
-def _move(step: int, before: int, after: int, why: str, seconds: dict, tokens: dict) -> dict:
-    """A move of the adaptive draft length as JSON: what it knew of each k when it moved."""
-    return {"step": step, "from": before, "to": after, "why": why,
-            "step_ms": {k: None if t is None else round(t * 1e3, 4) for k, t in seconds.items()},
-            "tokens_per_step": {k: None if e is None else round(e, 3) for k, e in tokens.items()}}
-
-
 def _generation_entry(runs: list[dict], k: int | None, temperature: float, adaptive: bool) -> dict:
     """One configuration's generation figures over its repeats."""
     drafts = sum(r["drafts"] for r in runs)
@@ -131,8 +125,8 @@ def _engine(model: str, k: int | None, args, max_num_seqs: int, adaptive: bool =
 
 
 def _set_k(llm, k: int | None) -> None:
-    """k drafts a step (None: leave an adaptive engine's draft length alone)."""
-    if llm.engine.draft_length is not None and k is not None:
+    """k drafts a step (None: leave an adaptive engine's draft policy alone)."""
+    if llm.engine.draft_policy is not None and k is not None:
         llm.engine.set_num_speculative_tokens(k)
 
 
@@ -386,7 +380,7 @@ def run(args) -> dict:
             if not adaptive:
                 for batch in batch_sizes:
                     _step_times(llm, k, batch, step_prompts(batch), type(args)(**{**vars(args), "steps": 4}))
-            # The held-out prompts' token counts (Triton's sizes); an adaptive engine times its steps.
+            # The held-out prompts' token counts (Triton's sizes), for an adaptive engine too.
             if temperatures and (device.type == "cuda" or adaptive):
                 _warm_lengths(llm, k, {len(llm.engine.tokenizer.encode(p)) for p in prompts}, temperatures)
         if engine_k and not adaptive and device.type == "cuda" and llm.engine.runner.graphs is not None:
@@ -408,22 +402,24 @@ def run(args) -> dict:
         # Interleaved: each repeat runs every configuration in turn on its fresh prompts, so a
         # shared machine's load, which moves within minutes, weighs on all alike.
         for _, llm, _, adaptive in configs:
-            if adaptive:  # as a server meeting this workload afresh: step times known, no acceptance
-                llm.engine.draft_length.start_afresh()
+            if adaptive:  # as a server meeting this workload afresh: step costs known, no acceptance
+                llm.engine.draft_policy.reset()
         runs = {label: [] for label, *_ in configs}
         for r in range(args.repeats):
             for label, llm, k, _ in configs:
                 runs[label].append(_generate(llm, k, temperature, prompts[r * n:(r + 1) * n], args))
         for label, llm, k, adaptive in configs:
             generation[f"{label} T={temperature:g}"] = entry = _generation_entry(runs[label], k, temperature, adaptive)
-            if adaptive:  # what the draft length chose, and the step times it chose from
-                lengths = llm.engine.draft_length
-                entry["final_k"] = lengths.k
-                entry["step_ms_seen"] = {f"verify {v} propose {p} batch {b}": [round(t * 1e3, 4), n]
-                                         for (v, p, b), (t, n) in sorted(lengths.step_time.items())}
-                entry["moves"] = [_move(*move) for move in lengths.moves]
+            if adaptive:  # what the draft policy chose, and the step costs and acceptance it chose from
+                policy = llm.engine.draft_policy
+                entry["final_k"] = policy.k
+                entry["chosen_k"] = {str(k): n for k, n in enumerate(policy.chosen)}
+                entry["alphas"] = [round(a, 4) for a in policy.alphas]
+                entry["decode_costs_ms"] = {f"k={k} batch {b}": round(t * 1e3, 4)
+                                            for (k, b), t in sorted(policy.costs.table.items())}
             print(f"{label} T={temperature:g}: {entry['tok_s']} acceptance {entry['acceptance_per_position']} "
-                  f"mean length {entry['mean_accepted_length']} k {entry.get('final_k', entry['k'])}", flush=True)
+                  f"mean length {entry['mean_accepted_length']} k {entry.get('final_k', entry['k'])}"
+                  + (f" chosen {entry['chosen_k']}" if adaptive else ""), flush=True)
     configs.clear()
     plain = step_time["plain"]
     for label, times in step_time.items():

@@ -137,17 +137,17 @@ DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 DTYPES = ("auto", "float32", "float16", "bfloat16", *DTYPE_ALIASES)
 
 
+MAX_ACCEPTANCE_WINDOW = 2**20
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """`speculative_config` (vLLM's name and keys), plus the adaptive draft length's knobs."""
+    """`speculative_config` (vLLM's name and keys), plus the draft policy's."""
 
     method: str = "mtp"
-    num_speculative_tokens: int = 1
-    adaptive: bool = True  # move k (down to 0) to where measured tokens per second peak (see DraftLength)
-    acceptance_window: int = 128  # verifications (sequence-steps) the acceptance estimate looks back over
-    probe_interval: int = 8  # every N-th step drafts one more or one fewer than k, in turn, to measure them
-    min_samples: int = 16  # verifications of a position, and timed steps of a k, before k moves on them
-    reprobe_interval: int = 1024  # off: steps between the bursts that test whether drafting pays again
+    num_speculative_tokens: int = 1  # the most drafts a step (adaptive), or every step's (not)
+    adaptive: bool = True  # each step drafts the k (down to 0) that measured costs favour (draft_policy.py)
+    acceptance_window: int = 64  # verifications of a draft position its decayed acceptance estimate spans
     draft_vocab_size: int | None = None  # drafts only from the first N token ids (None: all; see Qwen3 draft_tokens)
     quantization: str = "auto"  # MTP heads: "auto" (as the base), "none" (model dtype) or "int8"
 
@@ -163,10 +163,12 @@ class SpeculativeConfig:
         k = spec.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"speculative_config.num_speculative_tokens must be an integer >= 1, got {k!r}")
-        for name in ("acceptance_window", "probe_interval", "min_samples", "reprobe_interval"):
-            value = getattr(spec, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"speculative_config.{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(spec.adaptive, bool):
+            raise ValueError(f"speculative_config.adaptive must be true or false, got {spec.adaptive!r}")
+        w = spec.acceptance_window
+        if not isinstance(w, int) or isinstance(w, bool) or not 1 <= w <= MAX_ACCEPTANCE_WINDOW:
+            raise ValueError(f"speculative_config.acceptance_window must be an integer in [1, {MAX_ACCEPTANCE_WINDOW}], "
+                             f"got {w!r}")
         n = spec.draft_vocab_size
         if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
             raise ValueError(f"speculative_config.draft_vocab_size must be an integer >= 1 or null, got {n!r}")
@@ -293,9 +295,9 @@ def capture_sizes(sizes: list[int] | None, max_size: int | None, max_num_seqs: i
 def step_shapes(num_speculative_tokens: int) -> list[tuple[int | None, int]]:
     """(drafts proposed, or None for a plain decode; tokens verified a sequence) of each step to
     capture: with k drafts at most, a speculative step verifies q = j+1 tokens (j drafts) and
-    proposes any number up to k. The draft length moves one at a time, but from a probe's k±1
-    (DraftLength) the next step may propose k∓1: a step not captured runs eagerly, many times a
-    graph's replay, and compiles kernels the first time (bench/results/mtp-h200-r8). Verifying and proposing nothing is a
+    proposes any number up to k: the draft policy may choose any k after any other (a probe, the
+    argmax moving), and a step not captured runs eagerly, many times a graph's replay, and
+    compiles kernels the first time (bench/results/mtp-h200-r8). Verifying and proposing nothing is a
     plain decode; proposing 0 after verifying drafts still runs the MTP pass that keeps the MTP
     KV cache filled."""
     k = num_speculative_tokens

@@ -31,6 +31,7 @@ import msgspec
 
 from jetserve.engine import lifeline
 from jetserve.engine.config import EngineConfig
+from jetserve.engine.draft_policy import DraftPolicy
 from jetserve.engine.plan import refuse_if_it_cannot_fit
 from jetserve.engine.outputs import LogprobsLists
 from jetserve.engine.pipeline import Pipeline
@@ -40,7 +41,7 @@ from jetserve.engine.runner import Launch, ModelRunner, SpeculativeLaunch, log_i
 from jetserve.engine.sampling_params import SamplingParams
 from jetserve.engine.scheduler import ScheduledBatch, Scheduler
 from jetserve.engine.sequence import Sequence, SequenceStatus
-from jetserve.engine.spec_decode import DraftLength, SpecCounters
+from jetserve.engine.spec_decode import SpecCounters
 from jetserve.engine.tokenizer import Tokenizer
 
 log = logging.getLogger("jetserve.engine.core")  # its name when run as __main__ too
@@ -155,7 +156,9 @@ class EngineCore:
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) if self.tokenizer else frozenset()
         self.runner = ModelRunner(config, progress=on_status)
         self.scheduler = Scheduler(config, self.runner.num_blocks)
-        self.draft_length = DraftLength(config.speculative) if config.speculative else None
+        spec = config.speculative
+        self.draft_policy = (DraftPolicy(spec.num_speculative_tokens, spec.adaptive, self.runner.decode_costs,
+                                         spec.acceptance_window) if spec else None)
         self.spec_counters = SpecCounters()
         self.pipeline = Pipeline()
         self.requests: dict[str, Request] = {}  # by request id (a completion's, see child_request_id)
@@ -231,16 +234,15 @@ class EngineCore:
         overlap = self.config.async_scheduling and not self.num_reading_host
         if pipe.in_flight is not None and not overlap:  # a sequence reads the host's tokens: catch up
             return self._receive(pipe.take())
-        num_drafts = pipe.drafts(self.draft_length)
+        num_drafts = pipe.drafts(self.draft_policy, len(self.scheduler.running))
         previous = pipe.in_flight
-        if overlap and (self.draft_length is None or (
+        if overlap and (self.draft_policy is None or (
                 not num_drafts and not isinstance(previous, SpeculativeLaunch) and self.scheduler.decoding_only())):
             pipe.launched()
             batch = self._schedule(0)
             launch = self.runner.launch(batch) if batch else None
             if launch is not None:
                 self.scheduler.launched(batch, launch.seqs)
-                launch.pipelined = previous is not None
             pipe.in_flight = launch
             return self._receive(previous) if previous is not None else []
         if previous is not None:
@@ -254,7 +256,7 @@ class EngineCore:
                 self.runner.speculative_shape(batch, num_drafts) is not None:
             pipe.in_flight = self.runner.launch_speculative(batch, num_drafts)
             return []
-        return self._execute(batch, num_drafts, timed=not overlap)
+        return self._execute(batch, num_drafts)
 
     def _schedule(self, num_drafts: int) -> ScheduledBatch:
         """The scheduler's next batch, with room for `num_drafts` drafts, and its stats: when each
@@ -265,36 +267,25 @@ class EngineCore:
             self._mark_scheduled(batch)
         return batch
 
-    def _execute(self, batch: ScheduledBatch, num_drafts: int, timed: bool) -> list[CoreOutput]:
-        """Run a scheduled step and wait for its tokens. `timed`: a decode step's time tells the
-        draft length what k costs (steps run one at a time; under async scheduling a step that
-        catches up is not timed: see _record_step_time)."""
-        verified = self.runner.speculative_shape(batch, num_drafts) if self.draft_length else None
-        start = time.perf_counter()
-        priced_out = self.draft_length is not None and self.draft_length.priced_out
-        sampled, drafts, logprobs, prompt_logprobs = self.runner.execute(batch, num_drafts, priced_out)
+    def _execute(self, batch: ScheduledBatch, num_drafts: int) -> list[CoreOutput]:
+        """Run a scheduled step and wait for its tokens. Where drafting cannot pay at all (the
+        policy's `hopeless`), prompts skip the MTP pass too."""
+        hopeless = self.draft_policy is not None and self.draft_policy.hopeless
+        sampled, drafts, logprobs, prompt_logprobs = self.runner.execute(batch, num_drafts, hopeless)
         for seq, lists in zip(batch.seqs, prompt_logprobs):
             if lists is not None:
                 self._gather_prompt_logprobs(self.requests[seq.request_id], lists)
-        if verified is not None:
-            seconds = time.perf_counter() - start
-            if timed:
-                self.draft_length.record_step(verified, num_drafts, len(batch), seconds)
-            self.draft_length.record_progress(verified, num_drafts, len(batch),
-                                              sum(len(new) for new in sampled if new is not None), seconds)
         return self._complete(batch, sampled, drafts, logprobs)
 
     def _complete(self, batch: ScheduledBatch, sampled: list[list[int] | None], drafts: list[list[int]],
                   logprobs: list | None = None) -> list[CoreOutput]:
-        """Record what a step did (acceptance, the scheduler's update, the draft length), then
-        each sampled sequence's output."""
+        """Record what a step did (acceptance, for the counters and the draft policy; the
+        scheduler's update), then each sampled sequence's output."""
         for seq, new in zip(batch.seqs, sampled):
             if new is not None and seq.spec_token_ids:
                 self.spec_counters.record(len(seq.spec_token_ids), len(new) - 1)
-                self.draft_length.record(len(seq.spec_token_ids), len(new) - 1)
+                self.draft_policy.record(len(seq.spec_token_ids), len(new) - 1)
         self.scheduler.update(batch, sampled, drafts)
-        if self.draft_length:
-            self.draft_length.update()
         return [self._process(self.requests[seq.request_id], new, lp)
                 for seq, new, lp in zip(batch.seqs, sampled, logprobs or [None] * len(batch)) if new is not None]
 
@@ -312,7 +303,6 @@ class EngineCore:
         batch = ScheduledBatch(list(seqs), [q] * len(seqs))
         launch = self.runner.launch_speculative(batch, num_drafts, after=previous)
         if launch is not None:
-            launch.pipelined = True
             self.pipeline.launched()
             self._mark_scheduled(batch)
         return launch
@@ -322,8 +312,6 @@ class EngineCore:
         if isinstance(launch, SpeculativeLaunch):
             emitted, drafts = self.runner.speculative_result(launch)
             live = [i for i, seq in enumerate(launch.batch.seqs) if seq.status is not SequenceStatus.FINISHED]
-            self._record_step_time(launch, launch.q - 1, launch.num_drafts, len(launch.batch),
-                                   sum(len(emitted[i]) for i in live))
             batch = ScheduledBatch([launch.batch.seqs[i] for i in live], [launch.q] * len(live))
             return self._complete(batch, [emitted[i] for i in live], [drafts[i] for i in live])
         tokens = launch.tokens()
@@ -332,23 +320,7 @@ class EngineCore:
         for seq, token in tokens:
             if self.scheduler.receive(seq, token):
                 outputs.append(self._process(self.requests[seq.request_id], [token]))
-        if self.draft_length and launch.seqs:  # a plain decode with drafting off: T_0 for the draft length
-            self._record_step_time(launch, 0, 0, len(launch.seqs), len(outputs))
-            self.draft_length.update()
         return outputs
-
-    def _record_step_time(self, launch: Launch | SpeculativeLaunch, verified: int, proposed: int, batch: int,
-                          tokens: int) -> None:
-        """A launched step's time for the draft length: the pipeline's period (Pipeline.period).
-        Timed only for a step launched while another was in flight: the first step after a wait
-        (a prefill, a chain that broke, the plain step of a probe) pays the pipeline's whole
-        latency, which steady decoding at that k does not; counted, it made plain decoding look
-        much slower than it runs (bench/results/mtp-h200-r7). Every step counts in the realized rates
-        (DraftLength.record_progress), where that latency is part of what drafting costs."""
-        seconds = self.pipeline.period(launch)
-        if launch.pipelined:
-            self.draft_length.record_step(verified, proposed, batch, seconds)
-        self.draft_length.record_progress(verified, proposed, batch, tokens, seconds)
 
     def _gather_prompt_logprobs(self, request: Request, lists: LogprobsLists) -> None:
         """Add a chunk's prompt logprobs (those of the tokens after its rows' positions, computed
@@ -427,14 +399,14 @@ class EngineCore:
         limit = self.config.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or k < 0:
             raise ValueError(f"num_speculative_tokens must be an integer >= 0, got {k!r}")
-        if self.draft_length is None:
+        if self.draft_policy is None:
             if k:
                 raise ValueError("num_speculative_tokens: this engine was started without speculative_config")
             return
         if k > limit:
             raise ValueError(f"num_speculative_tokens must be at most {limit}, the draft length the engine "
                              f"was started with (its CUDA graphs and KV lookahead are sized for it), got {k}")
-        self.draft_length.set_max(k)
+        self.draft_policy.set_max(k)
         self.pipeline.next_drafts = None
 
     def stats(self) -> EngineStats:
@@ -451,7 +423,7 @@ class EngineCore:
             num_accepted_tokens=spec.num_accepted_tokens,
             accepted_per_position=list(spec.accepted_per_position),
             acceptance_rate=spec.acceptance_rate, mean_accepted_length=spec.mean_accepted_length,
-            num_speculative_tokens=self.draft_length.k if self.draft_length else 0,
+            num_speculative_tokens=self.draft_policy.k if self.draft_policy else 0,
             iteration_tokens=list(self.iteration_tokens), iteration_tokens_sum=self.iteration_tokens_sum)
 
     @property
@@ -462,7 +434,7 @@ class EngineCore:
             dtype=cfg.dtype, device=cfg.device,
             max_model_len=cfg.max_model_len, vocab_size=cfg.model_config.vocab_size,
             num_mtp_layers=cfg.model_config.num_mtp_layers,
-            num_speculative_tokens=self.draft_length.k if self.draft_length else 0,
+            num_speculative_tokens=self.draft_policy.k if self.draft_policy else 0,
             cuda_graphs=cfg.device.startswith("cuda") and bool(self.runner.graphs and self.runner.graphs.graphs),
             backend="torch",
             max_num_seqs_limit=cfg.max_num_seqs, num_speculative_tokens_limit=cfg.num_speculative_tokens)

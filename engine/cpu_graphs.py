@@ -281,6 +281,7 @@ class CPUGraphs:
         self.entries: dict[int, Path] = {}  # per program in use, its cache entry
         self.compiler: BackgroundCompile | None = None  # compiling the programs the cache lacked
         self._pending: dict[int, str] = {}  # program -> its cache key, while the compiler runs
+        self.on_loaded: Callable[[], None] | None = None  # called once programs compiled in the background are in use
 
     def key(self, num_drafts: int | None, q_len: int, batch: int, width: int) -> tuple[None, int, int] | None:
         """The compiled step for `batch` single-token decodes (num_drafts None, q_len 1) with block
@@ -395,6 +396,9 @@ class CPUGraphs:
         if loaded:
             log.info("CPU decode steps: %s compiled in the background in %.0f s; decode steps now run compiled",
                      _names(loaded), compiler.seconds)
+            if self.on_loaded is not None:
+                with torch.inference_mode():
+                    self.on_loaded()
         if failed:
             log.warning("CPU decode steps: the background compile of %s failed (exit %s%s); they run eagerly",
                         _names(failed), compiler.returncode, f": {compiler.error}" if compiler.error else "")

@@ -25,7 +25,7 @@ from jetserve.engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from jetserve.engine.runner import ModelRunner
     from jetserve.engine.scheduler import Scheduler
-    from jetserve.engine.spec_decode import DraftLength
+    from jetserve.engine.draft_policy import DraftPolicy
 
 
 class LLMEngine:
@@ -47,12 +47,8 @@ class LLMEngine:
         return self.core.scheduler
 
     @property
-    def draft_length(self) -> DraftLength | None:
-        return self.core.draft_length
-
-    @draft_length.setter
-    def draft_length(self, draft_length: DraftLength | None) -> None:
-        self.core.draft_length = draft_length
+    def draft_policy(self) -> DraftPolicy | None:
+        return self.core.draft_policy
 
     @property
     def requests(self) -> dict[str, Request]:

@@ -12,13 +12,13 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
 
 from jetserve.engine import compile_watch
-from jetserve.engine.config import EngineConfig
+from jetserve.engine.config import EngineConfig, cpu_capture_sizes
 from jetserve.engine.cpu_graphs import CPUGraphs
 from jetserve.engine.cuda_graphs import CUDAGraphs, MixedStepGraphs
 from jetserve.engine.model.attention import MAX_UNIFORM_Q, AttentionMetadata, prefill_split_items, to_device
@@ -30,6 +30,7 @@ from jetserve.engine.scheduler import ScheduledBatch
 from jetserve.engine.sequence import Sequence
 from jetserve.engine.spec_decode import (MTPProposer, chained_inputs, device_acceptance, host_acceptance, next_tokens,
                                          speculative_step, verify)
+from jetserve.engine.step_cost import DecodeCosts, time_runs
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +132,7 @@ class ModelRunner:
         self.startup_s: dict[str, float] = {}
         self.kernels = None
         self.graphs = self.mixed = None
+        self.decode_costs: DecodeCosts | None = None  # the adaptive draft policy's step-cost table
         torch.manual_seed(config.seed)
         if config.fused_kernels:
             compile_watch.install()  # Triton's compiles; a CPU engine imports no Triton
@@ -153,6 +155,12 @@ class ModelRunner:
                     self.graphs = CPUGraphs(self.model, self.kv_cache, config.cpu_compile, config.max_model_len,
                                             self.block_size, scratch_block=self.num_blocks, model_dir=config.model)
                     self.graphs.capture(progress)
+            if config.speculative and config.speculative.adaptive:
+                with self._phase("step costs"):
+                    self.decode_costs = DecodeCosts(self._time_decode_steps(range(config.num_speculative_tokens + 1)))
+                log.info("decode step costs: %s", self.decode_costs)
+                if isinstance(self.graphs, CPUGraphs):  # its programs may come later (BackgroundCompile)
+                    self.graphs.on_loaded = self._retime_plain_steps
 
     @contextmanager
     def _phase(self, name: str) -> Iterator[None]:
@@ -254,6 +262,61 @@ class ModelRunner:
         rows = {b * q for b in graphs.capture_sizes for _, q in graphs.step_shapes}
         rows |= {*graphs.token_sizes, self.config.max_num_seqs}
         return [n for n in skinny_row_counts() if any(n // 2 < r <= n for r in rows)]
+
+    # Timed runs of each step for the step-cost table (the fastest counts): few, as a step is steady.
+    COST_RUNS = {"cuda": 3, "cpu": 2}
+
+    @torch.inference_mode()
+    def _time_decode_steps(self, ks) -> dict[tuple[int, int], float]:
+        """Seconds of a decode step drafting k (0: plain) for every k in `ks` and every batch
+        bucket (DecodeCosts): a captured graph's replay, a compiled CPU step, or else the eager
+        step as the runner would run it, over padded inputs on the scratch block. Drafting steps
+        are timed from the smallest bucket up to the first where no k can pay even with every
+        draft accepted (a step drafting k costs more than k + 1 plain ones): a larger batch
+        gains less from drafting, and on a CPU each eager drafting step timed costs the start-up
+        many plain ones. Those past it stay unmeasured (never chosen)."""
+        graphs = self.graphs  # CUDA graphs or CPU programs: their buckets; eager: a CPU's buckets
+        buckets = graphs.sizes if graphs is not None else cpu_capture_sizes(None, None, self.config.max_num_seqs)
+        runs = self.COST_RUNS.get(self.device.type, 2)
+        table, timed = {}, list(ks)
+        for b in buckets:
+            for k in timed:
+                table[k, b] = time_runs(self._cost_run(k, b), runs, self.device)
+            if not any((k + 1) * table[0, b] > table[k, b] for k in timed if k):
+                timed = [k for k in timed if k == 0]
+        return table
+
+    def _cost_run(self, k: int, batch: int) -> Callable[[], object]:
+        """One decode step of `batch` padded sequences drafting k, as a call."""
+        graphs, scratch, device = self.graphs, self.num_blocks, self.device
+        key = (None, 1, batch) if k == 0 else (k, k + 1, batch)
+        if isinstance(graphs, CUDAGraphs) and key in graphs.graphs:
+            return graphs.graphs[key].replay  # over the padding capture left in the static inputs
+        if isinstance(graphs, CPUGraphs) and key in graphs.graphs:
+            graphs.stage(key, [0] * batch, [0] * batch, [1] * batch, [[scratch]] * batch)
+            return lambda: graphs.replay(key, batch)
+        q, fused = k + 1, self.config.fused_kernels
+        tables = [[scratch] * -(-(2 * q + 1) // self.block_size)] * batch  # room for the drafting chain
+        ids = torch.zeros(batch * q, dtype=torch.long, device=device)
+        positions = torch.arange(q, device=device).repeat(batch)
+        if k == 0:
+            def plain():
+                meta = AttentionMetadata.build([1] * batch, [1] * batch, tables, self.block_size, device, fused)
+                return self.model.compute_logits(self.model(ids, positions, self.kv_cache, meta)).argmax(-1)
+            return plain
+
+        def speculative():
+            meta = AttentionMetadata.build([q] * batch, [q] * batch, tables, self.block_size, device, fused)
+            accept = (device_acceptance(meta, q, self.model.rotary) if meta.block_tables is not None
+                      else host_acceptance(tables, self.block_size, device, self.model.rotary))
+            return speculative_step(self.model, self.kv_cache, ids, positions, meta, q, k,
+                                    lambda logits: logits.argmax(dim=-1), accept)
+        return speculative
+
+    def _retime_plain_steps(self) -> None:
+        """The CPU's compiled programs came in use: plain decoding got cheaper, drafting did not."""
+        self.decode_costs.update(self._time_decode_steps([0]))
+        log.info("decode step costs, decode steps compiled: %s", self.decode_costs)
 
     @property
     def block_bytes(self) -> int:
@@ -362,7 +425,7 @@ class ModelRunner:
     def plain_step(batch: ScheduledBatch, num_drafts: int, skip_prompts: bool = False) -> bool:
         """A step that verifies and proposes nothing and skips the MTP pass: a decode step (so
         drafting that is off costs nothing; the MTP KV cache misses these positions, see
-        DraftLength), and with `skip_prompts` any such step, prefill chunks too."""
+        draft_policy.py), and with `skip_prompts` any such step, prefill chunks too."""
         return num_drafts == 0 and all((n == 1 or skip_prompts) and not seq.spec_token_ids
                                        for seq, n in zip(batch.seqs, batch.num_tokens))
 
@@ -652,8 +715,6 @@ class Launch:
     seqs: list[Sequence]
     tokens_on_host: torch.Tensor | None  # pinned, filled by a non-blocking copy (CPU: the tokens)
     ready: torch.cuda.Event | None
-    launched_at: float = field(default_factory=time.perf_counter)
-    pipelined: bool = False  # launched while another step was in flight (the engine says)
 
     def tokens(self) -> list[tuple[Sequence, int]]:
         """Wait for the step's tokens: (sequence, token) for each sequence it sampled."""
@@ -674,8 +735,6 @@ class SpeculativeLaunch:
     packed: torch.Tensor  # pinned, filled by a non-blocking copy (CPU: the result)
     ready: torch.cuda.Event | None
     context_lens: torch.Tensor | None = None  # eager steps: what a step chained after this one starts from
-    launched_at: float = field(default_factory=time.perf_counter)
-    pipelined: bool = False  # launched while another step was in flight (the engine says)
 
     @property
     def q(self) -> int:

@@ -1,4 +1,6 @@
-"""A step's predicted time, so that prefill chunks are sized by time, not by a token count.
+"""What steps cost: a prefill step's time predicted from its shape (`StepCost`), so that prefill
+chunks are sized by time, not by a token count; and a decode step's time measured for each draft
+length and batch bucket (`DecodeCosts`), which the draft policy reads.
 
 A fixed token budget is the wrong unit for the streams decoding beside a long prompt: a chunk at
 context 0 is cheap, the same chunk deep in the prompt pays attention over all of it, and every
@@ -20,9 +22,12 @@ direction the data cannot tell apart (every chunk the same size) stays at the pr
 from __future__ import annotations
 
 import bisect
+import math
 import time
+from collections.abc import Callable
 
 import numpy as np
+import torch
 
 from jetserve.engine.config import ModelConfig
 from jetserve.engine.model.attention import PREFILL_BLOCK_M
@@ -144,3 +149,67 @@ class StepCost:
             scale = np.linalg.solve(xw.T @ x + self.ridge, xw.T @ y + self.ridge.diagonal())
             scale = np.maximum(scale, 0.0)  # no term makes a step cheaper
         return scale * self.prior
+
+
+class DecodeCosts:
+    """Seconds of a decode step by (k, batch bucket): k = 0 a plain decode, k >= 1 a speculative
+    step that verifies k drafts a sequence and proposes k (drafting steadily at k). The runner
+    measures them once it has captured its CUDA graphs or compiled its CPU steps (`time_runs` on
+    each graph's replay, or on the eager step where none is captured), over padded inputs on the
+    scratch block: a decode step of a small model costs its weights and launches, not its
+    context, so one context stands for all. Measured, not timed online: a step inside the async
+    pipeline overlaps the host's work and its neighbours, and its wall time said more about the
+    pipeline than about the step. A (k, bucket) not measured costs infinity: never chosen."""
+
+    def __init__(self, seconds: dict[tuple[int, int], float]):
+        self.table: dict[tuple[int, int], float] = {}
+        self.buckets: list[int] = []
+        self._pays: dict[int, bool] = {}
+        self.update(seconds)
+
+    def update(self, seconds: dict[tuple[int, int], float]) -> None:
+        """New measurements (a CPU's plain step once its compiled program is in use)."""
+        self.table.update(seconds)
+        self.buckets = sorted({b for _, b in self.table})
+        self._pays.clear()
+
+    def seconds(self, k: int, batch: int) -> float:
+        """T(k) for `batch` sequences: the bucket a step of that many is padded to (the largest
+        bucket past it: those steps run eagerly, at least as slowly)."""
+        i = min(bisect.bisect_left(self.buckets, batch), len(self.buckets) - 1)
+        return self.table.get((k, self.buckets[i]), math.inf) if self.buckets else math.inf
+
+    def could_pay(self, k_max: int) -> bool:
+        """Whether some k <= k_max beats plain decoding at some bucket if every draft is accepted
+        (k + 1 tokens a step)."""
+        if k_max not in self._pays:
+            self._pays[k_max] = any((k + 1) * self.seconds(0, b) > self.seconds(k, b)
+                                    for b in self.buckets for k in range(1, k_max + 1))
+        return self._pays[k_max]
+
+    def __str__(self) -> str:
+        ks = sorted({k for k, _ in self.table})
+        return "; ".join(f"batch {b}: " + " ".join(f"k={k} {self.table[k, b] * 1e3:.3g}" for k in ks
+                                                    if (k, b) in self.table) for b in self.buckets) + " (ms)"
+
+
+def time_runs(run: Callable[[], object], runs: int, device: torch.device) -> float:
+    """The fastest of `runs` calls of `run`: a busy host or a stall only ever adds time. On a GPU
+    after one untimed call, CUDA events around each (the device's time, no host sync between
+    runs); on a CPU the host's clock, every call timed (an eager step needs no warming up, and
+    each costs the start-up a whole step)."""
+    if device.type != "cuda":
+        times = []
+        for _ in range(runs):
+            began = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - began)
+        return min(times)
+    run()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(runs)]
+    for start, end in events:
+        start.record()
+        run()
+        end.record()
+    torch.cuda.synchronize(device)
+    return min(start.elapsed_time(end) for start, end in events) / 1e3
