@@ -274,16 +274,22 @@ class ModelRunner:
         are timed from the smallest bucket up to the first where no k can pay even with every
         draft accepted (a step drafting k costs more than k + 1 plain ones): a larger batch
         gains less from drafting, and on a CPU each eager drafting step timed costs the start-up
-        many plain ones. Those past it stay unmeasured (never chosen)."""
+        many plain ones. Within a bucket, k rises until one cannot pay while its last draft cost
+        a whole plain step more: drafts do not get cheaper with k, so no longer one pays either.
+        Those left out stay unmeasured (never chosen)."""
         graphs = self.graphs  # CUDA graphs or CPU programs: their buckets; eager: a CPU's buckets
         buckets = graphs.sizes if graphs is not None else cpu_capture_sizes(None, None, self.config.max_num_seqs)
         runs = self.COST_RUNS.get(self.device.type, 2)
         table, timed = {}, list(ks)
         for b in buckets:
-            for k in timed:
+            previous = table[0, b] = time_runs(self._cost_run(0, b), runs, self.device)
+            for k in (k for k in timed if k):
                 table[k, b] = time_runs(self._cost_run(k, b), runs, self.device)
-            if not any((k + 1) * table[0, b] > table[k, b] for k in timed if k):
-                timed = [k for k in timed if k == 0]
+                if table[k, b] >= (k + 1) * table[0, b] and table[k, b] - previous >= table[0, b]:
+                    break  # k cannot pay, and a draft more costs a plain step more: no longer one can
+                previous = table[k, b]
+            if not any((k + 1) * table[0, b] > table[k, b] for k in timed if (k, b) in table and k):
+                timed = [0]
         return table
 
     def _cost_run(self, k: int, batch: int) -> Callable[[], object]:

@@ -263,7 +263,7 @@ def invariant_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: flo
     out = torch.empty_like(q)
     gqa = q.shape[1] != k_cache.shape[1]
     for g in meta.groups:
-        keys = values = None
+        keys = values = at = None
         for token, seq, n in g.rows:
             if keys is None or seq != at:  # a sequence's context, gathered once: [KVH, max_ctx, D]
                 at, slots = seq, g.context_slots[seq]

@@ -171,11 +171,17 @@ def test_the_step_cost_table_is_measured_at_start_up(tmp_path, caplog):
     assert buckets == [1, 2, 4]
     drafted = [b for b in buckets if (1, b) in table]
     assert drafted == buckets[:len(drafted)] and drafted  # batch 1 always
-    assert set(table) == {(0, b) for b in buckets} | {(k, b) for k in (1, 2) for b in drafted}
-    assert all(0 < t < math.inf for t in table.values())
+    assert {(0, b) for b in buckets} <= set(table) and all(0 < t < math.inf for t in table.values())
+    for b in drafted:  # k rises from 1 until one cannot pay while its last draft cost a plain step more
+        ks = sorted(k for k, bucket in table if bucket == b and k)
+        assert ks == list(range(1, len(ks) + 1))
+        if len(ks) < 2:
+            j = ks[-1]
+            assert table[j, b] >= (j + 1) * table[0, b] and table[j, b] - table[j - 1, b] >= table[0, b]
+    assert not any((k, b) in table for k in (1, 2) for b in buckets if b not in drafted)
 
     def pays(b):
-        return any((k + 1) * table[0, b] > table[k, b] for k in (1, 2))
+        return any((k + 1) * table[0, b] > table[k, b] for k in (1, 2) if (k, b) in table)
     assert all(pays(b) for b in drafted[:-1]) and (len(drafted) == len(buckets) or not pays(drafted[-1]))
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("decode step costs")]
     assert len(lines) == 1 and "batch 4: k=0" in lines[0]
