@@ -6,7 +6,8 @@ label and the backward branch to it, the longest such run) and divides its instr
 weights one thread multiplies in an iteration. Decode is bound by the bytes of weights or by the
 instructions spent on them, whichever is slower; this is the second number.
 
-    python tools/sass_count.py [--arch 90 87] [--csv]
+    python tools/sass_count.py [--arch 90 87]     # a table of the kernels' counts
+    python tools/sass_count.py --write            # engine/model/tiles/sass.json, for `jetserve plan`
 """
 
 from __future__ import annotations
@@ -97,12 +98,55 @@ def quant_loop(tile, bits: int, group: int, has_zeros: bool, k: int, rows: int =
     return LoopCount(len(body), weights, Counter(op.split(".")[0] for op in body))
 
 
+def bf16_loop(tile, k: int, rows: int = 1, arch: int = 90) -> LoopCount:
+    """The inner loop of the float skinny product (model/kernels.py) in `tile`, bf16, plain."""
+    import triton
+
+    from jetserve.engine.model import kernels
+
+    ptrs = {"x_ptr": "*bf16", "res_ptr": "*bf16", "norm_w_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
+            "res_out_ptr": "*bf16", "M": "i32", "N": "i32", "eps": "fp32"}
+    meta = dict(K=k, NORM=False, ADD=False, SILU=False, DOT=tile.dot, IEEE=False, BLOCK_M=triton.next_power_of_2(rows),
+                BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, K_SPLIT=k, PDL=False)
+    body = inner_loop(compile_sass(kernels._skinny_matmul_kernel, ptrs, meta, arch, tile.warps))
+    return LoopCount(len(body), tile.block_n * tile.block_k // (32 * tile.warps), Counter(o.split(".")[0] for o in body))
+
+
+def kernel_counts(arch: int) -> dict:
+    """Instructions a weight at batch 1 of each weight format's kernels for sm_`arch` (plain
+    products, K = 2560): what engine/plan.py projects a board's decode from (tiles/sass.json)."""
+    from jetserve.engine.model.kernels import Tile
+
+    fma, dot = Tile(8, 128, 4), Tile(64, 16, 4, dot=True)
+    return {"bf16": round(bf16_loop(Tile(4, 1024, 4), 2560, arch=arch).per_weight, 2),
+            "int8": {"fma": round(quant_loop(fma, 8, 2560, False, 2560, arch=arch).per_weight, 2),
+                     "dot": round(quant_loop(dot, 8, 2560, False, 2560, arch=arch).per_weight, 2)},
+            "int4": {"fma": round(quant_loop(fma, 4, 128, True, 2560, arch=arch).per_weight, 2),
+                     "dot": round(quant_loop(dot, 4, 128, True, 2560, arch=arch).per_weight, 2)}}
+
+
+SASS_TABLE = "engine/model/tiles/sass.json"
+FAMILIES = {"sm87": 87, "sm90": 90}  # sm_110 (Thor): ptxas-blackwell's listing hides the loop from inner_loop
+
+
 def main() -> None:
+    import json
+
     from jetserve.engine.model.kernels import Tile
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--arch", nargs="+", type=int, default=[90, 87])
+    p.add_argument("--write", action="store_true", help=f"write {SASS_TABLE} (every family) instead")
     args = p.parse_args()
+    if args.write:
+        import triton
+
+        doc = {"source": f"tools/sass_count.py --write, Triton {triton.__version__}",
+               "families": {name: kernel_counts(arch) for name, arch in FAMILIES.items()}}
+        with open(SASS_TABLE, "w") as f:
+            f.write(json.dumps(doc, indent=1) + "\n")
+        print(json.dumps(doc))
+        return
     cases = [  # (label, tile, bits, group, zeros, K)
         ("int4 g128 asym, FMA tile (8,128,4)", Tile(8, 128, 4), 4, 128, True, 2560),
         ("int4 g128 asym, one-row (32,16,2)", Tile(32, 16, 2, one_row=True), 4, 128, True, 2560),
@@ -112,6 +156,8 @@ def main() -> None:
         ("int8 per-row sym, dot (64,16,4)", Tile(64, 16, 4, dot=True), 8, 2560, False, 2560),
     ]
     for arch in args.arch:
+        c = bf16_loop(Tile(4, 1024, 4), 2560, arch=arch)
+        print(f"sm_{arch} bf16, FMA tile (4,1024,4): {c.instructions} / {c.weights} = {c.per_weight:.2f} a weight")
         for label, tile, bits, group, zeros, k in cases:
             c = quant_loop(tile, bits, group, zeros, k, arch=arch)
             top = ", ".join(f"{op} {n}" for op, n in c.ops.most_common(6))

@@ -19,7 +19,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from jetserve.engine.model import parallel_compile
-from jetserve.engine.model.kernels import (ADD_NORM, DOT_MIN_ROWS, INTERPRETED, NORM, PLAIN, SILU_MUL, SKINNY_MAX_ROWS, FusedKernels, Tile, cold_copies,
+from jetserve.engine.model.kernels import (ADD_NORM, DOT_MIN_ROWS, INTERPRETED, NORM, PLAIN, SILU_MUL, FusedKernels, Tile, cold_copies,
                                            input_chunk, launch, normalized, pdl_supported, row_inv_rms, run_apart,
                                            split_k, sum_splits, torch_variant, with_pdl)
 from jetserve.engine.model.quant import QuantizedWeight, dequantize, span
@@ -424,10 +424,11 @@ DOT_TILES = [Tile(64, 16, 4, dot=True), Tile(32, 16, 4, dot=True), Tile(32, 16, 
 
 
 def _dot_tiles(rows: int, weight: QuantizedWeight, dtype: torch.dtype) -> list[Tile]:
-    """The tensor-core kernel's candidates for this weight: up to SKINNY_MAX_ROWS rows of 16-bit
-    inputs, groups of whole steps (or one a row), K a whole number of steps."""
+    """The tensor-core kernel's candidates for this weight: up to 16 rows (one dot tile; more
+    take the float path: dequantize + cuBLAS, untimed against this kernel) of 16-bit inputs,
+    groups of whole steps (or one a row), K a whole number of steps."""
     group_words, row_words = weight.group_size * weight.bits // 32, weight.qweight.shape[1]
-    if rows > SKINNY_MAX_ROWS or dtype not in (torch.bfloat16, torch.float16):
+    if rows > DOT_MIN_ROWS or dtype not in (torch.bfloat16, torch.float16):
         return []
     return [t for t in DOT_TILES if group_words % t.block_k == 0 and row_words % t.block_k == 0]
 
@@ -440,7 +441,8 @@ def fitting_tiles(rows: int, weight: QuantizedWeight, prologue: int = PLAIN, pdl
         return []
     fma = [t for t in TILES + _gemv_tiles(rows, weight)
            if triton.next_power_of_2(rows) * t.block_n * t.block_k <= _MAX_WORDS_PER_THREAD * 32 * t.warps]
-    return with_pdl([t for t in _dot_tiles(rows, weight, dtype) + fma if not (t.apart and prologue == PLAIN)], pdl)
+    # the tensor-core tiles last: a shape no table lists keeps the first FMA tile, as before them
+    return with_pdl([t for t in fma + _dot_tiles(rows, weight, dtype) if not (t.apart and prologue == PLAIN)], pdl)
 
 
 def quant_matmul(tile, prologue, x, weight: QuantizedWeight, residual=None, norm_weight=None, eps=0.0):
