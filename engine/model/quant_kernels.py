@@ -8,7 +8,10 @@ GPU, a Jetson most of all, is bound by the bytes of weights read a token: INT8 h
 quarters them — if dequantizing costs few enough instructions a weight to keep up with memory
 (a GPU's bandwidth delivers INT4 weights at a sizeable share of its FP32 instruction rate, so
 every instruction a weight counts).
-One input row also has its own kernel, `_quant_gemv_kernel`, timed among the same candidates.
+One input row also has its own kernel, `_quant_gemv_kernel`, timed among the same candidates;
+up to 16 rows of 16-bit activations, so does a tensor-core kernel, `_quant_dot_kernel`, whose
+conversion costs about one instruction a weight and no FMA (the dot does the products). The
+instructions a weight of each: tools/sass_count.py.
 """
 
 from __future__ import annotations
@@ -19,9 +22,9 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from jetserve.engine.model import parallel_compile
-from jetserve.engine.model.kernels import (ADD_NORM, DOT_MIN_ROWS, INTERPRETED, NORM, PLAIN, SILU_MUL, FusedKernels, Tile, cold_copies,
-                                           input_chunk, launch, normalized, pdl_supported, row_inv_rms, run_apart,
-                                           split_k, sum_splits, torch_variant, with_pdl)
+from jetserve.engine.model.kernels import (ADD_NORM, DOT_MIN_ROWS, INTERPRETED, NORM, PLAIN, SILU_MUL, FusedKernels,
+                                           Tile, cold_copies, input_chunk, launch, normalized, pdl_supported,
+                                           row_inv_rms, run_apart, split_k, sum_splits, torch_variant, with_pdl)
 from jetserve.engine.model.quant import QuantizedWeight, dequantize, span
 
 
