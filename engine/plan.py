@@ -7,7 +7,11 @@ max_model_len × max_num_seqs (the runner's `block_bytes`), the activations of t
 of the largest CUDA graph (the runner's `kv_reserve`, here with a formula for what a dry run
 measures there) and the runtime, and compares them with what the board leaves beside its OS.
 Decode at batch 1 reads every weight once a token, so the bytes read over the board's bandwidth
-project its speed.
+bound its speed from below; so do the instructions its kernels spend a weight (read from their
+SASS for the board's GPU family, tiles/sass.json by tools/sass_count.py) over the board's CUDA
+cores times its clock. The projection is the larger of the two, and says which bound it is: an
+Orin Nano's few cores at a low clock make a kernel of too many instructions a weight the bound
+before its memory is.
 """
 
 from __future__ import annotations
@@ -34,16 +38,35 @@ class Board:
     memory: int  # bytes, shared by the OS, the CPU and the GPU on a Jetson
     os_reserve: int  # bytes kept for the OS, its services and the agent
     bandwidth: float  # bytes/s of memory bandwidth
+    cuda_cores: int = 0  # FP32 lanes: one instruction each a clock
+    gpu_clock: float = 0.0  # Hz, the GPU's top clock in the default power mode
+    family: str = "sm87"  # the GPU's compute capability, as the tile tables name it
 
 
 # Published memory and bandwidth; the OS share is a headless JetPack with the agent running.
 BOARDS = {
-    "orin-nano-8gb": Board(8 * GiB, int(1.5 * GiB), 68e9),
-    "orin-nx-16gb": Board(16 * GiB, 2 * GiB, 102e9),
-    "agx-orin-32gb": Board(32 * GiB, 2 * GiB, 205e9),
-    "agx-orin-64gb": Board(64 * GiB, 2 * GiB, 205e9),
-    "thor": Board(128 * GiB, 3 * GiB, 273e9),
+    "orin-nano-8gb": Board(8 * GiB, int(1.5 * GiB), 68e9, 1024, 625e6),
+    "orin-nx-16gb": Board(16 * GiB, 2 * GiB, 102e9, 1024, 918e6),
+    "agx-orin-32gb": Board(32 * GiB, 2 * GiB, 205e9, 1792, 930e6),
+    "agx-orin-64gb": Board(64 * GiB, 2 * GiB, 205e9, 2048, 1.3e9),
+    "thor": Board(128 * GiB, 3 * GiB, 273e9, 2560, 1.575e9, "sm110"),
 }
+SASS_COUNTS = Path(__file__).parent / "model" / "tiles" / "sass.json"
+
+
+def instructions_per_weight(family: str, method: str) -> tuple[float, str, str]:
+    """(instructions a weight, kernel, family counted) of a format's fastest-issuing batch-1
+    kernel on a GPU family (bf16 / int8 / int4), from tiles/sass.json; a family not counted
+    takes the nearest counted one's (by compute capability), as the tile tables do."""
+    families = json.loads(SASS_COUNTS.read_text())["families"]
+    number = int(family[2:])
+    name = family if family in families else min(families, key=lambda f: abs(int(f[2:]) - number))
+    counts = families[name].get(method, families[name]["bf16"])
+    if isinstance(counts, float):
+        return counts, "fma", name
+    kernel = min(counts, key=counts.get)
+    return counts[kernel], kernel, name
+
 RUNTIME_BYTES = int(0.6 * GiB)  # CUDA context, torch and the compiled kernels, on a GPU
 
 
@@ -60,6 +83,21 @@ class MemoryPlan:
     bytes_per_token: int  # read by a batch-1 decode step: the weights it multiplies by
     bandwidth: float | None
     kv_per_seq: int  # bytes of KV one sequence of max_model_len takes
+    weights_per_token: int = 0  # multiplied by a batch-1 decode step
+    board: Board | None = None
+
+    def decode_ms(self, method: str) -> tuple[float, float, str]:
+        """(projected ms a token at batch 1, the instruction floor's ms, a note): the larger of
+        the bandwidth floor and the kernels' instructions over the board's cores x clock."""
+        memory = self.bytes_per_token / self.bandwidth * 1e3
+        if not (self.board and self.board.cuda_cores):
+            return memory, 0.0, "memory-bound"
+        per_weight, kernel, family = instructions_per_weight(self.board.family, method)
+        issue = self.weights_per_token * per_weight / (self.board.cuda_cores * self.board.gpu_clock) * 1e3
+        bound = "memory-bound" if memory >= issue else "instruction-bound"
+        note = (f"{bound}: {per_weight:.2f} instructions a weight ({kernel} kernel, {family} SASS) over "
+                f"{self.board.cuda_cores} cores x {self.board.gpu_clock / 1e9:.2f} GHz take {issue:.1f} ms")
+        return max(memory, issue), issue, note
 
     @property
     def need(self) -> int:
@@ -95,13 +133,16 @@ class MemoryPlan:
             lines.append(f"decode, batch 1: {self.bytes_per_token / GiB:.2f} GiB read a token -> "
                          f">= {self.bytes_per_token / self.bandwidth * 1e3:.1f} ms/token at "
                          f"{self.bandwidth / 1e9:.0f} GB/s")
+            if self.board and self.board.cuda_cores:
+                ms, _, note = self.decode_ms(f"int{q.bits}" if q else "bf16")  # AWQ/GPTQ run the same kernels
+                lines.append(f"  projected >= {ms:.1f} ms/token, {note}")
         return "\n".join(lines)
 
 
 def memory_plan(config: EngineConfig, device: str) -> MemoryPlan:
     """The plan of `config` on a board of BOARDS or on "this" machine (its free memory now)."""
     if device == "this":
-        available, bandwidth = _free_here(config.device), None
+        available, bandwidth, board = _free_here(config.device), None, None
     elif device in BOARDS:
         board = BOARDS[device]
         available, bandwidth = board.memory - board.os_reserve, board.bandwidth
@@ -118,9 +159,13 @@ def memory_plan(config: EngineConfig, device: str) -> MemoryPlan:
     graphs = kv_reserve(config, measure) - activations
     blocks = config.max_num_seqs * config.max_blocks_per_seq + 1  # + the scratch block
     gpu = device != "this" or config.device.startswith("cuda")
+    multiplied = sum(p.numel() for p in (*model.layers.parameters(), *model.norm.parameters(),
+                                          *model.lm_head.parameters()))
+    multiplied += sum(m.in_features * m.out_features for m in model.modules()
+                      if isinstance(m, QuantLinear))  # their packed words are buffers, not parameters
     return MemoryPlan(device, available, weights, blocks * block_bytes(config), blocks * config.block_size,
                       activations, graphs, RUNTIME_BYTES if gpu else 0, read, bandwidth,
-                      config.max_blocks_per_seq * block_bytes(config))
+                      config.max_blocks_per_seq * block_bytes(config), multiplied, board)
 
 
 def _bytes(module: torch.nn.Module) -> int:

@@ -8,7 +8,10 @@ GPU, a Jetson most of all, is bound by the bytes of weights read a token: INT8 h
 quarters them — if dequantizing costs few enough instructions a weight to keep up with memory
 (a GPU's bandwidth delivers INT4 weights at a sizeable share of its FP32 instruction rate, so
 every instruction a weight counts).
-One input row also has its own kernel, `_quant_gemv_kernel`, timed among the same candidates.
+One input row also has its own kernel, `_quant_gemv_kernel`, timed among the same candidates;
+up to 16 rows of 16-bit activations, so does a tensor-core kernel, `_quant_dot_kernel`, whose
+conversion costs about one instruction a weight and no FMA (the dot does the products). The
+instructions a weight of each: tools/sass_count.py.
 """
 
 from __future__ import annotations
@@ -19,9 +22,9 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from jetserve.engine.model import parallel_compile
-from jetserve.engine.model.kernels import (ADD_NORM, NORM, PLAIN, SILU_MUL, FusedKernels, Tile, cold_copies,
-                                           input_chunk, launch, normalized, pdl_supported, row_inv_rms, run_apart,
-                                           split_k, sum_splits, torch_variant, with_pdl)
+from jetserve.engine.model.kernels import (ADD_NORM, DOT_MIN_ROWS, INTERPRETED, NORM, PLAIN, SILU_MUL, FusedKernels,
+                                           Tile, cold_copies, input_chunk, launch, normalized, pdl_supported,
+                                           row_inv_rms, run_apart, split_k, sum_splits, torch_variant, with_pdl)
 from jetserve.engine.model.quant import QuantizedWeight, dequantize, span
 
 
@@ -259,6 +262,125 @@ def _quant_gemv_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_ptr
         tl.store(out_ptr + tl.program_id(1) * N + n_out, out, mask=n_out < N)
 
 
+@triton.jit
+def _nibbles(words, MAGIC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+    """The eight nibbles of each word [BLOCK_N, BLOCK_W] as 16-bit floats MAGIC_VALUE + q, exact:
+    each pair (nibble t, t + 4) masked where it lies in the two half words of one 32-bit value and
+    OR-ed into the bits of the float MAGIC_VALUE (128.0 for bf16, 1024.0 for fp16) in both halves,
+    one logic instruction for two weights, no conversion instruction. [BLOCK_N, 8 BLOCK_W]: slot
+    8 j + 4 a + 2 b + h holds nibble a + 2 b + 4 h of word j (`_slots`)."""
+    pairs = tl.join(words, words >> 4)
+    pairs = tl.join(pairs, pairs >> 8)  # [BLOCK_N, BLOCK_W, a, b]: the word shifted by 4 a + 8 b
+    p = (pairs & 0x000F000F) | MAGIC
+    lo = p.to(tl.int16).to(tl.float16 if MAGIC == 0x64006400 else tl.bfloat16, bitcast=True)
+    hi = (p >> 16).to(tl.int16).to(tl.float16 if MAGIC == 0x64006400 else tl.bfloat16, bitcast=True)
+    return tl.reshape(tl.join(lo, hi), [BLOCK_N, 8 * BLOCK_W])
+
+
+@triton.jit
+def _slots(w0, BITS: tl.constexpr, BLOCK_W: tl.constexpr):
+    """For each slot of `_nibbles` (words from w0): the input column its nibble multiplies and
+    the nibble's weight within its integer (INT4: 1; INT8: 1 for the low nibble, 16 the high)."""
+    FIELDS: tl.constexpr = 32 // BITS
+    k = tl.arange(0, 8 * BLOCK_W)
+    word = w0 + k // 8
+    nibble = (k // 4) % 2 + 2 * ((k // 2) % 2) + 4 * (k % 2)
+    field = nibble if BITS == 4 else nibble // 2
+    cols = (word // 16) * (16 * FIELDS) + field * 16 + word % 16  # quant.py's span layout
+    return cols, (nibble % 2 == 0) | (BITS == 4)
+
+
+@triton.jit
+def _dot16(w, a, INTERPRETED: tl.constexpr):
+    """w @ a for 16-bit floats, fp32 sums. Triton's interpreter multiplies 16-bit floats' bit
+    patterns in tl.dot, so it takes them in fp32 there: the same products (exact either way)."""
+    if INTERPRETED:
+        return tl.dot(w.to(tl.float32), a.to(tl.float32), input_precision="ieee")
+    return tl.dot(w, a)
+
+
+@triton.jit
+def _quant_dot_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, res_out_ptr, M, N, K: tl.constexpr,
+                      eps, NORM: tl.constexpr, ADD: tl.constexpr, SILU: tl.constexpr, BITS: tl.constexpr,
+                      GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_W: tl.constexpr, NORM_BLOCK: tl.constexpr, KW_SPLIT: tl.constexpr, PDL: tl.constexpr,
+                      DOT_M: tl.constexpr, INTERPRETED: tl.constexpr):
+    """out[M, N] = a(x)[M, K] @ dequant(w)[N, K]^T on tensor cores, a() the prologue as in
+    `_quant_skinny_kernel`. The BLOCK_M input rows' prologue is computed once, then repeated to
+    the dot's DOT_M >= 16 rows (free: the weights' bytes bound the product, each read once for
+    all rows; the copies' results are not stored).
+
+    The weights become the dot's 16-bit operand with about one instruction a weight (`_nibbles`:
+    INT4 a nibble a weight; INT8 two nibbles, the high one's input times 16, exact), and the dot
+    sums inputs times MAGIC_VALUE + q with fp32 accumulation; the offset and the zero point come
+    off once a group and row: sum_k a_k (q_k - z) = sum_k a_k (MAGIC + q_k) - (MAGIC + z) sum_k
+    a_k (the offset large beside q, so the fp32 sum keeps some 16 bits of the products' where
+    the bf16 output keeps 8). Scales once a group and row after each step (a step is at most a
+    group: BLOCK_W divides the group's words), or once a row at the end. Program (i, j) takes
+    words [j KW_SPLIT, (j + 1) KW_SPLIT) as in `_quant_skinny_kernel`."""
+    pid = tl.program_id(0)
+    FIELDS: tl.constexpr = 32 // BITS
+    KW: tl.constexpr = K // FIELDS
+    GROUPS: tl.constexpr = K // GROUP
+    dtype = x_ptr.dtype.element_ty
+    HALF: tl.constexpr = dtype == tl.float16
+    MAGIC: tl.constexpr = 0x64006400 if HALF else 0x43004300
+    OFFSET: tl.constexpr = (1024.0 if HALF else 128.0) * (17 if BITS == 8 else 1)  # sum over an integer's nibbles
+    w_lo = tl.program_id(1) * KW_SPLIT
+    w_hi = tl.minimum(w_lo + KW_SPLIT, KW)
+    rows = tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < N
+    n_in = tl.minimum(n, N - 1)  # rows past N read row N - 1 (not stored): every weight load unmasked
+    tile_words = qw_ptr + n_in.to(tl.int64)[:, None] * KW + tl.arange(0, BLOCK_W)[None, :]
+    words = tl.load(tile_words + w_lo)  # in flight first
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    inv = tl.zeros([BLOCK_M], tl.float32)
+    if NORM:  # first pass: each row's mean square
+        inv = row_inv_rms(x_ptr, res_ptr, res_out_ptr, rows, row_mask, K, eps, ADD, SILU, dtype, BLOCK_M,
+                          NORM_BLOCK)
+    if GROUPS == 1:
+        zero = tl.load(z_ptr + n_in).to(tl.float32) if HAS_ZEROS else tl.zeros([BLOCK_N], tl.float32) + (
+            1 << (BITS - 1))
+    acc = tl.zeros([BLOCK_N, DOT_M], tl.float32)
+    a_total = tl.zeros([DOT_M], tl.float32)
+    for w0 in range(w_lo, w_hi, BLOCK_W):
+        cur = words
+        words = tl.load(tile_words + tl.minimum(w0 + BLOCK_W, w_hi - BLOCK_W))  # the next step's, in flight
+        cols, unit = _slots(w0, BITS, BLOCK_W)
+        a = input_chunk(x_ptr, res_ptr, res_out_ptr, rows, cols, row_mask[:, None] & (cols < K)[None, :], K,
+                        pid == 0, ADD, SILU, dtype)
+        if NORM:
+            a = normalized(a, inv, norm_w_ptr, cols, cols < K, dtype)
+        a_sum = tl.sum(tl.where(unit[None, :], a.to(tl.float32), 0.0), axis=1)  # each column once
+        if BITS == 8:  # a high nibble's input: its column's times 16 (exact)
+            a = tl.where(unit[None, :], a, (a.to(tl.float32) * 16.0).to(dtype))
+        if BLOCK_M < DOT_M:
+            a = tl.reshape(tl.broadcast_to(a[None, :, :], [DOT_M // BLOCK_M, BLOCK_M, 8 * BLOCK_W]),
+                           [DOT_M, 8 * BLOCK_W])
+            a_sum = tl.reshape(tl.broadcast_to(a_sum[None, :], [DOT_M // BLOCK_M, BLOCK_M]), [DOT_M])
+        part = _dot16(_nibbles(cur, MAGIC, BLOCK_N, BLOCK_W), tl.trans(a), INTERPRETED)
+        if GROUPS == 1:
+            acc += part
+            a_total += a_sum
+        else:
+            at = n_in * GROUPS + w0 // (GROUP // FIELDS)
+            zero = tl.load(z_ptr + at).to(tl.float32) if HAS_ZEROS else tl.zeros([BLOCK_N], tl.float32) + (
+                1 << (BITS - 1))
+            acc += (part - (OFFSET + zero)[:, None] * a_sum[None, :]) * tl.load(s_ptr + at)[:, None]
+    if GROUPS == 1:
+        acc = (acc - (OFFSET + zero)[:, None] * a_total[None, :]) * tl.load(s_ptr + n_in)[:, None]
+    out_rows = tl.arange(0, DOT_M)
+    mask = n_mask[:, None] & (out_rows < M)[None, :]
+    if KW_SPLIT >= KW:
+        tl.store(out_ptr + out_rows[None, :] * N + n[:, None], acc.to(dtype), mask=mask)
+    else:  # this split's partial sums, [split, M, N] fp32
+        tl.store(out_ptr + (tl.program_id(1) * M + out_rows[None, :]) * N + n[:, None], acc, mask=mask)
+
+
 # Tiles tried for each shape, as in kernels._TILES (`block_k`: BLOCK_W words a row at a time, a
 # power of two, at least a span). Triton lays consecutive words on consecutive threads, one each,
 # so where BLOCK_W spans all threads a thread holds all BLOCK_N rows of its word and computes an
@@ -295,14 +417,35 @@ def _gemv_tiles(rows: int, weight: QuantizedWeight) -> list[Tile]:
     return [t for t in ROW_TILES if row_words % t.block_k == 0]
 
 
-def fitting_tiles(rows: int, weight: QuantizedWeight, prologue: int = PLAIN, pdl: bool = False) -> list[Tile]:
+# Tensor-core candidates (`_quant_dot_kernel`, `dot`): BLOCK_N weight rows a program (the dot's M),
+# 16 words a step (a group of 128 INT4 weights, 64 INT8), K split 4 or 8 ways where N / BLOCK_N
+# programs would leave the memory pipe part empty (the narrow o and down projections); the
+# prologue fused or apart.
+DOT_TILES = [Tile(64, 16, 4, dot=True), Tile(32, 16, 4, dot=True), Tile(32, 16, 4, 4, dot=True),
+             Tile(32, 16, 4, 8, dot=True), Tile(64, 16, 4, 4, dot=True), Tile(16, 16, 2, 8, dot=True),
+             Tile(64, 16, 4, apart=True, dot=True), Tile(32, 16, 4, 4, apart=True, dot=True)]
+
+
+def _dot_tiles(rows: int, weight: QuantizedWeight, dtype: torch.dtype) -> list[Tile]:
+    """The tensor-core kernel's candidates for this weight: up to 16 rows (one dot tile; more
+    take the float path: dequantize + cuBLAS, untimed against this kernel) of 16-bit inputs,
+    groups of whole steps (or one a row), K a whole number of steps."""
+    group_words, row_words = weight.group_size * weight.bits // 32, weight.qweight.shape[1]
+    if rows > DOT_MIN_ROWS or dtype not in (torch.bfloat16, torch.float16):
+        return []
+    return [t for t in DOT_TILES if group_words % t.block_k == 0 and row_words % t.block_k == 0]
+
+
+def fitting_tiles(rows: int, weight: QuantizedWeight, prologue: int = PLAIN, pdl: bool = False,
+                  dtype: torch.dtype = torch.bfloat16) -> list[Tile]:
     """Tiles this shape can take: few enough accumulators a thread; fp32 scales (the loader's);
     a plain product has no prologue to run apart; with and without PDL as `kernels.with_pdl`."""
     if weight.scales.dtype != torch.float32:
         return []
-    return with_pdl([t for t in TILES + _gemv_tiles(rows, weight)
-                     if triton.next_power_of_2(rows) * t.block_n * t.block_k <= _MAX_WORDS_PER_THREAD * 32 * t.warps
-                     and not (t.apart and prologue == PLAIN)], pdl)
+    fma = [t for t in TILES + _gemv_tiles(rows, weight)
+           if triton.next_power_of_2(rows) * t.block_n * t.block_k <= _MAX_WORDS_PER_THREAD * 32 * t.warps]
+    # the tensor-core tiles last: a shape no table lists keeps the first FMA tile, as before them
+    return with_pdl([t for t in fma + _dot_tiles(rows, weight, dtype) if not (t.apart and prologue == PLAIN)], pdl)
 
 
 def quant_matmul(tile, prologue, x, weight: QuantizedWeight, residual=None, norm_weight=None, eps=0.0):
@@ -327,7 +470,10 @@ def quant_matmul(tile, prologue, x, weight: QuantizedWeight, residual=None, norm
                 BLOCK_W=tile.block_k, NORM_BLOCK=min(triton.next_power_of_2(k), 4096 // block_m), KW_SPLIT=kw_split,
                 num_warps=tile.warps)
     grid = (triton.cdiv(n, tile.block_n), splits)
-    if tile.one_row:
+    if tile.dot:
+        launch(_quant_dot_kernel, grid, tile.pdl, *args, m, n, k, eps, BLOCK_M=block_m, DOT_M=max(block_m, DOT_MIN_ROWS),
+               INTERPRETED=INTERPRETED, **meta)
+    elif tile.one_row:
         launch(_quant_gemv_kernel, grid, tile.pdl, *args, n, k, eps, (1 << weight.bits) - 1,
                EVEN_N=n % tile.block_n == 0, **meta)
     else:
@@ -357,7 +503,7 @@ class QuantFusedKernels(FusedKernels):
 
     def _choose_quant_tile(self, key, prologue, x, weight, residual, norm_weight, eps):
         """As `FusedKernels._choose_tile`; None where no tile fits: dequantize and take the float path."""
-        tiles = fitting_tiles(x.shape[0], weight, prologue, pdl_supported(x.device))
+        tiles = fitting_tiles(x.shape[0], weight, prologue, pdl_supported(x.device), x.dtype)
         if not tiles:
             self.chosen[key] = None
             return None
@@ -371,3 +517,4 @@ class QuantFusedKernels(FusedKernels):
                              for w in copies]) for t in tiles]
         self._record(key, tiles, times)
         return self.chosen[key]
+

@@ -2,7 +2,8 @@
 own compiler and ptxas, no GPU needed: Triton's interpreter (the CPU tests) accepts code the
 compiler refuses, e.g. a plain global read inside a kernel. Run as a script (the interpreter
 must be off): python -m tests.engine.hopper_compile; with the argument `quant`, the one-row
-W4A16/W8A16 kernel's variants instead."""
+W4A16/W8A16 kernel's variants instead; with `quant_dot`, the tensor-core one's for sm_90 and for
+Jetson Orin (sm_87), with its instructions a weight in the inner loop (tools/sass_count.py)."""
 
 import inspect
 import sys
@@ -14,14 +15,14 @@ from triton.compiler import ASTSource
 from jetserve.engine.model import quant_kernels, sampling_kernels, spec_kernels
 
 
-def compile_for_hopper(fn, types: dict, constants: dict) -> None:
+def compile_for_hopper(fn, types: dict, constants: dict, arch: int = 90):
     signature, constexprs = {}, {}
     for i, name in enumerate(inspect.signature(fn.fn).parameters):
         if name in constants:
             signature[name], constexprs[(i,)] = "constexpr", constants[name]
         else:
             signature[name] = types.get(name, "i32")  # unnamed: an int32 scalar
-    triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32))
+    return triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=GPUTarget("cuda", arch, 32))
 
 
 def main() -> None:
@@ -77,5 +78,32 @@ def quant() -> None:
     print("compiled")
 
 
+def quant_dot() -> None:
+    """The tensor-core quantized kernel for sm_90 and sm_87: INT4 with zero points in groups,
+    INT8 per channel, every prologue, bf16 and fp16 inputs, 1 to 64 rows, K split; then the
+    inner loop's instructions a weight of INT4 and INT8 plain products on both (printed, one
+    line each: `sass sm_<arch> <bits> <per weight>`)."""
+    from tools.sass_count import inner_loop
+
+    cases = [(bits, group, zeros, prologue, act, rows) for bits, group, zeros in ((4, 128, True), (8, 1024, False))
+             for prologue, act, rows in ((0, "*bf16", 1), (1, "*bf16", 1), (2, "*fp16", 8), (3, "*bf16", 1),
+                                         (0, "*fp16", 8))] + [(4, 256, False, 0, "*bf16", 64)]
+    for arch in (90, 87):
+        for i, (bits, group, zeros, prologue, act, rows) in enumerate(cases):
+            split = 1 if i % 2 else 2
+            compiled = compile_for_hopper(
+                quant_kernels._quant_dot_kernel,
+                dict(x_ptr=act, res_ptr=act, norm_w_ptr=act, qw_ptr="*i32", s_ptr="*fp32",
+                     z_ptr="*u8" if zeros else "*fp32", out_ptr=act if split == 1 else "*fp32", res_out_ptr=act,
+                     eps="fp32"),
+                dict(K=1024, NORM=prologue in (1, 2), ADD=prologue == 2, SILU=prologue == 3, BITS=bits, GROUP=group,
+                     HAS_ZEROS=zeros, BLOCK_M=rows, BLOCK_N=64, BLOCK_W=16, NORM_BLOCK=1024 // max(rows, 16),
+                     KW_SPLIT=1024 * bits // 32 // split, PDL=arch >= 90, DOT_M=max(rows, 16), INTERPRETED=False),
+                arch)
+            if prologue == 0 and rows == 1:  # 64 x 16 words a step over 128 threads
+                print(f"sass sm_{arch} {bits} {len(inner_loop(compiled.asm['sass'])) / (64 * 16 * 32 // bits / 128):.2f}")
+    print("compiled")
+
+
 if __name__ == "__main__":
-    quant() if sys.argv[1:] == ["quant"] else main()
+    {"quant": quant, "quant_dot": quant_dot}.get(sys.argv[1] if sys.argv[1:] else "", main)()

@@ -289,6 +289,57 @@ def test_quant_gemv_kernel(bits, group, sym):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=f"{prologue} {tile}")
 
 
+DOT_FORMATS = [(8, -1, True), (4, 128, False), (8, 128, False), (4, 128, True), (4, 256, False)]
+
+
+@pytest.mark.parametrize("bits,group,sym", DOT_FORMATS)
+@pytest.mark.parametrize("m,dtype", [(1, torch.bfloat16), (3, torch.float16), (11, torch.bfloat16)])
+def test_quant_dot_kernel(bits, group, sym, m, dtype, monkeypatch):
+    """The tensor-core kernel against the same product in fp32 (the dequantized weights, the
+    prologue's output as the kernel rounds it), every prologue: N not a multiple of the tile's
+    rows, several steps, K split with a partial last split, the prologue apart, rows repeated up
+    to the dot's 16 (1, 3) or padded to it (11); outputs poisoned with NaN first. Groups smaller than a
+    step, fp32 inputs and more than 16 rows take none of its tiles."""
+    require_module("triton")
+    from jetserve.engine.model import kernels
+    from jetserve.engine.model.kernels import Tile
+    from jetserve.engine.model.quant_kernels import fitting_tiles, quant_matmul
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(math.nan)
+                        if kw.get("dtype", torch.get_default_dtype()).is_floating_point else empty(*a, **kw))
+    torch.manual_seed(bits + group + m)
+    eps, n, k = 1e-6, 37, 448 if group == -1 else 640 if group == 128 else 3 * group  # 5 to 12 steps, split 3 ways
+    w = quant.quantize(torch.randn(n, k) / 8, bits, group, sym)
+    w = quant.QuantizedWeight(*(t.to(device) if isinstance(t, torch.Tensor) else t for t in w))
+    dense = quant.dequantize(w, torch.float32)
+    assert [t for t in fitting_tiles(m, w, kernels.NORM, dtype=dtype) if t.dot]
+    assert not [t for t in fitting_tiles(m, w, kernels.NORM, dtype=torch.float32) if t.dot]
+    assert not [t for t in fitting_tiles(17, w, kernels.NORM, dtype=dtype) if t.dot]
+    (x, res, gate_up, norm_w) = (torch.randn(m, k, device=device, dtype=dtype), torch.randn(m, k, device=device,
+                                 dtype=dtype), torch.randn(m, 2 * k, device=device, dtype=dtype),
+                                 (torch.rand(k, device=device) + 0.5).to(dtype))
+    inputs = {kernels.PLAIN: ((x, None, None), x), kernels.NORM: ((x, None, norm_w), None),
+              kernels.ADD_NORM: ((x, res, norm_w), None), kernels.SILU_MUL: ((gate_up, None, None), None)}
+    tiles = [Tile(16, 16, 4, dot=True), Tile(32, 16, 4, 3, dot=True), Tile(16, 16, 4, apart=True, dot=True)]
+    for prologue, ((inp, residual, nw), _) in inputs.items():
+        # what the product multiplies: the prologue as the float path rounds it (kernels' own kernels)
+        apart = kernels.run_apart(lambda y: y, prologue, inp, residual, nw, eps, False) if prologue else inp
+        a = apart[0] if isinstance(apart, tuple) else apart
+        want = F.linear(a.float(), dense)
+        for tile in tiles if prologue else tiles[:2]:
+            got = quant_matmul(tile, prologue, inp, w, residual, nw, eps)
+            if prologue == kernels.ADD_NORM:
+                torch.testing.assert_close(got[1], apart[1], rtol=0, atol=0)  # x + residual, as rms_norm's
+            got = (got[0] if isinstance(got, tuple) else got).float()
+            assert not got.isnan().any(), (prologue, tile)
+            # 16-bit roundings (the output's, the fused prologue's where its reduction order flips one):
+            # some 3e-3 in bf16, as the FMA kernels; a wrong kernel is off by ~1
+            error = ((got - want).norm() / want.norm()).item()
+            assert error < (8e-3 if dtype == torch.bfloat16 else 1e-3), (prologue, tile, error)
+
+
 def test_the_tile_cache_keeps_which_kernel_a_one_row_choice_runs(tmp_path):
     """A one-row tile read back from the tile cache still runs the one-row kernel: the kernel is
     a field of the tile, not its class (a stored tile is its fields)."""
@@ -316,6 +367,36 @@ def test_quant_gemv_kernel_compiles_for_hopper():
                           capture_output=True, text=True, timeout=280,
                           cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
+def test_quant_dot_kernel_compiles_for_hopper_and_orin():
+    """Triton's compiler and ptxas take the tensor-core kernel's variants for sm_90 and sm_87 (no
+    GPU needed), and its INT4 loop spends fewer instructions a weight than the FMA kernel's on
+    both, within a few percent of what tiles/sass.json (the plan's projection) says it does."""
+    import os
+    import subprocess
+    import sys
+
+    require_module("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", "tests.engine.hopper_compile", "quant_dot"], env=env,
+                          capture_output=True, text=True, timeout=600,
+                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+    counted = json.loads(plan_sass_path().read_text())["families"]
+    for line in done.stdout.splitlines():
+        if line.startswith("sass "):
+            _, arch, bits, per_weight = line.split()
+            family = counted["sm" + arch[3:]][f"int{bits}"]
+            if bits == "4":
+                assert float(per_weight) < family["fma"], line
+            assert abs(float(per_weight) - family["dot"]) < 0.15 * family["dot"], (line, family)
+
+
+def plan_sass_path():
+    from jetserve.engine import plan
+
+    return plan.SASS_COUNTS
 
 
 def test_fused_kernels_route_quantized_weights():
@@ -400,11 +481,35 @@ def test_plan_qwen3_4b_on_an_orin_nano(tmp_path, capsys):
     assert "DOES NOT FIT" in refused and "weights" in refused and "KV cache" in refused
     weights = float(refused.split("weights")[1].split("GiB")[0])
     assert 7.4 < weights < 7.6  # 4.02B parameters in bf16 (tied embedding once)
+    projections = []
     for model, extra in [("bf16", ["--quantization", "int4"]), ("awq", [])]:
         assert main(["plan", "--model", str(tmp_path / model), *common, *extra]) == 0
         accepted = capsys.readouterr().out
         assert accepted.count("fits") == 1 and "ms/token at 68 GB/s" in accepted
         assert 2.4 < float(accepted.split("weights")[1].split("GiB")[0]) < 2.8  # bf16 embedding + 4-bit layers
+        projected = accepted.split("projected >= ")[1]
+        projections.append(projected.split(" ms/token")[0])
+        assert "1024 cores x 0.62 GHz" in projected and "sm87 SASS" in projected
+    assert projections[0] == projections[1]  # AWQ runs what INT4 on the fly runs
+
+
+def test_the_projection_takes_the_slower_of_memory_and_instructions(monkeypatch):
+    """A board's batch-1 projection is the bandwidth floor where the kernels' instructions a
+    weight keep up (over cores x clock), and their time where they do not, saying which."""
+    from jetserve.engine import plan
+
+    board = plan.BOARDS["orin-nano-8gb"]
+    mp = plan.MemoryPlan("orin-nano-8gb", 0, 0, 0, 0, 0, 0, 0, int(board.bandwidth / 1000), board.bandwidth, 1,
+                         weights_per_token=board.cuda_cores * int(board.gpu_clock) // 1000, board=board)
+    per_weight = plan.instructions_per_weight("sm87", "int4")[0]
+    ms, issue, note = mp.decode_ms("int4")  # 1 ms of bytes; per_weight ms of instructions
+    assert issue == pytest.approx(per_weight) and ms == pytest.approx(max(1.0, per_weight))
+    assert note.startswith("instruction-bound" if per_weight > 1 else "memory-bound")
+    fast = plan.MemoryPlan(*[getattr(mp, f) for f in ("device", "available", "weights", "kv_cache", "kv_tokens",
+                                                      "activations", "graphs", "runtime")],
+                           int(board.bandwidth * 100 / 1000), board.bandwidth, 1, mp.weights_per_token, board)
+    assert fast.decode_ms("int4")[0] == pytest.approx(100.0) and fast.decode_ms("int4")[2].startswith("memory-bound")
+    assert plan.instructions_per_weight("sm110", "int4")[2] == "sm90"  # not counted: the nearest family's
 
 
 def test_serve_refuses_what_cannot_fit(tmp_path, caplog):
