@@ -93,7 +93,7 @@ def run(args) -> dict:
     for n in counts:
         result = run_once(args, n)
         runs.append(result)
-        print(json.dumps({k: v for k, v in result.items() if k != "series"}), file=sys.stderr, flush=True)
+        print(json.dumps({k: v for k, v in result.items() if k not in ("series", "soak")}), file=sys.stderr, flush=True)
         if not result["goals_met"]:
             break
     passed = [r["devices"] for r in runs if r["goals_met"]]
