@@ -39,7 +39,7 @@ def test_the_soak_verdict_fails_a_controller_whose_rss_grows_and_a_lost_report()
         return SimpleNamespace(rss=rss, events=[])
 
     args = SimpleNamespace(replicas=1, rss_tolerance=0.05, soak=1.0, fault_every=20.0)
-    sim = SimpleNamespace(failed={}, reconnects=0)
+    sim = SimpleNamespace(failed={}, reconnects=0, ended_at_stop=0)
     result = {"lost": 0, "drained": True, "offline": {}}
     assert _soak_verdict(args, faults(0.0), sim, result)["goals_met"]
     grown = _soak_verdict(args, faults(0.2), sim, result)
