@@ -23,6 +23,7 @@ BENCHMARKS = (
     ("fleet", "simulated devices over MQTT against real controllers: lost messages, registry lag, offline detection"),
     ("quant", "weight-only INT8/INT4 decode vs bf16, and projected ms/token on the Jetson boards"),
     ("startup", "`jetserve serve` from launch to SERVING and the first answer, fresh and warm caches, by phase"),
+    ("soak", "minutes to hours of mixed load on a live server: RSS, KV blocks, ITL and TTFT over time, judged on drift"),
     ("perplexity", "quantization quality: held-out perplexity and MTP draft agreement, bf16 vs INT8 vs INT4"),
 )
 

@@ -30,6 +30,8 @@ import time
 POLL_S = 0.2
 SCRAPE_S = 1.0
 DRAIN_S = 60.0  # after the devices stop, how long the registry gets to count what was acknowledged
+SOAK_MAX_MINUTES = 24 * 60
+RSS_WARMUP = 0.3  # a controller's first 30% of its life (its backlog replayed, caches filled) is its warm-up
 FLEET = "load"
 
 
@@ -53,6 +55,16 @@ def add_arguments(parser) -> None:
                         help="run the simulator, broker and controllers at nice -10, and their session's scheduler "
                              "group too where the kernel groups by session (autogroup; root): on a machine shared "
                              "with other work, measure the fleet's software rather than the neighbours")
+    parser.add_argument("--soak", type=float, metavar="MINUTES",
+                        help="a soak instead of a load run: the devices report for MINUTES (up to a day, the "
+                             "broker keeping its sessions on disk as deploy/ has it) while the broker is restarted "
+                             "and the controller killed (-9) every --fault-every seconds; its verdict is nothing "
+                             "lost and the controllers' RSS flat (lag is reported, faults make it)")
+    parser.add_argument("--fault-every", type=float, metavar="SECONDS",
+                        help="with --soak: seconds between broker restarts, and between controller kills (half a "
+                             "period apart); default 600, or a third of a shorter soak")
+    parser.add_argument("--rss-tolerance", type=float, default=0.05,
+                        help="with --soak: how much a controller's RSS may grow over its life after its warm-up")
 
 
 def run(args) -> dict:
@@ -64,8 +76,16 @@ def run(args) -> dict:
             raise SystemExit("jetserve bench fleet: --devices must be 1..20000, got %d" % n)
     if args.backend == "postgresql" and not args.postgres:
         raise SystemExit("jetserve bench fleet: --backend postgresql needs --postgres URL (or $JETSERVE_TEST_POSTGRES)")
-    if not 1 <= args.replicas <= 8 or args.duration > 1800 or args.interval <= 0:
-        raise SystemExit("jetserve bench fleet: --replicas 1..8, --duration up to 1800 s, --interval > 0")
+    if args.soak is not None:
+        if not 0 < args.soak <= SOAK_MAX_MINUTES:
+            raise SystemExit("jetserve bench fleet: --soak 0..%d minutes" % SOAK_MAX_MINUTES)
+        args.duration = args.soak * 60
+        args.fault_every = args.fault_every or min(600.0, args.duration / 3)
+        if not 10 <= args.fault_every <= args.duration:
+            raise SystemExit("jetserve bench fleet: --fault-every 10 s .. the soak's length")
+    if not 1 <= args.replicas <= 8 or (args.duration > 1800 and args.soak is None) or args.interval <= 0:
+        raise SystemExit("jetserve bench fleet: --replicas 1..8, --duration up to 1800 s (longer: --soak), "
+                         "--interval > 0")
     _raise_file_limit()
     if args.priority:
         _prioritize()
@@ -73,11 +93,11 @@ def run(args) -> dict:
     for n in counts:
         result = run_once(args, n)
         runs.append(result)
-        print(json.dumps({k: v for k, v in result.items() if k != "series"}), file=sys.stderr, flush=True)
+        print(json.dumps({k: v for k, v in result.items() if k not in ("series", "soak")}), file=sys.stderr, flush=True)
         if not result["goals_met"]:
             break
     passed = [r["devices"] for r in runs if r["goals_met"]]
-    summary = {"bench": "fleet", "backend": args.backend, "replicas": args.replicas, "interval_s": args.interval,
+    summary = {"bench": "fleet soak" if args.soak else "fleet", "backend": args.backend, "replicas": args.replicas, "interval_s": args.interval,
                "duration_s": args.duration, "keepalive_s": args.keepalive, "poll_s": POLL_S,
                "ceiling_devices": max(passed) if passed else None,
                "first_failure": next((r["devices"] for r in runs if not r["goals_met"]), None),
@@ -99,7 +119,8 @@ def run_once(args, devices):
         # one account a replica: under use_username_as_clientid two on one account take each other's session
         controller_accounts = {"jetserve-fleet-%d" % i: secrets.token_urlsafe(12) for i in range(args.replicas)}
         users = {"%s/%s" % (FLEET, name): password for name, password in accounts.items()}  # deploy/acl's %u
-        broker = Broker(workdir, dict(users, **controller_accounts), controllers=sorted(controller_accounts)).start()
+        broker = Broker(workdir, dict(users, **controller_accounts), controllers=sorted(controller_accounts),
+                        persistent=args.soak is not None).start()
         location = _registry_location(args, workdir)
         controllers = []
         try:
@@ -112,14 +133,27 @@ def run_once(args, devices):
             poller.start()
             cpu_before = dict(_cpu([broker.proc] + [c for c, _ in controllers]), self=sum(os.times()[:2]))
             started, load_before = time.time(), os.getloadavg()[0]
-            asyncio.run(fleet_sim.run())
+            faults = None
+            if args.soak is not None:
+                restart = [lambda generation, i=i, u=u, p=p: _controller(args, workdir, broker.port, location, u, p, i,
+                                                                         generation)
+                           for i, (u, p) in enumerate(sorted(controller_accounts.items()))]
+                faults = Faults(args, broker, controllers, restart, poller, started).start()
+            try:
+                asyncio.run(fleet_sim.run())
+            finally:
+                if faults:
+                    faults.stop()
             drained = poller.wait_drained(DRAIN_S)
-            cpu = {k: round(v - cpu_before[k], 1) for k, v in _cpu([broker.proc] + [c for c, _ in controllers]).items()}
+            cpu = {k: round(v - cpu_before[k] + (faults.cpu_carried.get(k, 0.0) if faults else 0.0), 1)
+                   for k, v in _cpu([broker.proc] + [c for c, _ in controllers]).items()}
             cpu["simulator+poller"] = round(sum(os.times()[:2]) - cpu_before["self"], 1)
             poller.stop()
             result = _measure(args, devices, fleet_sim, poller, started, drained, cpu)
             result.update(controllers=_controller_metrics(poller), load_avg_1m_before=round(load_before, 1),
                           load_avg_1m=round(os.getloadavg()[0], 1), queue_depth_max=poller.queue_depth_max)
+            if faults:
+                result.update(_soak_verdict(args, faults, fleet_sim, result))
             registry.close()
         finally:
             for process, log in controllers:
@@ -139,7 +173,7 @@ class Broker:
     device (`mosquitto_passwd -U` hashes them all at once); each of `controllers` gets the shipped
     controller block of the ACL, as `deploy/add-user.sh controller NAME` appends it."""
 
-    def __init__(self, workdir, accounts, controllers):
+    def __init__(self, workdir, accounts, controllers, persistent=False):
         import socket
         import subprocess
 
@@ -161,7 +195,8 @@ class Broker:
             f.write("\n".join(["listener %d 127.0.0.1" % self.port] + kept + [
                 "password_file %s" % passwd,
                 "acl_file %s" % _acl(deploy, workdir, controllers), "log_dest file %s/mosquitto.log" % workdir,
-                "persistence false", "max_connections -1"]
+                "persistence %s" % ("true" if persistent else "false"), "persistence_location %s/" % workdir,
+                "max_connections -1"]
                 + (["user %s" % _user()] if os.geteuid() == 0 else [])) + "\n")
         self.proc = None
 
@@ -184,7 +219,7 @@ class Broker:
     def stop(self):
         if self.proc and self.proc.poll() is None:
             self.proc.terminate()
-            self.proc.wait(20)
+            self.proc.wait(60)  # with persistence, SIGTERM writes the sessions and their queues first
 
 
 # Broker settings taken from deploy/mosquitto.conf; listeners, files and logs are the run's own.
@@ -250,6 +285,8 @@ class Simulation:
         self.killed, self.cut = set(down[::2]), set(down[1::2])
         self.gone_at = {}  # name → when it was killed or cut
         self.callback_errors = 0
+        self.reconnects = 0  # sessions begun again after the broker ended one (soak)
+        self.ended_at_stop = 0  # sessions a fault ended after the soak's last report was due
         self.health, self.birth = _documents()
 
     async def run(self):
@@ -287,6 +324,10 @@ class Simulation:
             relay.close()
 
     async def _device(self, name, relay, connect_at, stop_at):
+        """One device: a session with its birth, then a report every interval until `stop_at`. In a
+        soak a session the broker ended is begun again after a pause (a new birth, bdSeq + 1), and
+        the report it did not acknowledge is sent first, as the agent's outbox does; in a load run
+        the device gives up (its failure is the result)."""
         import asyncio
 
         import aiomqtt
@@ -296,34 +337,54 @@ class Simulation:
         await asyncio.sleep(max(0.0, connect_at - time.time()))
         bdseq, epoch = self.rng.randrange(256), secrets.token_hex(8)
         topic = lambda kind: topics.topic(FLEET, name, kind)  # noqa: E731
-        will = aiomqtt.Will(topic(topics.STATE), json.dumps({"online": False, "bdSeq": bdseq}), qos=1)  # Sparkplug: not retained
-        client = aiomqtt.Client("127.0.0.1", relay.local_port if relay else self.port, identifier="jetserve-%s-%s"
-                                % (FLEET, name), username="%s/%s" % (FLEET, name), password=self.accounts[name], will=will,
-                                protocol=aiomqtt.ProtocolVersion.V5, keepalive=self.args.keepalive, timeout=60)
-        n = 0
-        try:
-            async with client:
-                birth = dict(self.birth, online=True, device=name, fleet=FLEET, bdSeq=bdseq, seq=0, ts=time.time(),
-                             interval=self.args.interval, keepalive=self.args.keepalive)
-                await client.publish(topic(topics.STATE), json.dumps(birth), qos=1)
-                next_report = time.time() + self.rng.uniform(0, self.args.interval)
-                while next_report < stop_at and name not in self.gone_at:
-                    await asyncio.sleep(max(0.0, next_report - time.time()))
-                    if name in self.gone_at:
-                        break
-                    next_report += self.args.interval
-                    kinds = [topics.ALERT] if (n + 1) % self.args.alert_every == 0 else []
-                    for kind in kinds + [topics.HEALTH]:
-                        n += 1
-                        doc = self._alert() if kind == topics.ALERT else dict(self.health, ts=time.time())
-                        doc.update(epoch=epoch, n=n, seq=n % 256)  # one session: Sparkplug's seq, +1 from the birth
+        n, unacked = 0, []  # the reports not acknowledged yet, oldest first
+        next_report = time.time() + self.rng.uniform(0, self.args.interval)
+        while True:
+            will = aiomqtt.Will(topic(topics.STATE), json.dumps({"online": False, "bdSeq": bdseq}), qos=1)  # Sparkplug: not retained
+            client = aiomqtt.Client("127.0.0.1", relay.local_port if relay else self.port, identifier="jetserve-%s-%s"
+                                    % (FLEET, name), username="%s/%s" % (FLEET, name), password=self.accounts[name],
+                                    will=will, protocol=aiomqtt.ProtocolVersion.V5, keepalive=self.args.keepalive,
+                                    timeout=60)
+            try:
+                async with client:
+                    birth = dict(self.birth, online=True, device=name, fleet=FLEET, bdSeq=bdseq, seq=0, ts=time.time(),
+                                 interval=self.args.interval, keepalive=self.args.keepalive)
+                    await client.publish(topic(topics.STATE), json.dumps(birth), qos=1)
+                    while name not in self.gone_at:
+                        if not unacked:
+                            if next_report >= stop_at:
+                                return
+                            await asyncio.sleep(max(0.0, next_report - time.time()))
+                            if name in self.gone_at:
+                                break
+                            next_report += self.args.interval
+                            kinds = [topics.ALERT] if (n + 1) % self.args.alert_every == 0 else []
+                            for kind in kinds + [topics.HEALTH]:
+                                n += 1
+                                doc = self._alert() if kind == topics.ALERT else dict(self.health, ts=time.time())
+                                doc.update(epoch=epoch, n=n, seq=n % 256)  # Sparkplug's seq, +1 from the birth
+                                unacked.append((kind, doc))
+                        kind, doc = unacked[0]
                         published = time.time()
                         await client.publish(topic(kind), json.dumps(doc), qos=1)
+                        unacked.pop(0)
                         if name not in self.gone_at:  # acknowledged before it went away
                             self.sent[name].append(published)
-        except aiomqtt.MqttError as exc:
-            if name not in self.gone_at:
-                self.failed[name] = str(exc)
+                    return
+            except aiomqtt.MqttError as exc:
+                if name in self.gone_at:
+                    return
+                if self.args.soak is not None and time.time() >= stop_at:
+                    # a session a fault ended as the soak stops: its report was never acknowledged
+                    # (so not counted as sent), and the device stops here anyway
+                    self.ended_at_stop += 1
+                    return
+                if self.args.soak is None:
+                    self.failed[name] = str(exc)
+                    return
+                self.reconnects += 1
+                bdseq = (bdseq + 1) % 256
+                await asyncio.sleep(self.rng.uniform(1, 5))  # spread: a fleet does not come back in one instant
 
     def _alert(self):
         return {"type": "thermal", "old": "normal", "new": "shed", "zone": "cpu-thermal", "temp_c": 95.0,
@@ -392,6 +453,130 @@ class Poller:
                 return True
             time.sleep(POLL_S)
         return False
+
+
+class Faults:
+    """A soak's faults, on a thread: the broker restarted (SIGTERM, so it writes its sessions and
+    queues to disk as a `systemctl restart` has it, then started again on its port) every
+    `fault_every` seconds, and each controller killed with SIGKILL half a period after it and
+    started again (the same client id, so the same persistent session); the RSS of the
+    controllers and of the broker once a second. Faults stop 30 s before the devices go away, so
+    the offline rule is measured on a fleet that is up."""
+
+    def __init__(self, args, broker, controllers, restart, poller, started):
+        import threading
+
+        self.args, self.broker, self.controllers, self.restart, self.poller = args, broker, controllers, restart, poller
+        self.started = started
+        self.events = []  # {"t", "kind", "down_s"}
+        self.rss = []  # {"t", "controllers": [MB], "lives": [generation], "broker": MB}
+        self.lives = [0] * len(controllers)
+        self.cpu_carried = {}
+        self.error = None
+        last = started + 1.0 + args.ramp + max(args.duration / 2, args.duration - 1.5 * args.keepalive - 5) - 30
+        period = args.fault_every
+        self.schedule = sorted([(started + k * period, "broker restart") for k in range(1, int(args.duration // period) + 1)]
+                               + [(started + (k - 0.5) * period, "controller kill -9")
+                                  for k in range(1, int(args.duration // period) + 2)])
+        self.schedule = [(t, kind) for t, kind in self.schedule if t < last]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="soak-faults", daemon=True)
+
+    def start(self):
+        self._thread.start()
+        return self
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join(300)
+        if self.error:
+            raise RuntimeError("a soak fault could not be undone: %s" % self.error)
+
+    def _loop(self):
+        try:
+            while not self._stop.wait(SCRAPE_S):
+                self._sample()
+                if self.schedule and time.time() >= self.schedule[0][0]:
+                    _, kind = self.schedule.pop(0)
+                    began = time.time()
+                    (self._restart_broker if kind == "broker restart" else self._kill_controllers)()
+                    self.events.append({"t": round(began - self.started, 1), "kind": kind,
+                                        "down_s": round(time.time() - began, 2)})
+                    print("[bench fleet soak] %.0f s: %s, back in %.1f s" % (began - self.started, kind,
+                                                                           time.time() - began), file=sys.stderr,
+                          flush=True)
+        except Exception as exc:  # noqa: BLE001 - raised by stop(), in the main thread
+            self.error = "%s: %s" % (type(exc).__name__, exc)
+            print("[bench fleet soak] faults stopped: %s" % self.error, file=sys.stderr, flush=True)
+
+    def _sample(self):
+        import psutil
+
+        def mb(process):
+            try:
+                return round(psutil.Process(process.pid).memory_info().rss / 2**20, 2)
+            except psutil.Error:
+                return None
+
+        self.rss.append({"t": round(time.time() - self.started, 1), "controllers": [mb(p) for p, _ in self.controllers],
+                         "lives": list(self.lives), "broker": mb(self.broker.proc)})
+
+    def _carry(self, key, process):
+        import psutil
+
+        try:
+            self.cpu_carried[key] = self.cpu_carried.get(key, 0.0) + sum(psutil.Process(process.pid).cpu_times()[:2])
+        except psutil.Error:
+            pass
+
+    def _restart_broker(self):
+        self._carry("broker", self.broker.proc)
+        self.broker.stop()
+        self.broker.start()
+
+    def _kill_controllers(self):
+        for i, (process, log) in enumerate(list(self.controllers)):
+            self._carry("controller-%d" % i, process)
+            process.kill()
+            process.wait(60)
+            log.close()
+            self.lives[i] += 1
+            new = self.restart[i](generation=self.lives[i])
+            self.controllers[i] = new
+            _wait_subscribed([new])
+            self.poller.metrics_urls[i] = new[0].metrics_url
+
+
+def _soak_verdict(args, faults, sim, result):
+    """Nothing lost, every device back after each fault, and each controller's RSS flat over each
+    of its lives: the median of its last tenth within `rss_tolerance` of the median of the tenth
+    after its warm-up (RSS_WARMUP of that life)."""
+    from jetserve.bench.common import median
+
+    lives = []
+    for i in range(args.replicas):
+        for life in sorted({s["lives"][i] for s in faults.rss}):
+            values = [s["controllers"][i] for s in faults.rss if s["lives"][i] == life and s["controllers"][i]]
+            n = len(values)
+            if n < 20:  # a life too short to tell (the run's end); listed, not judged
+                lives.append({"controller": i, "life": life, "samples": n, "growth": None})
+                continue
+            warm = median(values[int(RSS_WARMUP * n):int((RSS_WARMUP + 0.1) * n)])
+            last = median(values[int(0.9 * n):])
+            lives.append({"controller": i, "life": life, "samples": n, "after_warmup_mb": warm, "last_tenth_mb": last,
+                          "max_mb": max(values), "growth": round(last / warm - 1, 4)})
+    judged = [life for life in lives if life["growth"] is not None]
+    rss_flat = bool(judged) and all(life["growth"] <= args.rss_tolerance for life in judged)
+    offline_ok = all(kind["detected"] == kind["devices"] for kind in result["offline"].values())
+    goals = bool(result["lost"] == 0 and result["drained"] and not sim.failed and rss_flat and offline_ok)
+    every = max(1, len(faults.rss) // 720)  # at most 720 points in the result
+    return {"goals_met": goals, "soak": {
+        "minutes": args.soak, "fault_every_s": args.fault_every, "faults": faults.events, "reconnects": sim.reconnects,
+        "sessions_ended_at_stop": sim.ended_at_stop,
+        "controller_rss": {"lives": lives, "flat": rss_flat, "tolerance": args.rss_tolerance},
+        "broker_rss_mb": {"first": faults.rss[0]["broker"] if faults.rss else None,
+                          "last": faults.rss[-1]["broker"] if faults.rss else None},
+        "rss_series": faults.rss[::every]}}
 
 
 def _measure(args, devices, sim, poller, started, drained, cpu):
@@ -502,7 +687,38 @@ def _figures(summary):
                                                                    summary["ceiling_devices"]))
     right.legend(fontsize=8)
     fig.tight_layout()
-    return {"fleet-load": fig}
+    figures = {"fleet-load": fig}
+    for r in summary["runs"]:
+        if "soak" in r:
+            figures["fleet-soak"] = _soak_figure(r)
+    return figures
+
+
+def _soak_figure(r):
+    """A soak's controller and broker RSS over time, the faults marked, and its lag p99 per 10 s."""
+    import matplotlib.pyplot as plt
+
+    soak = r["soak"]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(12, 7), sharex=True)
+    series = soak["rss_series"]
+    t = [s["t"] / 60 for s in series]
+    for i in range(len(series[0]["controllers"]) if series else 0):
+        top.plot(t, [s["controllers"][i] for s in series], label="controller %d" % i)
+    top.plot(t, [s["broker"] for s in series], label="broker (mosquitto)")
+    top.set(ylabel="RSS (MB)", title="%d devices, %g min soak: RSS (controller flat: %s); lost %d of %d" % (
+        r["devices"], soak["minutes"], soak["controller_rss"]["flat"], r["lost"], r["messages"]))
+    lag = r["series"]["lag_p99_by_10s"]
+    bottom.plot([int(k) / 60 for k in lag], list(lag.values()), marker=".", lw=0.8)
+    bottom.set(xlabel="minutes", ylabel="lag p99 (s), per 10 s", yscale="log",
+               title="publish → counted in the registry")
+    for ax in (top, bottom):
+        for f in soak["faults"]:
+            ax.axvline(f["t"] / 60, color="red" if f["kind"] == "broker restart" else "purple", lw=0.6, ls="--")
+    top.plot([], [], color="red", ls="--", label="broker restart")
+    top.plot([], [], color="purple", ls="--", label="controller kill -9")
+    top.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
 
 
 def _documents():
@@ -536,13 +752,13 @@ def _acl(deploy, workdir, controllers):
     return path
 
 
-def _controller(args, workdir, port, location, user, password, index):
+def _controller(args, workdir, port, location, user, password, index, generation=0):
     import subprocess
 
     secret = os.path.join(workdir, "controller-%d-password" % index)
     with open(secret, "w") as f:
         f.write(password)
-    log = open(os.path.join(workdir, "controller-%d.log" % index), "wb")
+    log = open(os.path.join(workdir, "controller-%d%s.log" % (index, ".%d" % generation if generation else "")), "wb")
     command = [sys.executable, "-m", "jetserve.cli", "fleet", "run", "--db", location, "--http", "127.0.0.1:0",
                "--mqtt-port", str(port), "--mqtt-user", user, "--mqtt-password-file", secret,
                "--client-id", "jetserve-fleet-load-%d" % index, "--log-level", "INFO"]
