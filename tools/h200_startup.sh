@@ -6,6 +6,8 @@
 #   start   — `bench startup` fresh + warm: 0.6B bf16 (8k prompt beside 8 streams), 4B bf16, 4B INT4
 #   tune    — `jetserve tune` for each shape and weight format: tables to ship, and the tuned cache
 #   phases  — where the engine core's start goes before the model loads (tools/startup_probe.py)
+#   mtp, binv — `bench mtp` on the demo: default drafting; the batch-invariant mode's cost
+#   quant, profile — `bench quant` (TPOT and kernels), `bench profile` (the 0.6B's step by kernel)
 #   decode  — `bench decode` batch 1: shipped table vs tuned tiles, interleaved, same run
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -42,6 +44,19 @@ phases)  # where the core's start goes before the model loads, twice (the second
   for m in qwen3-0.6b qwen3-4b qwen3-4b; do python3 tools/startup_probe.py "$W/ckpt/$m" 2>&1 | grep -E 'probe|Error'; done
   python3 -X importtime -c "import jetserve.engine.core" 2>&1 | sort -t'|' -k2 -n | tail -14
   for i in 1 2; do /usr/bin/time -f "[probe] jetserve --help %e s" $J --help >/dev/null; done
+  ;;
+mtp)  # the demo: plain, the default (adaptive) drafting, fixed k=3; held-out prompts
+  timeout 300 $J bench mtp --dtype bfloat16 --ks 3 --out "$OUT/mtp" 2>&1 | grep -vE 'it/s|Writing|^\s*$' | tail -14
+  ;;
+binv)  # batch-invariant mode: its cost, and greedy with drafting against plain greedy
+  timeout 300 $J bench mtp --dtype bfloat16 --batch-invariant --ks 3 --temperatures 0 --batch-sizes 1,8 --repeats 2 \
+    --out "$OUT/binv" 2>&1 | grep -vE 'it/s|Writing|^\s*$' | tail -14
+  ;;
+quant)  # batch-1 TPOT through LLM(..., quantization=...) and the kernel table, both Qwen3 shapes
+  timeout 330 $J bench quant --shapes qwen3-0.6b qwen3-4b --repeats 3 --out "$OUT/quant" 2>&1 | grep -E '^\[quant\]|Error' | tail -14
+  ;;
+profile)  # where the 0.6B's batch-1 decode step goes, kernel by kernel (issue 30)
+  timeout 120 $J bench profile --steps 20 --out "$OUT/profile" 2>&1 | tail -25
   ;;
 pack)  # the device tool brings back 8 files: everything in one
   (cd "$OUT" && tar czf /tmp/results.tgz --exclude=results.tgz . && find . -mindepth 1 -delete && mv /tmp/results.tgz .)
