@@ -32,7 +32,7 @@ from jetserve.engine import lifeline
 from jetserve.engine.config import EngineConfig
 from jetserve.engine.core import (
     IDLE_TICK, Abort, AddRequest, Call, CoreMessage, CoreOutput, EngineCore, Failed, Outputs, Ready, Reply, Shutdown,
-    Status)
+    Status, encode_hook)
 from jetserve.engine.errors import EngineError
 from jetserve.engine.protocol import EngineStats, ModelInfo
 
@@ -195,13 +195,13 @@ class MPClient(_CoreClient):
         self._dir, self._dir_lock = lifeline.ipc_dir()
         self._context = zmq.Context(io_threads=1)
         self._inbox = self._context.socket(zmq.PUSH)  # the core's inbox
-        self._inbox.setsockopt(zmq.SNDHWM, 0)  # requests are small and few: queue them, never block
+        self._inbox.setsockopt(zmq.SNDHWM, 0)  # requests are bounded in number and bytes (AsyncLLM): queue them
         self._outbox = self._context.socket(zmq.PULL)
         input_address, output_address = (f"ipc://{Path(self._dir) / name}" for name in ("input", "output"))
         self._inbox.bind(input_address)
         self._outbox.bind(output_address)
         self._send_lock = threading.Lock()  # ZMQ sockets are not thread-safe; several threads send
-        self._encode = msgspec.msgpack.Encoder().encode
+        self._encode = msgspec.msgpack.Encoder(enc_hook=encode_hook).encode
         self._decode = msgspec.msgpack.Decoder(CoreMessage).decode
         self._calls = _Calls()
         self._stopping = self._dead = False
