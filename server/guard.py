@@ -54,8 +54,9 @@ def without_token_ids(message):
 
 class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
     """Parses jetserve's own unary-request methods leniently, so bad bytes (a varint that never
-    ends, a length past the end, wire type 7, invalid UTF-8 in a string) get INVALID_ARGUMENT;
-    a streaming method's request is parsed by the method itself, and nothing of its bytes stays."""
+    ends, a length past the end, wire type 7, invalid UTF-8 in a string) get INVALID_ARGUMENT.
+    Those that stream replies read their one request themselves: nothing of its bytes outlives
+    its parse."""
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
