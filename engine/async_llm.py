@@ -25,10 +25,10 @@ from jetserve.engine.config import EngineConfig
 from jetserve.engine.core import CoreOutput
 from jetserve.engine.core_client import InprocClient, MPClient
 from jetserve.engine.core_process import CoreProcess
-from jetserve.engine.errors import EngineError, QueueFullError
+from jetserve.engine.errors import EngineError, PromptTooLongError, QueueFullError
 from jetserve.engine.output_processor import OutputProcessor, RequestOutputCollector
 from jetserve.engine.outputs import RequestOutput
-from jetserve.engine.prompts import check_prompt
+from jetserve.engine.prompts import check_prompt, queued_bytes
 from jetserve.engine.protocol import EngineClient, EngineStats, ModelInfo
 from jetserve.engine.sampling_params import SamplingParams
 from jetserve.engine.tokenizer import Tokenizer
@@ -88,6 +88,16 @@ class AsyncLLM:
             # Counted here, under the lock, so a burst between two steps cannot slip past the bound.
             if len(self._processor.requests) + params.n > self.core.stats().max_num_seqs + cfg.max_waiting:
                 raise QueueFullError(f"waiting queue is full ({cfg.max_waiting} requests); retry later")
+            # And their prompts' bytes, which the memory plan counts: a flood of long prompts is
+            # refused here, not by the OOM killer.
+            cost, held = queued_bytes(len(ids), params.n), self._processor.queued_bytes
+            if cost > cfg.max_queued_bytes:
+                raise PromptTooLongError(
+                    f"prompt of {len(ids)} tokens x {params.n} completion(s) needs {cost} bytes of the queue, "
+                    f"more than all of max_queued_bytes={cfg.max_queued_bytes}")
+            if held + cost > cfg.max_queued_bytes:
+                raise QueueFullError(f"queued prompts are at their memory budget ({held} of max_queued_bytes="
+                                     f"{cfg.max_queued_bytes} bytes held, this one needs {cost}); retry later")
             hold_back = params.n > 1 and cfg.enable_prefix_caching and len(ids) > cfg.block_size
             children = self._processor.add(request_id, text, ids, params, arrival, hold_back)
             self._streams[request_id] = collector

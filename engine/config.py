@@ -19,6 +19,7 @@ from pathlib import Path
 from jetserve import DEMO_MODEL, demo_model_dir
 from jetserve.config import add_flags, setting
 from jetserve.engine.model.checkpoint import CheckpointError, num_mtp_layers, read_json
+from jetserve.engine.prompts import queued_bytes
 
 DEFAULT_MAX_MODEL_LEN = 4096  # when the model allows more: KV for a longer default rarely fits a Jetson
 DEFAULT_CHUNK_BUDGET = 512  # tokens a step with chunked prefill computes at most: measured (bench/results/prefill-h200)
@@ -252,6 +253,7 @@ class CUDAGraphConfig:
 
 
 CUDAGRAPH_MODES = ("full", "full_decode_only")  # vLLM's cudagraph_mode values that jetserve implements
+MAX_QUEUED_BYTES = 64 * 2**30  # half the memory of the largest Jetson (Thor): no queue of one is larger
 MAX_GRAPHED_TOKENS = 16384  # bigger steps run eagerly: compute-bound, and their graph would pin much memory
 
 
@@ -324,6 +326,7 @@ class EngineConfig:
     block_size: int
     num_kv_blocks: int | None  # None: sized by the runner from memory
     max_waiting: int
+    max_queued_bytes: int  # of prompt token ids in the engine (prompts.queued_bytes); admission refuses past it
     seed: int
     async_scheduling: bool
     speculative: SpeculativeConfig | None
@@ -397,6 +400,12 @@ class EngineArgs:
     # Override the computed KV pool size (tests, tight devices).
     num_kv_blocks: int | None = setting(None, type=int)
     max_waiting: int = setting(256, "bounded queue of requests not yet running", type=int)
+    # None: the worst case of the request limits, (max_num_seqs + max_waiting) prompts of max_model_len.
+    max_queued_bytes: int | None = setting(
+        None, "memory the prompts of the requests in the engine may hold (their token ids: 4 bytes each in "
+              "the server and again in each sequence of the engine core), e.g. 256M; a request past it gets "
+              "RESOURCE_EXHAUSTED (HTTP 429). Default: what max_num_seqs + max_waiting prompts of max_model_len "
+              f"hold, at most {MAX_QUEUED_BYTES // 2**30} GiB (`jetserve plan` shows it)", type=human_int)
     seed: int = setting(0, type=int)
     cudagraph_capture_sizes: list[int] | None = setting(
         None, "batch sizes to capture (on a CPU: to compile), e.g. 1 2 4 8", type=_int_list, nargs="+",
@@ -484,6 +493,7 @@ class EngineArgs:
         if not self.enable_chunked_prefill and budget < max_model_len:
             raise ValueError(f"max_num_batched_tokens={budget} is below max_model_len={max_model_len}: "
                              "without chunked prefill a whole prompt must fit in one step")
+        queue = self._queued_bytes(max_model_len)
         spec = (SpeculativeConfig.from_dict(self.speculative_config, model_config.num_mtp_layers)
                 if self.speculative_config else None)
         quantization = QuantizationConfig.resolve(
@@ -521,6 +531,7 @@ class EngineArgs:
             max_num_batched_tokens=budget, enable_chunked_prefill=self.enable_chunked_prefill,
             enable_prefix_caching=self.enable_prefix_caching, gpu_memory_utilization=self.gpu_memory_utilization,
             block_size=self.block_size, num_kv_blocks=self.num_kv_blocks, max_waiting=self.max_waiting,
+            max_queued_bytes=queue,
             seed=self.seed, speculative=spec, cuda_graphs=graphs,
             async_scheduling=device.startswith("cuda") if self.async_scheduling is None else self.async_scheduling,
             fused_kernels=fused, has_tokenizer=(Path(model) / "tokenizer.json").exists(),
@@ -538,6 +549,19 @@ class EngineArgs:
                              "own order")
         if value is None:
             return self.backend == "torch" and fused and DEFAULT_BATCH_INVARIANT_GPU
+        return value
+
+    def _queued_bytes(self, max_model_len: int) -> int:
+        """The byte budget of the prompts in the engine: by default what its request limits allow
+        at worst (each request one completion of a prompt of max_model_len), so that the memory
+        plan, which counts it, holds whatever the queue can hold."""
+        if self.max_queued_bytes is None:
+            worst = queued_bytes(max_model_len, 1) * (self.max_num_seqs + self.max_waiting)
+            return min(worst, MAX_QUEUED_BYTES)
+        value = self.max_queued_bytes
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_QUEUED_BYTES:
+            raise ValueError(f"max_queued_bytes must be an integer in [1, {MAX_QUEUED_BYTES}] "
+                             f"({MAX_QUEUED_BYTES // 2**30} GiB), got {value!r}")
         return value
 
     def _step_latency(self, device: str) -> float | None:

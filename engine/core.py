@@ -25,6 +25,7 @@ import shutil
 import signal
 import sys
 import time
+from array import array
 from dataclasses import dataclass
 
 import msgspec
@@ -54,7 +55,7 @@ IDLE_TICK = 0.5
 
 class AddRequest(msgspec.Struct, tag=True, array_like=True, gc=False):
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: array  # int32 (prompts.token_array): one binary field on the wire, one buffer on each side
     params: SamplingParams
     arrival_time: float
 
@@ -121,6 +122,21 @@ class Failed(msgspec.Struct, tag=True, array_like=True, gc=False):
 
 
 CoreMessage = Outputs | Reply | Status | Ready | Failed
+
+
+def encode_hook(obj):
+    """msgspec's hook for what it does not know: a token id array goes as its bytes (msgpack bin)."""
+    if isinstance(obj, array):
+        return memoryview(obj).cast("B")
+    raise NotImplementedError(f"cannot send {type(obj).__name__} to the engine core")
+
+
+def decode_hook(kind, obj):
+    if kind is array and isinstance(obj, bytes):
+        ids = array("i")
+        ids.frombytes(obj)
+        return ids
+    raise NotImplementedError(f"cannot read {kind.__name__} from {type(obj).__name__}")
 
 
 @dataclass
@@ -457,7 +473,8 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     inbox, outbox = context.socket(zmq.PULL), context.socket(zmq.PUSH)
     inbox.connect(input_address)
     outbox.connect(output_address)
-    encode, decode = msgspec.msgpack.Encoder().encode, msgspec.msgpack.Decoder(CoreRequest).decode
+    encode = msgspec.msgpack.Encoder().encode
+    decode = msgspec.msgpack.Decoder(CoreRequest, dec_hook=decode_hook).decode
 
     def send(message) -> None:
         outbox.send(encode(message), copy=False)

@@ -28,7 +28,7 @@ from jetserve.engine.config import EngineConfig
 from jetserve.engine.core_process import CoreProcess
 from jetserve.engine.core import (
     IDLE_TICK, Abort, AddRequest, Call, CoreMessage, CoreOutput, EngineCore, Failed, Outputs, Ready, Reply, Shutdown,
-    Status)
+    Status, encode_hook)
 from jetserve.engine.errors import EngineError
 from jetserve.engine.protocol import EngineStats, ModelInfo
 
@@ -204,7 +204,7 @@ class MPClient(_CoreClient):
             self._core.close()
             raise
         self._send_lock = threading.Lock()  # ZMQ sockets are not thread-safe; several threads send
-        self._encode = msgspec.msgpack.Encoder().encode
+        self._encode = msgspec.msgpack.Encoder(enc_hook=encode_hook).encode
         self._decode = msgspec.msgpack.Decoder(CoreMessage).decode
         self._calls = _Calls()
         self._stopping = self._dead = False

@@ -10,7 +10,8 @@ class QueueFullError(RuntimeError):
 
 
 class PromptTooLongError(ValueError):
-    """The prompt does not fit in max_model_len (with room for at least one new token)."""
+    """The prompt does not fit in max_model_len (with room for at least one new token), or its
+    token ids in the whole of max_queued_bytes: no retry would help."""
 
 
 class NoChatTemplateError(ValueError):

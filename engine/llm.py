@@ -47,6 +47,8 @@ class LLM:
                     else:
                         results[delta.request_id] = delta
                     bar.update(delta.finished)
+        for out in results.values():  # vLLM's type for the caller; the engine kept one int32 array
+            out.prompt_token_ids = list(out.prompt_token_ids)
         return [results[i] for i in ids]
 
     def chat(self, messages: list[dict] | list[list[dict]],

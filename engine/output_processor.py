@@ -20,10 +20,12 @@ instead of queueing one per token.
 from __future__ import annotations
 
 import asyncio
+from array import array
 from dataclasses import dataclass, field
 
 from jetserve.engine.core import AddRequest, CoreOutput
 from jetserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jetserve.engine.prompts import queued_bytes
 from jetserve.engine.sampling_params import SamplingParams
 from jetserve.engine.tokenizer import Detokenizer, StopStrings, Tokenizer
 
@@ -34,8 +36,9 @@ class _ParentRequest:
 
     request_id: str
     prompt: str | None
-    prompt_token_ids: list[int]
+    prompt_token_ids: array  # the one copy in the front end: its completions' AddRequests and outputs share it
     arrival_time: float
+    queued_bytes: int  # what its prompt holds while it is in the engine (prompts.queued_bytes)
     running: set[str] = field(default_factory=set)  # its completions' ids in the core, until each finishes
     held: list[AddRequest] = field(default_factory=list)  # completions not yet sent (see `release`)
     first_token_time: float | None = None
@@ -75,8 +78,9 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.parents: dict[str, _ParentRequest] = {}
         self.requests: dict[str, _Completion] = {}  # by id in the core
+        self.queued_bytes = 0  # of the parents' prompts, as `max_queued_bytes` counts them
 
-    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+    def add(self, request_id: str, prompt: str | None, prompt_token_ids: array, params: SamplingParams,
             arrival_time: float, hold_back: bool = False) -> list[AddRequest]:
         """Follow a request; returns its completions as the core takes them. With `hold_back`,
         only the first: `release` gives the others once it has its first token."""
@@ -84,7 +88,9 @@ class OutputProcessor:
                                params.child(i) if params.n > 1 else params, arrival_time) for i in range(params.n)]
         if request_id in self.parents or any(child.request_id in self.requests for child in children):
             raise ValueError(f"request_id {request_id!r} is already streaming")
-        parent = self.parents[request_id] = _ParentRequest(request_id, prompt, prompt_token_ids, arrival_time)
+        parent = self.parents[request_id] = _ParentRequest(
+            request_id, prompt, prompt_token_ids, arrival_time, queued_bytes(len(prompt_token_ids), params.n))
+        self.queued_bytes += parent.queued_bytes
         for index, core_id in enumerate(child.request_id for child in children):
             detok = (Detokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
                      if self.tokenizer else None)
@@ -114,6 +120,7 @@ class OutputProcessor:
         parent = self.parents.pop(request_id, None)
         if parent is None:
             return []
+        self.queued_bytes -= parent.queued_bytes
         for core_id in parent.running:
             del self.requests[core_id]
         return sorted(parent.running)
@@ -179,6 +186,7 @@ class OutputProcessor:
             parent.running.discard(o.request_id)
             if not parent.running:
                 del self.parents[parent.request_id]
+                self.queued_bytes -= parent.queued_bytes
         logprobs = None if o.logprobs is None else o.logprobs[:kept].to_dicts(self.tokenizer)
         prompt_logprobs = None
         if o.prompt_logprobs is not None and not parent.prompt_logprobs_sent:

@@ -5,7 +5,8 @@ killer, not by an error. So `jetserve plan` (and `serve`, before it loads) adds 
 they will be (the loader's own meta model, quantized as configured), the KV cache at
 max_model_len × max_num_seqs (the runner's `block_bytes`), the activations of the largest step and
 of the largest CUDA graph (the runner's `kv_reserve`, here with a formula for what a dry run
-measures there) and the runtime, and compares them with what the board leaves beside its OS.
+measures there), the runtime and the most the queued prompts may hold (`max_queued_bytes`:
+admission refuses past it), and compares them with what the board leaves beside its OS.
 Decode at batch 1 reads every weight once a token, so the bytes read over the board's bandwidth
 bound its speed from below; so do the instructions its kernels spend a weight (read from their
 SASS for the board's GPU family, tiles/sass.json by tools/sass_count.py) over the board's CUDA
@@ -85,6 +86,7 @@ class MemoryPlan:
     kv_per_seq: int  # bytes of KV one sequence of max_model_len takes
     weights_per_token: int = 0  # multiplied by a batch-1 decode step
     board: Board | None = None
+    queue: int = 0  # what the prompts of the requests in the engine may hold at most (max_queued_bytes)
 
     def decode_ms(self, method: str) -> tuple[float, float, str]:
         """(projected ms a token at batch 1, the instruction floor's ms, a note): the larger of
@@ -101,7 +103,7 @@ class MemoryPlan:
 
     @property
     def need(self) -> int:
-        return self.weights + self.kv_cache + self.activations + self.graphs + self.runtime
+        return self.weights + self.kv_cache + self.activations + self.graphs + self.runtime + self.queue
 
     @property
     def fits(self) -> bool:
@@ -119,6 +121,8 @@ class MemoryPlan:
             ("activations", self.activations, f"largest step: {config.max_num_batched_tokens} tokens"),
             ("CUDA graphs", self.graphs, "largest captured step" if config.cuda_graphs else "off"),
             ("runtime", self.runtime, "CUDA context, torch, kernels" if self.runtime else "CPU"),
+            ("queue", self.queue, f"prompt token ids in the engine (max_queued_bytes; {config.max_num_seqs} "
+                                  f"running + {config.max_waiting} waiting requests)"),
             ("total", self.need, ""),
             ("available", self.available, f"{self.device}, beside the OS"),
         ]
@@ -165,7 +169,8 @@ def memory_plan(config: EngineConfig, device: str) -> MemoryPlan:
                       if isinstance(m, QuantLinear))  # their packed words are buffers, not parameters
     return MemoryPlan(device, available, weights, blocks * block_bytes(config), blocks * config.block_size,
                       activations, graphs, RUNTIME_BYTES if gpu else 0, read, bandwidth,
-                      config.max_blocks_per_seq * block_bytes(config), multiplied, board)
+                      config.max_blocks_per_seq * block_bytes(config), multiplied, board,
+                      config.max_queued_bytes)
 
 
 def _bytes(module: torch.nn.Module) -> int:

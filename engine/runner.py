@@ -535,7 +535,7 @@ class ModelRunner:
         pending = []  # (index in ids, sequence): a token the last launch left on the device
         for seq, n in zip(batch.seqs, batch.num_tokens):
             start = seq.num_computed_tokens
-            new = seq.token_ids[start:start + n]
+            new = seq.token_ids[start:start + n].tolist()
             if len(new) < n and seq.num_pending:
                 pending.append((len(ids) + len(new), seq))
                 new.append(0)
@@ -665,7 +665,7 @@ def _draws(seqs: list[Sequence]) -> list[tuple[float, float, int]]:
 def _histories(seqs: list[Sequence]) -> list[History]:
     """Per sampled row, the tokens its token follows: a sequence's rows are its draft positions
     then the bonus one, row j after the output so far and the first j drafts."""
-    return [History(s.prompt_token_ids, s.token_ids[s.num_prompt_tokens:] + s.spec_token_ids[:j])
+    return [History(s.prompt_token_ids, s.token_ids[s.num_prompt_tokens:].tolist() + s.spec_token_ids[:j])
             for s in seqs for j in range(len(s.spec_token_ids) + 1)]
 
 

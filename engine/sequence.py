@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from array import array
 
 from jetserve.engine.sampling_params import SamplingParams
 
@@ -18,14 +19,16 @@ class Sequence:
     """One request. `token_ids` holds prompt + output; the KV cache holds the first
     `num_computed_tokens` of them. Whatever lies between is what the next step must compute,
     so a fresh prompt, a decode and a recompute after preemption are all the same case.
+    `token_ids` is an int32 array, as the prompt came (prompts.py): a queued sequence costs 4
+    bytes a token, and its slices are arrays too (`.tolist()` where a list is needed).
 
     The scheduler is the one writer of this state (the block manager, which it owns, keeps
     `block_table`/`block_keys`); the runner only reads it."""
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+    def __init__(self, request_id: str, prompt_token_ids: array, params: SamplingParams,
                  arrival_time: float | None = None, seed: int = 0):
         self.request_id = request_id
-        self.token_ids = list(prompt_token_ids)
+        self.token_ids = array("i", prompt_token_ids)  # its own: it grows, the request's prompt may be shared
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
@@ -43,7 +46,7 @@ class Sequence:
         return len(self.token_ids)
 
     @property
-    def prompt_token_ids(self) -> list[int]:
+    def prompt_token_ids(self) -> array:
         return self.token_ids[:self.num_prompt_tokens]
 
     @property

@@ -176,7 +176,7 @@ def next_tokens(seqs: list[Sequence], num_tokens: list[int], emitted: list[list[
     shifted = []
     for seq, n, new in zip(seqs, num_tokens, emitted):
         start = seq.num_computed_tokens
-        known = seq.token_ids[start + 1:start + n + 1] + (new or [])
+        known = seq.token_ids[start + 1:start + n + 1].tolist() + (new or [])
         shifted.extend(known[:n] + [0] * (n - len(known)))
     return shifted
 

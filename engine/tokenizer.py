@@ -241,7 +241,7 @@ class Detokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int] = (), skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.ids = list(prompt_token_ids)
+        self.ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])  # the window's start: no copy of a long prompt
         self.read_offset = len(self.ids)
         self.prefix_offset = max(self.read_offset - _CONTEXT_TOKENS, 0)
 

@@ -7,6 +7,7 @@ progress) during a load and CUDA-graph capture that take minutes on a Jetson.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import errno
 import logging
 import os
@@ -428,8 +429,26 @@ class JetServer:
         log.info("stopped")
 
 
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+MMAP_THRESHOLD_BYTES = 128 * 1024  # glibc's own default, fixed
+
+
+def map_large_allocations() -> None:
+    """Give every allocation of 128 KiB or more its own mapping, returned to the OS when freed
+    (glibc's malloc; elsewhere nothing to do). By default glibc raises that threshold to the
+    largest block freed so far, so the transient buffers of a long prompt's request (its
+    message, its parse) come from the heap, where the holes they leave are filled only in part
+    by the arrays that stay: each queued request would grow RSS by a hole beside what it holds."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return
+    mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+
+
 async def serve(make_engine, options: ServeOptions) -> int:
     """Run until SIGTERM/SIGINT (then drain) or until the model fails to load (exit status 1)."""
+    map_large_allocations()
     server = JetServer(make_engine, options)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -3,12 +3,19 @@ fields, each with INVALID_ARGUMENT and a message that names the problem.
 
 grpcio parses a request before the method runs, and a parse error surfaces as UNKNOWN
 ("Unexpected DecodeError"); the interceptor here parses it instead and answers the client.
+It also takes a prompt's token ids out of the message as it parses (`WithTokenIds`).
 """
 
 from __future__ import annotations
 
+from array import array
+from dataclasses import dataclass
+
 import grpc
 from google.protobuf.message import DecodeError
+
+from jetserve.engine.prompts import token_array
+from jetserve.v1 import inference_pb2 as pb
 
 # Upper bounds of what one request may carry (docs/service.md, "Limits"). A message larger than
 # MAX_MESSAGE_BYTES is refused by grpcio itself with RESOURCE_EXHAUSTED.
@@ -24,9 +31,32 @@ class _Malformed:
         self.error = error
 
 
+@dataclass(frozen=True)
+class WithTokenIds:
+    """A GenerateRequest whose token ids were moved, as it was parsed, into one int32 array
+    beside the rest of the message (its `prompt` then unset). grpcio keeps what the parse
+    returns for the whole call, and protobuf keeps packed ids in an arena that grows as they
+    parse (to twice their int32s) and is freed only with the message: a queued prompt must not
+    stay in it."""
+
+    message: pb.GenerateRequest
+    token_ids: array
+
+
+def without_token_ids(message):
+    """`message`, or a WithTokenIds of a copy without its token ids (those in an array)."""
+    if not isinstance(message, pb.GenerateRequest) or message.WhichOneof("prompt") != "token_ids":
+        return message
+    ids = token_array(message.token_ids.ids)
+    message.ClearField("token_ids")
+    return WithTokenIds(pb.GenerateRequest.FromString(message.SerializeToString()), ids)
+
+
 class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
     """Parses jetserve's own unary-request methods leniently, so bad bytes (a varint that never
-    ends, a length past the end, wire type 7, invalid UTF-8 in a string) get INVALID_ARGUMENT."""
+    ends, a length past the end, wire type 7, invalid UTF-8 in a string) get INVALID_ARGUMENT.
+    Those that stream replies read their one request themselves: nothing of its bytes outlives
+    its parse."""
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -37,7 +67,7 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
 
         def lenient(data: bytes):
             try:
-                return parse(data)
+                return without_token_ids(parse(data))
             except (DecodeError, ValueError) as exc:
                 return _Malformed(str(exc) or type(exc).__name__)
 
@@ -57,13 +87,19 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
             return handler._replace(request_deserializer=lenient, unary_unary=unary)
         method = handler.unary_stream
 
-        async def stream(request, context):
+        async def stream(requests, context):
+            request = await context.read()  # a unary method's one message; its bytes are freed once parsed
+            if request is grpc.aio.EOF:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no request message: the method takes one")
             if isinstance(request, _Malformed):
                 await refuse(request, context)
             async for reply in method(request, context):
                 yield reply
 
-        return handler._replace(request_deserializer=lenient, unary_stream=stream)
+        # Served as a stream of requests (the same on the wire): grpcio's unary-request path keeps
+        # the request's bytes as long as the call lasts, which for a queued prompt is its wait.
+        return handler._replace(request_streaming=True, request_deserializer=lenient, unary_stream=None,
+                                stream_stream=stream)
 
 
 def check_request_id(request_id: str) -> str:

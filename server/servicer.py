@@ -12,7 +12,7 @@ import grpc
 from jetserve import __version__
 from jetserve.engine import SamplingParams
 from jetserve.server.errors import RpcError, status_for
-from jetserve.server.guard import check_request_id, check_room, tokenized
+from jetserve.server.guard import WithTokenIds, check_request_id, check_room, tokenized
 from jetserve.server.metrics import percentiles
 from jetserve.v1 import inference_pb2 as pb
 from jetserve.v1 import inference_pb2_grpc as pb_grpc
@@ -62,12 +62,15 @@ def token_logprobs(token_ids, logprobs, num_top: int | None) -> list[pb.TokenLog
     return out
 
 
-def generate_prompt(request: pb.GenerateRequest, engine):
-    """The engine checks the rest (empty, unknown token ids, too long) and names what is wrong."""
+def generate_prompt(request: pb.GenerateRequest, token_ids, engine):
+    """The engine checks the rest (empty, unknown token ids, too long) and names what is wrong.
+    `token_ids`: the ids the parse took out of the message (guard.WithTokenIds), or None."""
+    if token_ids is not None:
+        return {"prompt_token_ids": token_ids}
     kind = request.WhichOneof("prompt")
     if kind is None:
         raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "prompt is not set: set text or token_ids")
-    return request.text if kind == "text" else {"prompt_token_ids": list(request.token_ids.ids)}
+    return request.text if kind == "text" else {"prompt_token_ids": request.token_ids.ids}
 
 
 def chat_prompt(request: pb.ChatRequest, engine) -> dict:
@@ -88,9 +91,10 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self._server = server
 
     async def Generate(self, request, context):
+        request, ids = (request.message, request.token_ids) if isinstance(request, WithTokenIds) else (request, None)
         async for reply in self._stream(context, request.request_id, request.sampling,
-                                        functools.partial(generate_prompt, request), pb.GenerateResponse,
-                                        tokenizes=request.WhichOneof("prompt") != "token_ids"):
+                                        functools.partial(generate_prompt, request, ids), pb.GenerateResponse,
+                                        tokenizes=ids is None and request.WhichOneof("prompt") != "token_ids"):
             yield reply
 
     async def Chat(self, request, context):

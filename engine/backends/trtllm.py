@@ -331,7 +331,7 @@ class TensorRTLLMEngine:
         trt_params = self._trt.SamplingParams(**sampling_kwargs(
             params, prompt_len=len(ids), max_model_len=self.max_model_len, end_ids=self.end_ids))
         arrival, first = time.monotonic(), None
-        result = self.llm.generate_async(ids, trt_params, streaming=True)
+        result = self.llm.generate_async(ids.tolist(), trt_params, streaming=True)
         self._results[request_id] = result
         finished = False
         try:

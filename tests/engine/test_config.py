@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from jetserve.engine import LLM, EngineArgs, SamplingParams
-from jetserve.engine.config import DEFAULT_CHUNK_BUDGET
+from jetserve.engine.config import DEFAULT_CHUNK_BUDGET, MAX_QUEUED_BYTES
 from jetserve.engine.runner import kv_reserve
 from tests.engine.builders import build_drafting_model
 
@@ -53,6 +53,20 @@ def test_kv_reserve_covers_the_largest_step_the_scheduler_runs(tiny):
     chunked = EngineArgs(model=str(path), max_num_batched_tokens=64).resolve()
     kv_reserve(chunked, measure)
     assert measured == [(64, 16)]
+
+
+def test_the_queue_byte_budget_defaults_to_the_request_limits_worst_case_and_is_bounded(tiny):
+    """Each of max_num_seqs + max_waiting requests a prompt of max_model_len, one array of 4 bytes
+    a token in the front end and one in its sequence in the core: what the memory plan counts."""
+    path, _ = tiny
+    config = EngineArgs(model=str(path), max_num_seqs=4, max_waiting=12).resolve()
+    assert config.max_queued_bytes == (4 + 12) * 256 * 4 * 2
+    assert EngineArgs(model=str(path), max_queued_bytes=2**20).resolve().max_queued_bytes == 2**20
+    huge = EngineArgs(model=str(path), max_num_seqs=2**25, max_waiting=2**25).resolve()
+    assert huge.max_queued_bytes == MAX_QUEUED_BYTES  # the default never passes the bound either
+    for value in (0, MAX_QUEUED_BYTES + 1, 1.5, True):
+        with pytest.raises(ValueError, match="max_queued_bytes must be an integer in"):
+            EngineArgs(model=str(path), max_queued_bytes=value).resolve()
 
 
 def test_bad_values_name_the_field(tiny):

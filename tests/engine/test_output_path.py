@@ -41,7 +41,7 @@ def summary(output):
         tokens, values = logprobs_of(o.logprobs)
         completions.append(((o.index, o.text, o.token_ids, o.finish_reason, o.stop_reason, tokens), values))
     prompt_tokens, prompt_values = logprobs_of(output.prompt_logprobs)
-    return ((output.prompt_token_ids, output.finished, [c for c, _ in completions], prompt_tokens),
+    return ((list(output.prompt_token_ids), output.finished, [c for c, _ in completions], prompt_tokens),
             ([v for _, v in completions], prompt_values))
 
 

@@ -65,6 +65,20 @@ def test_malformed_messages_are_invalid_argument(live, case):
         assert good[-1].finish_reason == pb.FINISH_REASON_LENGTH  # the server serves on
 
 
+def test_a_streaming_method_called_with_no_request_message_is_invalid_argument(live):
+    """Generate reads its one request itself (guard.py: grpcio would keep its bytes for the
+    call): a client that half-closes without sending one is told so, and the server serves on."""
+    with live.channel() as channel:
+        call = channel.stream_stream(GENERATE)(iter(()), timeout=60)
+        with pytest.raises(grpc.RpcError) as refused:
+            list(call)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "no request message" in \
+            refused.value.details()
+        good = list(pb_grpc.InferenceServiceStub(channel).Generate(pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=[5, 6, 7]), sampling=greedy(2))))
+        assert good[-1].finish_reason == pb.FINISH_REASON_LENGTH
+
+
 def stream_status(stub, request, **kwargs):
     try:
         list(stub.Generate(request, timeout=60, **kwargs))
