@@ -88,9 +88,9 @@ tune)
 decode)  # after tune: its tile cache is what "tuned" reads
   checkpoints
   export JETSERVE_CACHE_DIR=$W/tuned TRITON_CACHE_DIR=$W/triton
-  for spec in "qwen3-0.6b|" "qwen3-4b|int4"; do
+  for spec in ${DECODE:-"qwen3-0.6b|" "qwen3-4b|int4"}; do
     IFS='|' read -r shape q <<<"$spec"
-    timeout 300 $J bench decode --model "$W/ckpt/$shape" --batch-sizes 1 --steps 64 --no-hf --only ours_graphs \
+    timeout 300 $J bench decode --model "$W/ckpt/$shape" --batch-sizes 1 --steps 64 --repeats 3 --no-hf --only ours_graphs \
       --tiles tuned shipped ${q:+--quantization $q} --out "$OUT/decode-$shape${q:+-$q}" 2>&1 | grep -E 'Error|error'
     python3 -c "import json,sys; r=json.load(open('$OUT/decode-$shape${q:+-$q}/result.json'))['models']['model']['configs'];
 print('[decode] $shape $q', {k: v['1'] if isinstance(v, dict) and '1' in v else v.get(1) for k, v in r.items() if k.startswith('ours')})"
