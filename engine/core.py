@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import gc
 import logging
+import math
 import os
 import pickle
 import random
@@ -176,6 +177,7 @@ class EngineCore:
         self.draft_policy = (DraftPolicy(spec.num_speculative_tokens, spec.adaptive, self.runner.decode_costs,
                                          spec.acceptance_window) if spec else None)
         self.spec_counters = SpecCounters()
+        self._draft_view, self._draft_view_at = ([], [], [], []), -math.inf  # see stats()
         self.pipeline = Pipeline()
         self.requests: dict[str, Request] = {}  # by request id (a completion's, see child_request_id)
         self.num_requests_finished = 0
@@ -424,11 +426,19 @@ class EngineCore:
                              f"was started with (its CUDA graphs and KV lookahead are sized for it), got {k}")
         self.draft_policy.set_max(k)
         self.pipeline.next_drafts = None
+        self._draft_view_at = -math.inf  # the next stats() shows the new cap
 
     def stats(self) -> EngineStats:
         blocks = self.scheduler.blocks
         used, total = blocks.num_used, blocks.num_blocks
         spec = self.spec_counters
+        now = time.monotonic()
+        if self.draft_policy is not None and now - self._draft_view_at >= 1.0:  # stats() comes every step
+            rows = self.draft_policy.by_bucket()
+            self._draft_view = ([b for b, _, _ in rows], [k for _, k, _ in rows], [c for _, _, c in rows],
+                                [round(a, 4) for a in self.draft_policy.alphas])
+            self._draft_view_at = now
+        buckets, lengths, costs, alphas = self._draft_view
         return EngineStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             max_num_seqs=self.scheduler.max_num_seqs, kv_blocks_total=total, kv_blocks_used=used,
@@ -440,6 +450,7 @@ class EngineCore:
             accepted_per_position=list(spec.accepted_per_position),
             acceptance_rate=spec.acceptance_rate, mean_accepted_length=spec.mean_accepted_length,
             num_speculative_tokens=self.draft_policy.k if self.draft_policy else 0,
+            draft_buckets=buckets, draft_lengths=lengths, draft_step_costs_s=costs, acceptance_estimates=alphas,
             iteration_tokens=list(self.iteration_tokens), iteration_tokens_sum=self.iteration_tokens_sum)
 
     @property

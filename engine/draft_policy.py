@@ -95,6 +95,15 @@ class DraftPolicy:
             return self.k_max == 0
         return not self.costs.could_pay(self.k_max)
 
+    def by_bucket(self) -> list[tuple[int, int, list[float]]]:
+        """For each batch bucket of the table: the k a step of that many would draft now, and
+        its measured T(k) for k = 0..k_max (0.0 where not measured): why drafting is on or off."""
+        if self.costs is None:
+            return []
+        return [(b, (0 if self.hopeless else self.best(b)) if self.adaptive and self.k_max else self.k_max,
+                 [t if math.isfinite(t) else 0.0 for t in (self.costs.seconds(k, b) for k in range(self.k_max + 1))])
+                for b in self.costs.buckets]
+
     def next(self, batch: int) -> int:
         """The drafts the next step proposes, for a step of about `batch` decoding sequences."""
         self.steps += 1

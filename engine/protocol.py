@@ -42,6 +42,13 @@ class EngineStats:
     acceptance_rate: float = 0.0
     mean_accepted_length: float = 0.0
     num_speculative_tokens: int = 0
+    # The draft policy's view, refreshed at most once a second: per batch bucket, the draft length
+    # it would choose now and the step's measured seconds for k = 0.. (0.0: not measured); the
+    # acceptance estimate per draft position.
+    draft_buckets: list[int] = field(default_factory=list)
+    draft_lengths: list[int] = field(default_factory=list)
+    draft_step_costs_s: list[list[float]] = field(default_factory=list)
+    acceptance_estimates: list[float] = field(default_factory=list)
     # Steps by the tokens they computed: a count per ITERATION_TOKENS_BUCKETS bound (+Inf last), and their sum.
     iteration_tokens: list[int] = field(default_factory=list)
     iteration_tokens_sum: int = 0

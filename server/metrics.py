@@ -212,8 +212,31 @@ class _EngineCollector(Collector):
         for position, count in enumerate(s.accepted_per_position):
             per_pos.add_metric([model, str(position)], count)
         yield per_pos
+        yield from _draft_policy(model, s)
         if s.iteration_tokens:  # an engine that counts its steps (the torch engine)
             yield _iteration_tokens(model, s.iteration_tokens, s.iteration_tokens_sum)
+
+
+def _draft_policy(model: str, s) -> list[GaugeMetricFamily]:
+    """The draft policy's view: the draft length it would choose per batch bucket, the step costs
+    it chooses from, and its acceptance estimate per draft position (none without drafting)."""
+    if not s.draft_buckets:
+        return []
+    length = GaugeMetricFamily(PREFIX + "spec_decode_draft_length", "Draft length the policy would choose now "
+                               "for a step of this many sequences (0: off).", labels=LABELS + ("batch_size",))
+    cost = GaugeMetricFamily(PREFIX + "spec_decode_step_cost_seconds", "Measured seconds of a decode step "
+                             "drafting k tokens a sequence (k=0: plain).", labels=LABELS + ("batch_size", "k"))
+    for b, k, costs in zip(s.draft_buckets, s.draft_lengths, s.draft_step_costs_s):
+        length.add_metric([model, str(b)], k)
+        for drafts, seconds in enumerate(costs):
+            if seconds:
+                cost.add_metric([model, str(b), str(drafts)], seconds)
+    alpha = GaugeMetricFamily(PREFIX + "spec_decode_acceptance_estimate", "Chance a draft at this position is "
+                              "accepted once those before it were (the policy's decayed estimate).",
+                              labels=LABELS + ("position",))
+    for position, a in enumerate(s.acceptance_estimates):
+        alpha.add_metric([model, str(position)], a)
+    return [length, cost, alpha]
 
 
 def _iteration_tokens(model: str, counts: list[int], total: int) -> HistogramMetricFamily:

@@ -170,7 +170,10 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 num_drafts=s.num_drafts, num_draft_tokens=s.num_draft_tokens,
                 num_accepted_tokens=s.num_accepted_tokens, accepted_per_position=s.accepted_per_position,
                 acceptance_rate=s.acceptance_rate, mean_accepted_length=s.mean_accepted_length,
-                num_speculative_tokens=s.num_speculative_tokens),
+                num_speculative_tokens=s.num_speculative_tokens,
+                buckets=[pb.DraftBucket(batch_size=b, draft_length=k, step_cost_s=costs)
+                         for b, k, costs in zip(s.draft_buckets, s.draft_lengths, s.draft_step_costs_s)],
+                acceptance_estimate=s.acceptance_estimates),
             draining=self._server.draining, num_requests_finished=s.num_requests_finished,
             num_preemptions=s.num_preemptions)
 

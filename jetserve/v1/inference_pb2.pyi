@@ -241,7 +241,7 @@ class LatencyPercentiles(_message.Message):
     def __init__(self, p50_s: _Optional[float] = ..., p90_s: _Optional[float] = ..., p99_s: _Optional[float] = ..., count: _Optional[int] = ...) -> None: ...
 
 class SpeculativeStats(_message.Message):
-    __slots__ = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_position", "acceptance_rate", "mean_accepted_length", "num_speculative_tokens")
+    __slots__ = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_position", "acceptance_rate", "mean_accepted_length", "num_speculative_tokens", "buckets", "acceptance_estimate")
     NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -249,6 +249,8 @@ class SpeculativeStats(_message.Message):
     ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
     MEAN_ACCEPTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_ESTIMATE_FIELD_NUMBER: _ClassVar[int]
     num_drafts: int
     num_draft_tokens: int
     num_accepted_tokens: int
@@ -256,7 +258,19 @@ class SpeculativeStats(_message.Message):
     acceptance_rate: float
     mean_accepted_length: float
     num_speculative_tokens: int
-    def __init__(self, num_drafts: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., num_speculative_tokens: _Optional[int] = ...) -> None: ...
+    buckets: _containers.RepeatedCompositeFieldContainer[DraftBucket]
+    acceptance_estimate: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, num_drafts: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., num_speculative_tokens: _Optional[int] = ..., buckets: _Optional[_Iterable[_Union[DraftBucket, _Mapping]]] = ..., acceptance_estimate: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class DraftBucket(_message.Message):
+    __slots__ = ("batch_size", "draft_length", "step_cost_s")
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    STEP_COST_S_FIELD_NUMBER: _ClassVar[int]
+    batch_size: int
+    draft_length: int
+    step_cost_s: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, batch_size: _Optional[int] = ..., draft_length: _Optional[int] = ..., step_cost_s: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
     __slots__ = ("num_waiting", "num_running", "max_num_seqs", "kv_blocks_total", "kv_blocks_used", "kv_usage", "time_to_first_token", "inter_token_latency", "speculative", "draining", "num_requests_finished", "num_preemptions")

@@ -101,7 +101,7 @@ def test_a_slow_reader_gets_merged_deltas_not_a_queue(core):
 def test_a_stop_string_inside_accepted_drafts_ends_where_it_would_without_drafting():
     """The demo model drafts 3 tokens a step; the front end cuts at the token that completes the
     stop string, though the core delivered the whole accepted run."""
-    spec = {"method": "mtp", "num_speculative_tokens": 3}
+    spec = {"method": "mtp", "num_speculative_tokens": 3, "adaptive": False}  # drafting, even where it does not pay
     server = LiveServer(engine_factory(demo_model_dir(), max_model_len=512, speculative_config=spec,
                                        engine_core_process=True))
     server.wait_loaded()

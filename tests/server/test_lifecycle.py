@@ -178,7 +178,8 @@ def test_speculative_counters_move_per_position():
     """The bundled demo model has an MTP head: drafting shows in metrics, GetStats and SetLimits."""
     from jetserve.server.cli import demo_model_dir
 
-    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    # Fixed k: on a CPU the adaptive policy rightly keeps drafting off, and these are drafting's counters.
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "adaptive": False}
     server = LiveServer(engine_factory(demo_model_dir(), max_model_len=512, speculative_config=spec),
                         metrics_port=free_port())
     server.wait_loaded()
@@ -208,5 +209,36 @@ def test_speculative_counters_move_per_position():
                 raise AssertionError("SetLimits accepted a draft length above the started one")
             except grpc.RpcError as exc:
                 assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT and "at most 2" in exc.details()
+    finally:
+        server.stop()
+
+
+def test_the_draft_policy_shows_why_drafting_is_on_or_off():
+    """GetStats and the metrics carry the adaptive policy's view: per batch bucket the draft
+    length it would choose now and the measured step costs it chooses from, and its acceptance
+    estimate per draft position. A bucket drafts only where some k could pay."""
+    from jetserve.server.cli import demo_model_dir
+
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    server = LiveServer(engine_factory(demo_model_dir(), max_model_len=512, speculative_config=spec),
+                        metrics_port=free_port())
+    server.wait_loaded()
+    try:
+        with server.channel() as channel:
+            inference = pb_grpc.InferenceServiceStub(channel)
+            list(inference.Generate(pb.GenerateRequest(text="def add(a, b):\n", sampling=greedy(8)), timeout=60))
+            metrics = scrape(server)
+            stats = inference.GetStats(pb.GetStatsRequest(), timeout=10).speculative
+        buckets = list(stats.buckets)
+        assert buckets and all(len(b.step_cost_s) == 3 and b.step_cost_s[0] > 0 for b in buckets)
+        for b in buckets:  # T(k) < (k + 1) T(0): k drafts could pay if every one were accepted
+            assert b.draft_length == 0 or any(0 < t < (k + 1) * b.step_cost_s[0]
+                                              for k, t in enumerate(b.step_cost_s) if k)
+        lengths = {dict(labels)["batch_size"] for (name, labels) in metrics
+                   if name == "jetserve_spec_decode_draft_length"}
+        plain = {dict(labels)["batch_size"] for (name, labels) in metrics
+                 if name == "jetserve_spec_decode_step_cost_seconds" and dict(labels)["k"] == "0"}
+        assert lengths == plain == {str(b.batch_size) for b in buckets}
+        assert len(stats.acceptance_estimate) == 2 and all(0 <= a <= 1 for a in stats.acceptance_estimate)
     finally:
         server.stop()
