@@ -204,7 +204,8 @@ def demo_drafting(table=None):
     llm = LLM(demo_model_dir(), max_num_seqs=1, max_model_len=128,
               speculative_config={"method": "mtp", "num_speculative_tokens": 2})
     policy = llm.engine.draft_policy
-    assert set(policy.costs.table) == {(0, 1), (1, 1), (2, 1)}  # measured at start-up
+    # Measured at start-up: plain and k=1 always; k=2 unless k=1 could not pay by a plain step's margin.
+    assert {(0, 1), (1, 1)} <= set(policy.costs.table) <= {(0, 1), (1, 1), (2, 1)}
     if table is not None:
         policy.costs.update({(k, 1): t for k, t in table.items()})
     return llm, policy
