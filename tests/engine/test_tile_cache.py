@@ -216,7 +216,7 @@ def test_quantized_products_take_the_cached_tile_untimed(tmp_path, fp):
     x = torch.randn(2, 384, device=DEVICE)
     w = quant.quantize(torch.randn(64, 384, device=DEVICE), 4, 128, sym=False)
     key = ("quant", PLAIN, 2, 64, 384, 4, 128, torch.float32, torch.float32)
-    tiles = fitting_tiles(2, w, PLAIN, kernels.pdl_supported(DEVICE))
+    tiles = fitting_tiles(2, w, PLAIN, kernels.pdl_supported(DEVICE), x.dtype)
     TileCache(tmp_path, fp).store(key, tiles, times_for(tiles, 2), tiles[2])
     fused = QuantFusedKernels(tile_timing=True, tile_cache=TileCache(tmp_path, fp))
     torch.testing.assert_close(fused.linear(x, w), F.linear(x, quant.dequantize(w, torch.float32)),
