@@ -219,9 +219,8 @@ class _EngineCollector(Collector):
 
 def _draft_policy(model: str, s) -> list[GaugeMetricFamily]:
     """The draft policy's view: the draft length it would choose per batch bucket, the step costs
-    it chooses from, and its acceptance estimate per draft position (none without drafting)."""
-    if not s.draft_buckets:
-        return []
+    it chooses from, and its acceptance estimate per draft position (families without samples
+    where nothing drafts adaptively, as the per-position counter's)."""
     length = GaugeMetricFamily(PREFIX + "spec_decode_draft_length", "Draft length the policy would choose now "
                                "for a step of this many sequences (0: off).", labels=LABELS + ("batch_size",))
     cost = GaugeMetricFamily(PREFIX + "spec_decode_step_cost_seconds", "Measured seconds of a decode step "
