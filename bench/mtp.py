@@ -17,7 +17,8 @@ decode step, and the break-even acceptance: the per-position acceptance a at whi
 that drafts k emits as many tokens a second as plain decode (1 + a + ... + a^k = the ratio).
 
 Also: `k=auto`, the default adaptive draft policy (up to the largest k), against no drafting
-at every temperature — the 5% rule: drafting may never cost more than 5% of plain decoding's
+at every temperature and every `--streams` count (s > 1: s requests at once, as a server meets
+s concurrent users; the engines capture a graph of exactly each such batch) — the 5% rule: drafting may never cost more than 5% of plain decoding's
 tokens a second — with the k's it chose over the run (`chosen_k`: steps per k, probes included)
 and the step-cost table it chose from (`decode_costs_ms`); and `profile`: where the time of a graphed k-draft step goes, each piece
 (verify forward, vocab projection + argmax, acceptance, MTP pass, draft heads, drafting
@@ -68,6 +69,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--prompts-per-repeat", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats, each on fresh prompts")
     parser.add_argument("--batch-sizes", default="1,8", help="batch sizes of the step-time measurement")
+    parser.add_argument("--streams", default="1", help="concurrent requests of the generation runs, e.g. 1,4,8,32")
     parser.add_argument("--steps", type=int, default=48, help="decode steps timed per repeat")
     parser.add_argument("--draft-vocab-size", type=int, help="drafts from the first N token ids only (default: all)")
     parser.add_argument("--device", default="auto")
@@ -109,12 +111,12 @@ def _summary(values: list[float], digits: int = 6) -> dict:
             "runs": [round(v, digits) for v in values]}
 
 
-def _engine(model: str, k: int | None, args, max_num_seqs: int, adaptive: bool = False, invariant: bool = True):
+def _engine(model: str, k: int | None, args, sizes: list[int], adaptive: bool = False, invariant: bool = True):
     from jetserve.engine import LLM
 
     spec = ({"method": "mtp", "num_speculative_tokens": k, "adaptive": adaptive,
              "draft_vocab_size": args.draft_vocab_size} if k else None)
-    sizes = sorted({1, max_num_seqs})
+    max_num_seqs = max(sizes)
     # A KV cache of what the runs need (every sequence at max_model_len, and its drafts), not of the
     # GPU's free memory: the engines stay up side by side for the interleaved runs.
     blocks = max_num_seqs * -(-(MAX_MODEL_LEN + (k or 0) + 1) // BLOCK_SIZE) + 1
@@ -174,25 +176,28 @@ def _step_times(llm, k: int, batch: int, prompts: list, args) -> float:
     return seconds
 
 
-def _generate(llm, k: int, temperature: float, prompts: list, args) -> dict:
-    """Single-stream decode over `prompts`, one request at a time: tok/s, acceptance, and apart
-    the time to the first token (prefill, first drafts) and the tok/s after it."""
+def _generate(llm, k: int, temperature: float, prompts: list, args, streams: int = 1) -> dict:
+    """Decode over `prompts`, `streams` requests at a time: tok/s, acceptance, and apart each
+    request's time to the first token (prefill, first drafts) and its tok/s after it."""
     from jetserve.engine import SamplingParams
 
     engine = llm.engine
     _set_k(llm, k)
     before = engine.stats()
     tokens, seconds, outputs, ttfts, decode_tok_s = 0, 0.0, [], [], []
-    for i, prompt in enumerate(prompts):
-        params = SamplingParams(temperature=temperature, max_tokens=args.max_tokens, ignore_eos=True, seed=i)
+    for first in range(0, len(prompts), streams):
+        group = prompts[first:first + streams]
+        params = [SamplingParams(temperature=temperature, max_tokens=args.max_tokens, ignore_eos=True, seed=first + i)
+                  for i in range(len(group))]
         start = time.perf_counter()
-        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        outs = llm.generate(group, params, use_tqdm=False)
         seconds += time.perf_counter() - start
-        tokens += len(out.outputs[0].token_ids)
-        outputs.append(out.outputs[0].token_ids)
-        metrics = out.metrics  # apart: a request's start (prefill, first drafts) and its decoding
-        ttfts.append(metrics.first_token_time - metrics.arrival_time)
-        decode_tok_s.append((len(out.outputs[0].token_ids) - 1) / (metrics.finished_time - metrics.first_token_time))
+        for out in outs:
+            tokens += len(out.outputs[0].token_ids)
+            outputs.append(out.outputs[0].token_ids)
+            metrics = out.metrics  # apart: a request's start (prefill, first drafts) and its decoding
+            ttfts.append(metrics.first_token_time - metrics.arrival_time)
+            decode_tok_s.append((len(out.outputs[0].token_ids) - 1) / (metrics.finished_time - metrics.first_token_time))
     after = engine.stats()
     drafts = after.num_drafts - before.num_drafts
     accepted = after.num_accepted_tokens - before.num_accepted_tokens
@@ -342,6 +347,8 @@ def run(args) -> dict:
 
     ks = [int(k) for k in args.ks.split(",")]
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    streams = [int(s) for s in args.streams.split(",")]
+    sizes = sorted({1, *batch_sizes, *streams})  # the captured buckets: each measured batch exactly
     device = torch.device(resolve_device(args.device))
     scratch = None
     model = args.model
@@ -375,7 +382,7 @@ def run(args) -> dict:
         engines.insert(1, (None, False, [0], False))
     configs = []  # (label, engine, k, adaptive): every engine stays up for the interleaved generation runs
     for engine_k, adaptive, mine, invariant in engines:
-        llm = _engine(model, engine_k, args, max(batch_sizes), adaptive, invariant)
+        llm = _engine(model, engine_k, args, sizes, adaptive, invariant)
         for k in mine:  # warm every shape this engine will run
             if not adaptive:
                 for batch in batch_sizes:
@@ -398,18 +405,26 @@ def run(args) -> dict:
         del llm
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    for temperature in temperatures:
+    reused = False
+    for s, temperature in ((s, t) for s in streams for t in temperatures):
         # Interleaved: each repeat runs every configuration in turn on its fresh prompts, so a
         # shared machine's load, which moves within minutes, weighs on all alike.
-        for _, llm, _, adaptive in configs:
+        count = s * -(-n // s)  # a repeat's prompts: whole groups of s
+        windows = [prompts[r * n:(r + 1) * n] if s == 1 else
+                   [prompts[(r * count + i) % len(prompts)] for i in range(count)] for r in range(args.repeats)]
+        reused |= s > 1 and count * args.repeats > len(prompts)  # prefix caching is off: no run inherits work
+        for label, llm, k, adaptive in configs:
+            if s > 1:  # the batches' prefill sizes, untimed (the single stream's were warmed above)
+                _generate(llm, k, temperature, windows[-1][:s], args, s)
             if adaptive:  # as a server meeting this workload afresh: step costs known, no acceptance
                 llm.engine.draft_policy.reset()
         runs = {label: [] for label, *_ in configs}
         for r in range(args.repeats):
             for label, llm, k, _ in configs:
-                runs[label].append(_generate(llm, k, temperature, prompts[r * n:(r + 1) * n], args))
+                runs[label].append(_generate(llm, k, temperature, windows[r], args, s))
         for label, llm, k, adaptive in configs:
-            generation[f"{label} T={temperature:g}"] = entry = _generation_entry(runs[label], k, temperature, adaptive)
+            generation[_key(label, temperature, s)] = entry = _generation_entry(runs[label], k, temperature, adaptive)
+            entry["streams"] = s
             if adaptive:  # what the draft policy chose, and the step costs and acceptance it chose from
                 policy = llm.engine.draft_policy
                 entry["final_k"] = policy.k
@@ -417,7 +432,7 @@ def run(args) -> dict:
                 entry["alphas"] = [round(a, 4) for a in policy.alphas]
                 entry["decode_costs_ms"] = {f"k={k} batch {b}": round(t * 1e3, 4)
                                             for (k, b), t in sorted(policy.costs.table.items())}
-            print(f"{label} T={temperature:g}: {entry['tok_s']} acceptance {entry['acceptance_per_position']} "
+            print(f"{_key(label, temperature, s)}: {entry['tok_s']} acceptance {entry['acceptance_per_position']} "
                   f"mean length {entry['mean_accepted_length']} k {entry.get('final_k', entry['k'])}"
                   + (f" chosen {entry['chosen_k']}" if adaptive else ""), flush=True)
     configs.clear()
@@ -428,10 +443,10 @@ def run(args) -> dict:
             entry = times[f"batch {b}"]
             entry["ratio_to_plain"] = round(entry["median"] / plain[f"batch {b}"]["median"], 3)
             entry["break_even_acceptance"] = break_even_acceptance(entry["ratio_to_plain"], k)
-    for temperature in temperatures:
-        base = generation[f"plain T={temperature:g}"]
+    for s, temperature in ((s, t) for s in streams for t in temperatures):
+        base = generation[_key("plain", temperature, s)]
         for label in [f"k={k}" for k in ks] + ["k=auto"]:
-            entry = generation[f"{label} T={temperature:g}"]
+            entry = generation[_key(label, temperature, s)]
             entry["speedup"] = round(entry["tok_s"]["median"] / base["tok_s"]["median"], 3)
             entry["speedup_min"] = round(entry["tok_s"]["min"] / base["tok_s"]["min"], 3)
             if temperature == 0:
@@ -441,25 +456,32 @@ def run(args) -> dict:
         cost = {"step_time_ratio": {f"batch {b}": round(plain[f"batch {b}"]["median"]
                                                        / step_time[DEFAULT_PLAIN][f"batch {b}"]["median"], 3)
                                     for b in batch_sizes},
-                "tok_s_ratio": {f"T={t:g}": round(generation[f"{DEFAULT_PLAIN} T={t:g}"]["tok_s"]["median"]
-                                                  / generation[f"plain T={t:g}"]["tok_s"]["median"], 3)
-                                for t in temperatures}}
+                "tok_s_ratio": {_key("", t, s).strip(): round(generation[_key(DEFAULT_PLAIN, t, s)]["tok_s"]["median"]
+                                                              / generation[_key("plain", t, s)]["tok_s"]["median"], 3)
+                                for s in streams for t in temperatures}}
         print(f"batch-invariant cost: {cost}", flush=True)
     for entry in generation.values():
         del entry["outputs"]
     result = {"benchmark": "mtp", "model": args.shape or args.model, "random_weights": bool(args.shape),
               "dtype": args.dtype, "draft_vocab_size": args.draft_vocab_size, "max_tokens": args.max_tokens, "repeats": args.repeats,
-              "prompts_per_repeat": n, "prompts": None if args.shape else held_out["about"],
+              "prompts_per_repeat": n, "prompts": None if args.shape else held_out["about"], "streams": streams,
+              "prompts_reused_across_repeats": reused,
               "enforce_eager": args.enforce_eager, "batch_invariant": args.batch_invariant,
               "batch_invariant_cost": cost, "env": environment(device),
               "step_time_s": step_time, "generation": generation, "profile_us": profile}
-    write_results(args.out, result, {"mtp": _figure(result, ks, batch_sizes, temperatures)} if args.out else {})
+    write_results(args.out, result, {"mtp": _figure(result, ks, batch_sizes, temperatures, streams[0])}
+                  if args.out else {})
     if scratch is not None:
         scratch.cleanup()
     return result
 
 
-def _figure(result, ks, batch_sizes, temperatures):
+def _key(label: str, temperature: float, streams: int) -> str:
+    """A generation entry's name: the single stream's as it always was, others' with their count."""
+    return f"{label} T={temperature:g}" + (f" streams {streams}" if streams > 1 else "")
+
+
+def _figure(result, ks, batch_sizes, temperatures, streams):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -482,7 +504,7 @@ def _figure(result, ks, batch_sizes, temperatures):
         gen = result["generation"]
         for temperature, style in zip(temperatures, ["-", "--", ":"]):
             for k in ks:
-                entry = gen[f"k={k} T={temperature:g}"]
+                entry = gen[_key(f"k={k}", temperature, streams)]
                 axes[1].plot(range(1, k + 1), entry["acceptance_per_position"], style, marker="o",
                              label=f"k={k} T={temperature:g} (mean len {entry['mean_accepted_length']:.2f})")
         axes[1].set(xlabel="draft position", ylabel="fraction accepted up to here", ylim=(0, 1.02),
@@ -492,10 +514,10 @@ def _figure(result, ks, batch_sizes, temperatures):
         for i, temperature in enumerate(temperatures):
             labels = ["plain"] + [f"k={k}" for k in ks]
             axes[2].bar([x + (i - (len(temperatures) - 1) / 2) * width for x in range(len(labels))],
-                        [gen[f"{label} T={temperature:g}"]["tok_s"]["median"] for label in labels], width,
+                        [gen[_key(label, temperature, streams)]["tok_s"]["median"] for label in labels], width,
                         label=f"T={temperature:g}")
             axes[2].set_xticks(range(len(labels)), labels)
-        axes[2].set(ylabel="decode tok/s (one stream, median)", title="decode speed")
+        axes[2].set(ylabel=f"decode tok/s ({streams} stream(s), median)", title="decode speed")
         axes[2].legend()
     fig.tight_layout()
     return fig

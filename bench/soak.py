@@ -26,7 +26,9 @@ also waits out the engine's background compile of its CPU decode steps, up to ha
 - latency: the p99 of the last tenth within 1.2x (`--p99-ratio`) of the first tenth's, ITL and
   TTFT, each tenth's p99 taken as the median of its slices' p99 (5 s slices, 10 s for the fewer
   TTFTs: a neighbour's burst on a shared machine moves a slice, a slowdown of the service moves
-  them all);
+  them all). A "tenth" spans at least one period of the long-prompt and the drain clocks (at
+  most half the measured period): a long prompt delays the TTFTs queued behind it, so windows
+  holding unequal numbers of them would differ by construction, not by drift;
 - no unexpected status, and the server alive to the end.
 """
 
@@ -416,10 +418,10 @@ def judge(samples, itl, ttft, start, warmup, load_s, idle_from, args):
     from jetserve.bench.common import median
 
     begin, end = warmup, load_s
-    tenth = (end - begin) / 10
+    tenth = min(max((end - begin) / 10, args.long_every, args.drain_every), (end - begin) / 2)
     first = [s for s in samples if begin <= s["t"] < begin + tenth]
     last = [s for s in samples if end - tenth <= s["t"] < end]
-    out, why = {"measured_s": [round(begin, 1), round(end, 1)]}, []
+    out, why = {"measured_s": [round(begin, 1), round(end, 1)], "tenth_s": round(tenth, 1)}, []
     passed = True
     for proc in ("server", "core"):
         key = "rss_%s_mb" % proc

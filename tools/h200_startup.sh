@@ -7,11 +7,16 @@
 #   tune    — `jetserve tune` for each shape and weight format: tables to ship, and the tuned cache
 #   phases  — where the engine core's start goes before the model loads (tools/startup_probe.py)
 #   mtp, binv — `bench mtp` on the demo: default drafting; the batch-invariant mode's cost
+#   mtps    — `bench mtp` on the demo, default drafting against plain at 1, 4, 8 and 32 streams
+#   ratio06 — `bench mtp --shape qwen3-0.6b`: the k=3 step against the plain step, batch 1
 #   quant, profile — `bench quant` (TPOT and kernels), `bench profile` (the 0.6B's step by kernel)
 #   decode  — `bench decode` batch 1: shipped table vs tuned tiles, interleaved, same run
 set -uo pipefail
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
+# Stages write under /tmp/res; after each one, everything so far is packed into $OUT/results.tgz
+# (the device tool brings back few files, and a call cut short by its limit keeps what it packed).
+FINAL=${OUT:-/tmp/out}
+OUT=/tmp/res
+mkdir -p "$OUT" "$FINAL"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || exit 1
 # PYTHONSAFEPATH: the working directory (the repo root, whose jetserve/ holds only the top package) never
@@ -58,8 +63,15 @@ quant)  # batch-1 TPOT through LLM(..., quantization=...) and the kernel table, 
 profile)  # where the 0.6B's batch-1 decode step goes, kernel by kernel (issue 30)
   timeout 120 $J bench profile --steps 20 --out "$OUT/profile" 2>&1 | tail -25
   ;;
-pack)  # the device tool brings back 8 files: everything in one
-  (cd "$OUT" && tar czf /tmp/results.tgz --exclude=results.tgz . && find . -mindepth 1 -delete && mv /tmp/results.tgz .)
+mtps)  # the default drafting against plain as a server meets 1, 4, 8 and 32 concurrent users
+  timeout 300 $J bench mtp --dtype bfloat16 --ks 3 --streams 1,4,8,32 --out "$OUT/mtp-streams" 2>&1 \
+    | grep -vE 'it/s|Writing|^\s*$' | tail -30
+  ;;
+ratio06)  # the 0.6B shape's k=3 step against its plain step, batch 1 (not batch-invariant)
+  timeout 200 $J bench mtp --shape qwen3-0.6b --dtype bfloat16 --ks 3 --batch-sizes 1 --out "$OUT/ratio-q06" 2>&1 \
+    | grep -E '^(plain|k=)|Error' | tail -6
+  ;;
+pack)  # every stage packs (below); kept so older command lines still run
   ;;
 start|start06)
   checkpoints
@@ -97,4 +109,5 @@ print('[decode] $shape $q', {k: v['1'] if isinstance(v, dict) and '1' in v else 
   done
   ;;
 esac
+(cd "$OUT" && tar czf "$FINAL/.results.tgz" . && mv "$FINAL/.results.tgz" "$FINAL/results.tgz")
 done

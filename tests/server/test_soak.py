@@ -5,10 +5,11 @@ shown failing.
 
 The load is bounded (two workers resting between requests, a long prompt every 20 s), so a busy
 2-core box keeps up. RSS, KV blocks at idle and every status are judged as in the hour; latency
-at 2x rather than 1.2x: the slices' medians shrug off a neighbour's burst, but not a neighbour
-that starts or stops its own work between the first and the last 15-second tenth of so short a
-run (1.3x seen here at a load average of 13 on 2 cores, with nothing drifting). The 1.2x rule
-itself is shown failing a 1.5x drift below, and the hour is judged by it."""
+at 3x rather than 1.2x: the slices' medians shrug off a neighbour's burst, but so short a run has
+only four TTFT slices a window, and a long prompt or a drain moves one of them (x1.45 seen here
+with nothing drifting, at a load average of 2 on 2 cores; x4.7 before a window spanned whole
+periods of those clocks). A 3x slowdown over three minutes still fails it; the 1.2x rule itself is
+shown failing a 1.5x drift below, and the hour is judged by it."""
 
 import json
 import subprocess
@@ -25,7 +26,7 @@ from tests.agent.conftest import REPO
 def test_three_minute_soak_of_the_mix_passes(tmp_path):
     out = subprocess.run([sys.executable, "-m", "jetserve.cli", "bench", "soak", "--minutes", "3", "--warmup", "30",
                           "--idle", "10", "--concurrency", "2", "--drain-every", "40", "--long-every", "20",
-                          "--max-tokens", "32", "--p99-ratio", "2", "--serve-flags=--enforce-eager",
+                          "--max-tokens", "32", "--p99-ratio", "3", "--serve-flags=--enforce-eager",
                           "--out", str(tmp_path)],
                          cwd=REPO, capture_output=True, timeout=840)
     result = json.loads((tmp_path / "result.json").read_text())
@@ -61,7 +62,7 @@ def _series(seconds=200, rss=(100.0, 100.0), kv_idle=0, itl=(0.01, 0.01), spike_
     return samples, itl_values
 
 
-ARGS = SimpleNamespace(rss_tolerance=0.05, p99_ratio=1.2)
+ARGS = SimpleNamespace(rss_tolerance=0.05, p99_ratio=1.2, long_every=15.0, drain_every=15.0)
 
 
 def _judge(samples, itl, ttft=None):
@@ -72,6 +73,20 @@ def test_a_flat_run_passes_and_one_slow_slice_does_not_fail_it():
     assert _judge(*_series())["passed"]
     samples, itl = _series(spike_at=175)  # a neighbour's burst in the last tenth: one ITL slice of four
     assert _judge(samples, itl, ttft=_series()[1])["passed"]
+
+
+def test_a_window_holds_whole_periods_of_the_clocks():
+    """TTFTs queued behind a long prompt every 20 s, nothing drifting: judged over 15-second
+    tenths, one window holds a long prompt and the other none (a 10x "drift" by construction);
+    windows of a whole drain period (40 s) hold two each and pass."""
+    samples, itl = _series()
+    ttft = [(t, 0.2 if (t - 5) % 20 < 2 else 0.02) for t, _ in itl]
+    args = SimpleNamespace(rss_tolerance=0.05, p99_ratio=2.0, long_every=20.0, drain_every=40.0)
+    verdict = judge(samples, itl, ttft, 0.0, 30.0, 180.0, 180.0, args)
+    assert verdict["passed"] and verdict["tenth_s"] == 40.0, verdict
+    args.long_every = args.drain_every = 1.0
+    verdict = judge(samples, itl, ttft, 0.0, 30.0, 180.0, 180.0, args)
+    assert not verdict["ttft_p99_ms"]["passed"] and verdict["tenth_s"] == 15.0, verdict
 
 
 @pytest.mark.parametrize("series, rule", [
