@@ -60,7 +60,9 @@ def _attend(acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table_row, start, hi, q_
     return acc, m_new, l_i * alpha + tl.sum(p, axis=1)
 
 
-@triton.jit
+# Not specialized on the values of what varies step to step: each (== 1, divisible by 16) class would
+# be a compile of its own, first met on a request's path.
+@triton.jit(do_not_specialize=["table_stride", "num_items"])
 def _prefill_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr, lse_ptr, tables_ptr, table_stride,
                               query_start_ptr, ctx_ptr, items_ptr, num_items, qk_scale, NUM_HEADS: tl.constexpr,
                               NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
@@ -105,7 +107,9 @@ def _prefill_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr
         tl.store(lse_ptr + slot, tl.where(seen, m_i + tl.math.log2(l_i), float("-inf")), mask=rows < q_len)
 
 
-@triton.jit
+# Not specialized on the values of what varies step to step: each (== 1, divisible by 16) class would
+# be a compile of its own, first met on a request's path.
+@triton.jit(do_not_specialize=["num_merges"])
 def _merge_pieces_kernel(part_ptr, lse_ptr, out_ptr, query_start_ptr, merges_ptr, num_merges,
                          NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
                          BLOCK_M: tl.constexpr):

@@ -158,7 +158,9 @@ def qk_norm_rope_store(qkv, q_weight, k_weight, cos, sin, slot_mapping, k_cache,
     return q
 
 
-@triton.jit
+# Not specialized on the values of what varies step to step: each (== 1, divisible by 16) class would
+# be a compile of its own, first met on a request's path.
+@triton.jit(do_not_specialize=["table_stride"])
 def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, ctx_ptr, rows_ptr, out_ptr, part_ptr,
                             lse_ptr, scale, table_stride, q_len, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                             NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
@@ -236,10 +238,11 @@ MAX_SPLITS = 16
 
 
 def _num_splits(programs: int, device: torch.device) -> int:
-    """Context splits per (token, kv head): enough programs to fill the GPU twice over. At batch 1
+    """Context splits per (token, kv head): enough programs to fill the GPU once to twice over. At batch 1
     a model has a handful of kv heads, and one program walking a whole context is latency bound."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-    return max(1, min(MAX_SPLITS, triton.cdiv(2 * sms, programs)))
+    # A power of two: SPLITS is a constexpr, and the warm-up compiles every count a step can bring.
+    return 1 << (min(MAX_SPLITS, triton.cdiv(2 * sms, programs)).bit_length() - 1)
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, context_lens, q_len: int, block_size: int,
@@ -323,7 +326,9 @@ def normalized(a, inv, norm_w_ptr, cols, k_mask, dtype: tl.constexpr):
     return (nw.to(tl.float32)[None, :] * y.to(tl.float32)).to(dtype)
 
 
-@triton.jit
+# M not specialized on its divisibility by 16, which varies step to step (a compile each class, first
+# met on a request's path); M == 1, plain decoding at batch 1, keeps a variant of its own.
+@triton.jit(do_not_specialize_on_alignment=["M"])
 def _skinny_matmul_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, out_ptr, res_out_ptr, M, N, K: tl.constexpr, eps,
                           NORM: tl.constexpr, ADD: tl.constexpr, SILU: tl.constexpr, DOT: tl.constexpr,
                           IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,

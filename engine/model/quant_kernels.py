@@ -37,7 +37,9 @@ def _as_float(q):
     return (q | 0x4B000000).to(tl.float32, bitcast=True)
 
 
-@triton.jit
+# M not specialized on its divisibility by 16, which varies step to step (a compile each class, first
+# met on a request's path); M == 1, plain decoding at batch 1, keeps a variant of its own.
+@triton.jit(do_not_specialize_on_alignment=["M"])
 def _quant_skinny_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, res_out_ptr, M, N,
                          K: tl.constexpr, eps, low_bits, NORM: tl.constexpr, ADD: tl.constexpr, SILU: tl.constexpr,
                          BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -299,7 +301,9 @@ def _dot16(w, a, INTERPRETED: tl.constexpr):
     return tl.dot(w, a)
 
 
-@triton.jit
+# M not specialized on its divisibility by 16, which varies step to step (a compile each class, first
+# met on a request's path); M == 1, plain decoding at batch 1, keeps a variant of its own.
+@triton.jit(do_not_specialize_on_alignment=["M"])
 def _quant_dot_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, res_out_ptr, M, N, K: tl.constexpr,
                       eps, NORM: tl.constexpr, ADD: tl.constexpr, SILU: tl.constexpr, BITS: tl.constexpr,
                       GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,

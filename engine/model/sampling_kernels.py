@@ -46,7 +46,9 @@ def _keep_best(score, v, vocab, best_score, best_index):
     return tl.where(take, value, best_score), tl.where(take, index, best_index)
 
 
-@triton.jit
+# Not specialized on the values of what varies step to step: each (== 1, divisible by 16) class would
+# be a compile of its own, first met on a request's path.
+@triton.jit(do_not_specialize=["position_offset", "rows_per_param"])
 def _race_kernel(logits_ptr, temperature_ptr, min_p_ptr, floor_ptr, seed_ptr, position_ptr, position_offset,
                  score_ptr, index_ptr, vocab, splits, rows_per_param, HAS_FLOOR: tl.constexpr,
                  V_BLOCK: tl.constexpr, CHUNK: tl.constexpr):

@@ -21,7 +21,9 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# Not specialized on the values of what varies step to step: each (== 1, divisible by 16) class would
+# be a compile of its own, first met on a request's path.
+@triton.jit(do_not_specialize=["batch", "width"])
 def _accept_chain_kernel(ids_ptr, target_ptr, positions_ptr, tables_ptr, ctx_ptr, x_ptr, res_ptr, cos_ptr, sin_ptr,
                          packed_ptr, x_out_ptr, res_out_ptr, chain_slot_ptr, chain_ctx_ptr, chain_cos_ptr,
                          chain_sin_ptr, batch, width, block_size, scratch_slot, packed_width,
@@ -167,7 +169,9 @@ def argmax_into(logits: torch.Tensor, out: torch.Tensor) -> None:
                                             V_BLOCK=min(4096, triton.next_power_of_2(logits.shape[1])))
 
 
-@triton.jit
+# Not specialized on the values of what varies step to step: each (== 1, divisible by 16) class would
+# be a compile of its own, first met on a request's path.
+@triton.jit(do_not_specialize=["width"])
 def _chain_inputs_kernel(flags_ptr, packed_ptr, ids_ptr, positions_ptr, slots_ptr, ctx_ptr, tables_ptr, width,
                          block_size, scratch_slot, Q: tl.constexpr, Q_PAD: tl.constexpr):
     b = tl.program_id(0)
