@@ -20,7 +20,7 @@ Also: `k=auto`, the default adaptive draft policy (up to the largest k), against
 at every temperature and every `--streams` count (s > 1: s requests at once, as a server meets
 s concurrent users; the engines capture a graph of exactly each such batch) — the 5% rule: drafting may never cost more than 5% of plain decoding's
 tokens a second — with the k's it chose over the run (`chosen_k`: steps per k, probes included)
-and the step costs it chose from (`decode_costs_ms` the device's, `host_costs_ms` the host's); and `profile`: where the time of a graphed k-draft step goes, each piece
+and the step-cost table it chose from (`decode_costs_ms`); and `profile`: where the time of a graphed k-draft step goes, each piece
 (verify forward, vocab projection + argmax, acceptance, MTP pass, draft heads, drafting
 steps) captured and replayed as its own CUDA graph, next to the whole step's graph and the
 plain decode graph (GPU with CUDA graphs only).
@@ -432,8 +432,6 @@ def run(args) -> dict:
                 entry["alphas"] = [round(a, 4) for a in policy.alphas]
                 entry["decode_costs_ms"] = {f"k={k} batch {b}": round(t * 1e3, 4)
                                             for (k, b), t in sorted(policy.costs.table.items())}
-                entry["host_costs_ms"] = {f"k={k} batch {b}": round(t * 1e3, 4)
-                                          for (k, b), t in sorted(policy.costs.host.items())}
             print(f"{_key(label, temperature, s)}: {entry['tok_s']} acceptance {entry['acceptance_per_position']} "
                   f"mean length {entry['mean_accepted_length']} k {entry.get('final_k', entry['k'])}"
                   + (f" chosen {entry['chosen_k']}" if adaptive else ""), flush=True)

@@ -39,7 +39,7 @@ from jetserve.engine.outputs import LogprobsLists
 from jetserve.engine.pipeline import Pipeline
 from jetserve.engine.prompts import check_prompt
 from jetserve.engine.protocol import ITERATION_TOKENS_BUCKETS, EngineStats, ModelInfo
-from jetserve.engine.runner import Launch, ModelRunner, SpeculativeLaunch, device_wait, log_import_time
+from jetserve.engine.runner import Launch, ModelRunner, SpeculativeLaunch, log_import_time
 from jetserve.engine.sampling_params import SamplingParams
 from jetserve.engine.scheduler import ScheduledBatch, Scheduler
 from jetserve.engine.sequence import Sequence, SequenceStatus
@@ -179,9 +179,6 @@ class EngineCore:
         self.spec_counters = SpecCounters()
         self._draft_view, self._draft_view_at = ([], [], [], []), -math.inf  # see stats()
         self.pipeline = Pipeline()
-        # The decode iteration under way, whose host work DecodeCosts learns from: (its drafts,
-        # its sequences, when it began, device_wait() then); None where it tells nothing.
-        self.iteration: tuple[int, int, float, float] | None = None
         self.requests: dict[str, Request] = {}  # by request id (a completion's, see child_request_id)
         self.num_requests_finished = 0
         self.num_reading_host = 0  # unfinished sequences whose steps read tokens or logits on the host
@@ -207,7 +204,6 @@ class EngineCore:
         # one drawn here, so unseeded runs of the same workload repeat under the engine's seed.
         seed = self._seeds.getrandbits(63) if params.seed is None else params.seed % 2**63
         seq = Sequence(request.request_id, ids, params, request.arrival_time, seed)
-        self.iteration = None  # the time between steps went to this request, not to a step
         self.requests[seq.request_id] = Request(seq)
         self.scheduler.add(seq)
         self.num_reading_host += reads_host(params)
@@ -223,7 +219,6 @@ class EngineCore:
     def abort(self, request: Abort) -> list[CoreOutput]:
         """Stop requests wherever they are and free their blocks (the front end's abort, or a
         stop string it found); each unfinished one's last output ends with "abort"."""
-        self.iteration = None
         return [self._finish(self.requests[rid], "abort", []) for rid in request.request_ids if rid in self.requests]
 
     def has_work(self) -> bool:
@@ -254,14 +249,10 @@ class EngineCore:
           there, `_chain`); any other step (prefill chunks, a batch that changes, a limit within
           reach) first catches up, then runs as one at a time."""
         pipe = self.pipeline
-        now = time.perf_counter()
-        self._observe_host(now)
         overlap = self.config.async_scheduling and not self.num_reading_host
         if pipe.in_flight is not None and not overlap:  # a sequence reads the host's tokens: catch up
             return self._receive(pipe.take())
         num_drafts = pipe.drafts(self.draft_policy, len(self.scheduler.running))
-        if self._decoding():
-            self.iteration = (num_drafts, len(self.scheduler.running), now, device_wait())
         previous = pipe.in_flight
         if overlap and (self.draft_policy is None or (
                 not num_drafts and not isinstance(previous, SpeculativeLaunch) and self.scheduler.decoding_only())):
@@ -284,22 +275,6 @@ class EngineCore:
             pipe.in_flight = self.runner.launch_speculative(batch, num_drafts)
             return []
         return self._execute(batch, num_drafts)
-
-    def _observe_host(self, now: float) -> None:
-        """The host's work in the iteration that ends now (DecodeCosts.observe_host)."""
-        if self.iteration is not None:
-            k, batch, began, waited = self.iteration
-            self.draft_policy.costs.observe_host(k, batch, now - began - (device_wait() - waited))
-            self.iteration = None
-
-    def _decoding(self) -> bool:
-        """Whether this iteration is one the draft policy chooses for, and so learns from: an
-        adaptive policy with a choice to make, every running sequence past its prompt, and none
-        waiting that could join (a prefill chunk would be in the step)."""
-        policy, s = self.draft_policy, self.scheduler
-        return (policy is not None and policy.adaptive and policy.costs is not None and not policy.hopeless
-                and bool(s.running) and not (s.waiting and len(s.running) < s.max_num_seqs)
-                and all(seq.num_computed_tokens >= seq.num_prompt_tokens for seq in s.running))
 
     def _schedule(self, num_drafts: int) -> ScheduledBatch:
         """The scheduler's next batch, with room for `num_drafts` drafts, and its stats: when each

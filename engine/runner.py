@@ -33,19 +33,6 @@ from jetserve.engine.spec_decode import (MTPProposer, chained_inputs, device_acc
 from jetserve.engine.step_cost import DecodeCosts, time_runs
 
 log = logging.getLogger(__name__)
-_device_wait = [0.0]  # seconds the host has spent waiting for step results (see device_wait)
-
-
-def device_wait() -> float:
-    """Seconds this process has waited, in all, for step results to reach the host: the engine
-    core subtracts it from an iteration's wall time to get the host's own work (DecodeCosts)."""
-    return _device_wait[0]
-
-
-def _synchronize(ready: torch.cuda.Event) -> None:
-    began = time.perf_counter()
-    ready.synchronize()
-    _device_wait[0] += time.perf_counter() - began
 
 
 def kv_reserve(config: EngineConfig, measure: Callable[[int, int], int]) -> int:
@@ -740,7 +727,7 @@ class Launch:
         if not self.seqs:
             return []
         if self.ready is not None:
-            _synchronize(self.ready)
+            self.ready.synchronize()
         return list(zip(self.seqs, self.tokens_on_host.tolist()))
 
 
@@ -763,5 +750,5 @@ class SpeculativeLaunch:
     def rows(self) -> list[list[int]]:
         """Wait for the result: a row a sequence."""
         if self.ready is not None:
-            _synchronize(self.ready)
+            self.ready.synchronize()
         return self.packed.tolist()

@@ -42,8 +42,6 @@ HUBER = 0.05
 # How much slower the flash kernel does a FLOP than the matmuls (bench/results/prefill-profile-h200):
 # only the prior's split between the two terms, which the data then corrects.
 ATTENTION_SLOWDOWN = 2.5
-HOST_WINDOW = 16  # DecodeCosts: iterations the host's estimate mostly remembers
-HOST_OUTLIER = 10.0  # DecodeCosts: an iteration this many times the host's estimate is a stall
 
 
 def tile_keys(q: int, ctx: int, block_m: int = PREFILL_BLOCK_M) -> int:
@@ -155,28 +153,16 @@ class StepCost:
 
 class DecodeCosts:
     """Seconds of a decode step by (k, batch bucket): k = 0 a plain decode, k >= 1 a speculative
-    step that verifies k drafts a sequence and proposes k (drafting steadily at k).
-
-    What a step costs is the larger of two times, as the async pipeline overlaps them:
-    - the device's (`table`): the runner measures it once it has captured its CUDA graphs or
-      compiled its CPU steps (`time_runs` on each graph's replay, or on the eager step where none
-      is captured), over padded inputs on the scratch block: a decode step of a small model
-      costs its weights and launches, not its context, so one context stands for all. A
-      (k, bucket) not measured costs infinity: never chosen.
-    - the host's (`host`): the engine loop's own work around such a step (scheduling, launching,
-      reading tokens, outputs: per token emitted, so it grows with the batch and the drafts
-      accepted), observed by the engine core as an iteration's wall time less the time it
-      waited for the device, a decayed mean per (k, bucket) over HOST_WINDOW iterations. Where
-      a small model decodes a large batch the host is the bottleneck, and a step that drafts
-      then costs it more than the device time says. An iteration over HOST_OUTLIER times the
-      estimate is a stall (a compile, a collector pause), not the step's cost, and is left out.
-      A k the host has not run yet at a bucket is taken to cost it what the largest k it ran
-      there did: optimistic, so the policy tries it once and then knows.
-    Not the step's wall time inside the pipeline, which mixes its neighbours into it."""
+    step that verifies k drafts a sequence and proposes k (drafting steadily at k). The runner
+    measures them once it has captured its CUDA graphs or compiled its CPU steps (`time_runs` on
+    each graph's replay, or on the eager step where none is captured), over padded inputs on the
+    scratch block: a decode step of a small model costs its weights and launches, not its
+    context, so one context stands for all. Measured, not timed online: a step inside the async
+    pipeline overlaps the host's work and its neighbours, and its wall time said more about the
+    pipeline than about the step. A (k, bucket) not measured costs infinity: never chosen."""
 
     def __init__(self, seconds: dict[tuple[int, int], float]):
         self.table: dict[tuple[int, int], float] = {}
-        self.host: dict[tuple[int, int], float] = {}
         self.buckets: list[int] = []
         self._pays: dict[int, bool] = {}
         self.update(seconds)
@@ -187,36 +173,17 @@ class DecodeCosts:
         self.buckets = sorted({b for _, b in self.table})
         self._pays.clear()
 
-    def bucket(self, batch: int) -> int | None:
-        """The bucket a step of `batch` sequences is padded to (the largest bucket past it: those
-        steps run eagerly, at least as slowly)."""
-        return self.buckets[min(bisect.bisect_left(self.buckets, batch), len(self.buckets) - 1)] if self.buckets \
-            else None
-
     def seconds(self, k: int, batch: int) -> float:
-        """T(k) for `batch` sequences: the device's time or the host's, the larger."""
-        b = self.bucket(batch)
-        device = self.table.get((k, b), math.inf)
-        host = self.host.get((k, b)) or max((t for (j, c), t in self.host.items() if c == b and j < k), default=0.0)
-        return max(device, host)
-
-    def observe_host(self, k: int, batch: int, seconds: float) -> None:
-        """One iteration of the engine loop around a decode step of `batch` sequences drafting k:
-        the host's work in it (see the class)."""
-        key = (k, self.bucket(batch))
-        if key[1] is None or key not in self.table or not 0 < seconds < math.inf:
-            return
-        known = self.host.get(key)
-        if known is None:
-            self.host[key] = seconds
-        elif seconds < HOST_OUTLIER * known:
-            self.host[key] = known + (seconds - known) / HOST_WINDOW
+        """T(k) for `batch` sequences: the bucket a step of that many is padded to (the largest
+        bucket past it: those steps run eagerly, at least as slowly)."""
+        i = min(bisect.bisect_left(self.buckets, batch), len(self.buckets) - 1)
+        return self.table.get((k, self.buckets[i]), math.inf) if self.buckets else math.inf
 
     def could_pay(self, k_max: int) -> bool:
-        """Whether some k <= k_max beats plain decoding on the device at some bucket if every
-        draft is accepted (k + 1 tokens a step): the host's work only adds to both."""
+        """Whether some k <= k_max beats plain decoding at some bucket if every draft is accepted
+        (k + 1 tokens a step)."""
         if k_max not in self._pays:
-            self._pays[k_max] = any((k + 1) * self.table.get((0, b), math.inf) > self.table.get((k, b), math.inf)
+            self._pays[k_max] = any((k + 1) * self.seconds(0, b) > self.seconds(k, b)
                                     for b in self.buckets for k in range(1, k_max + 1))
         return self._pays[k_max]
 

@@ -10,7 +10,7 @@ import pytest
 from jetserve.engine import LLM, SamplingParams
 from jetserve.engine.config import cpu_capture_sizes
 from jetserve.engine.draft_policy import MAX_PROBE_EVERY, MIN_PROBE_EVERY, PRIOR, PROBE_SHARE, DraftPolicy
-from jetserve.engine.step_cost import HOST_OUTLIER, HOST_WINDOW, DecodeCosts
+from jetserve.engine.step_cost import DecodeCosts
 from tests.engine.builders import build_drafting_model
 
 # A GPU's graphed steps (the demo's shape on the H200: a k=3 step about 1.6 plain ones), and a
@@ -140,38 +140,6 @@ def test_each_batch_reads_its_own_bucket():
     assert DecodeCosts({(0, 1): 1.0}).seconds(2, 1) == math.inf  # a step not measured is never chosen
 
 
-def test_the_host_s_work_prices_drafting_where_the_host_is_the_bottleneck():
-    """A small model at a large batch: the device's steps are cheap and the host's work per
-    token emitted is the step's cost. The device table alone says k = 3 pays at batch 32; with
-    the host's observed work (per token emitted, and a little more a draft) no k beats plain
-    there, while at batch 1, where the host's work is a fixed cost a step, drafting still pays."""
-    policy = with_acceptance([0.8, 0.8, 0.8])
-    policy.costs = table = costs(GPU, buckets=(1, 32))
-    assert policy.best(32) == 3 and policy.best(1) == 3
-    table.observe_host(0, 32, 32.0)  # a plain step's 32 tokens, 1.0 a token: over the device's 5.7
-    assert table.seconds(0, 32) == 32.0 and table.seconds(3, 32) == 32.0  # a k not seen: as the largest seen
-    assert policy.best(32) == 3  # optimistic: tried once...
-    for k in (1, 2, 3):
-        table.observe_host(k, 32, 32.0 * policy.expected_tokens(k) + 0.5 * k)
-    assert policy.best(32) == 0 and policy.next(32) == 0  # ...then known: off at batch 32
-    table.observe_host(0, 1, 4.0)  # batch 1: the host's fixed work, the same whatever k
-    assert table.seconds(3, 1) == 4.0 and policy.best(1) == 3
-    assert table.could_pay(3)  # whether drafting could ever pay is the device's question alone
-
-
-def test_the_host_s_estimate_decays_and_leaves_stalls_out():
-    table = costs(GPU, buckets=(1, 8))
-    table.observe_host(0, 8, 1.0)
-    table.observe_host(0, 8, HOST_OUTLIER * 1.0)  # a compile or a collector pause inside the iteration
-    assert table.host[0, 8] == 1.0
-    table.observe_host(0, 8, 3.0)
-    assert table.host[0, 8] == pytest.approx(1.0 + 2.0 / HOST_WINDOW)
-    table.observe_host(0, 5, 2.0)  # 5 sequences run in the bucket of 8
-    table.observe_host(7, 8, 1.0)  # a k the device never measured: never chosen, nothing to learn
-    table.observe_host(0, 1, float("nan"))
-    assert set(table.host) == {(0, 8)}
-
-
 def test_fixed_k_and_the_live_cap():
     policy = DraftPolicy(3, adaptive=False, costs=costs(CPU))
     assert [policy.next(1) for _ in range(5)] == [3] * 5 and not policy.hopeless
@@ -264,9 +232,6 @@ def test_demo_drafting_on_by_the_rule_decodes_as_plain(demo_plain):
     llm, policy = demo_drafting({0: 1e-3, 1: 1.05e-3, 2: 1.1e-3})
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == plain
     assert sum(policy.chosen[1:]) > 0 and llm.engine.stats().num_drafts > 0
-    # the host's work around the steps it chose, learnt from the iterations that decoded
-    assert policy.costs.host and all(0 < t < 1 for t in policy.costs.host.values())
-    assert {k for k, _ in policy.costs.host} <= {k for k, n in enumerate(policy.chosen) if n}
     measured, policy = demo_drafting()
     assert [o.outputs[0].token_ids for o in measured.generate(prompts, GREEDY, use_tqdm=False)] == plain
     if policy.hopeless:
