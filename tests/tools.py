@@ -38,3 +38,18 @@ def require_module(name, how=None):
         return importlib.import_module(name)
     except ImportError:
         missing("Python module %r" % name, how or "pip install -e '.[test]' installs it")
+
+
+def compile_for_gpus(*args: str, timeout: int = 280):
+    """`python -m tests.engine.hopper_compile ARGS` with Triton's interpreter off (its compiler
+    and ptxas, no GPU needed), from the repository root; its run, once it said it compiled."""
+    import subprocess
+    import sys
+
+    require_module("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", "tests.engine.hopper_compile", *args], env=env,
+                          capture_output=True, text=True, timeout=timeout,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+    return done

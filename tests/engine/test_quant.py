@@ -19,7 +19,7 @@ from jetserve.engine.model.checkpoint import Checkpoint, CheckpointError
 from jetserve.engine.config import QuantizationConfig
 
 from tests.engine.builders import build_qwen3, hf_greedy
-from tests.tools import require_module
+from tests.tools import compile_for_gpus, require_module
 
 
 # Every input dim a multiple of the group size 128.
@@ -357,32 +357,14 @@ def test_the_tile_cache_keeps_which_kernel_a_one_row_choice_runs(tmp_path):
 def test_quant_gemv_kernel_compiles_for_hopper():
     """Triton's compiler and ptxas (no GPU needed) take the one-row kernel's variants for sm_90:
     the interpreter the kernel tests run in is more lenient."""
-    import os
-    import subprocess
-    import sys
-
-    require_module("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-m", "tests.engine.hopper_compile", "quant"], env=env,
-                          capture_output=True, text=True, timeout=280,
-                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
-    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+    compile_for_gpus("quant")
 
 
 def test_quant_dot_kernel_compiles_for_hopper_and_orin():
     """Triton's compiler and ptxas take the tensor-core kernel's variants for sm_90 and sm_87 (no
     GPU needed), and its INT4 loop spends fewer instructions a weight than the FMA kernel's on
     both, within a few percent of what tiles/sass.json (the plan's projection) says it does."""
-    import os
-    import subprocess
-    import sys
-
-    require_module("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-m", "tests.engine.hopper_compile", "quant_dot"], env=env,
-                          capture_output=True, text=True, timeout=600,
-                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
-    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+    done = compile_for_gpus("quant_dot", timeout=600)
     counted = json.loads(plan_sass_path().read_text())["families"]
     for line in done.stdout.splitlines():
         if line.startswith("sass "):

@@ -20,7 +20,7 @@ import json
 from jetserve.engine import LLM, SamplingParams
 from jetserve.engine.spec_decode import verify
 from tests.engine.builders import add_tokenizer, build_drafting_model
-from tests.tools import require_module
+from tests.tools import compile_for_gpus, require_module
 
 
 @pytest.fixture(scope="module")
@@ -310,15 +310,7 @@ def test_draft_input_and_argmax_kernels_match_torch():
 def test_speculative_and_sampling_kernels_compile_for_hopper():
     """Triton's compiler and ptxas (no GPU needed) take every kernel a speculative or decode graph
     adds, for sm_90: the interpreter the other tests run them in is more lenient."""
-    import os
-    import subprocess
-    import sys
-
-    require_module("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-m", "tests.engine.hopper_compile"], env=env, capture_output=True,
-                          text=True, timeout=280, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
-    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+    compile_for_gpus()
 
 
 @torch.inference_mode()
