@@ -114,10 +114,7 @@ def _time_model(args, name, model_dir, hf, device, dtype, batches, bandwidth_gbp
     if "tuned" in args.tiles:  # the same engines with every tile timed at their start, timed first
         configs = [(f"{name}_tuned", dict(kwargs, tune_tiles=True)) for name, kwargs in configs
                    if not kwargs["enforce_eager"]] + ([] if "shipped" not in args.tiles else configs)
-    for config, kwargs in configs:
-        reset_peak(device)
-        out["configs"][config] = _time_engine(args, model_dir, device, batches, **kwargs)
-        out["peak_memory_MiB"][config] = _mib(peak_memory(device))
+    out["configs"] = _time_engines(args, model_dir, device, batches, configs, out["peak_memory_MiB"])
     if hf is not None and not args.no_hf:
         hf_batches = _ints(args.hf_batch_sizes) if args.hf_batch_sizes else batches
         reset_peak(device)
@@ -187,13 +184,8 @@ def _engine_tpot(engine, batch, prompt_len, steps, rng) -> float:
     return round(median(times) * 1e3, 4)
 
 
-def _time_engine(args, model_dir, device, batches, enforce_eager, plain=False, async_scheduling=False,
-                 tune_tiles=False) -> dict:
-    """TPOT (median engine step, ms) for each batch size; with graphs also the graph replay alone."""
+def _engine(args, model_dir, device, batches, enforce_eager, plain=False, async_scheduling=False, tune_tiles=False):
     import dataclasses
-
-    import torch
-    from tqdm import tqdm
 
     from jetserve.engine.llm_engine import LLMEngine
 
@@ -204,21 +196,46 @@ def _time_engine(args, model_dir, device, batches, enforce_eager, plain=False, a
                      tile_cache_dir=None if tune_tiles else "none")
     if plain:  # the plain torch path on the GPU: what the step costs without the fused kernels
         config = dataclasses.replace(config, fused_kernels=False, cuda_graphs=None)
-    engine = LLMEngine(config)
+    return LLMEngine(config)
+
+
+def _time_engines(args, model_dir, device, batches, configs, peak_mib: dict) -> dict:
+    """TPOT (median engine step, ms) of each config for each batch size, and with graphs the
+    graph replay alone: every engine built first (each one's own peak memory noted), then
+    `--repeats` rounds, each timing every batch size on every engine in turn with fresh prompts,
+    so a host that slows down during the run slows every config alike. Medians over the rounds,
+    with their min."""
+    import torch
+    from tqdm import tqdm
+
+    from jetserve.bench.common import median, peak_memory, reset_peak
+
+    engines = {}
+    for name, kwargs in configs:
+        reset_peak(device)
+        before = torch.cuda.memory_allocated(device)
+        engines[name] = _engine(args, model_dir, device, batches, **kwargs)
+        peak_mib[name] = _mib(peak_memory(device) - before)
     rng = torch.Generator().manual_seed(0)
-    tpot, replay = {}, {}
-    label = "plain torch" if plain else "eager" if enforce_eager else "graphs, async" if async_scheduling \
-        else "graphs"
-    for batch in tqdm(batches, desc=f"[decode] ours, {label}", unit="batch size"):
-        tpot[batch] = _engine_tpot(engine, batch, args.prompt_len, args.steps, rng)
-        graphs = engine.runner.graphs
-        if graphs:
-            replay[batch] = replay_ms(graphs, batch)
-    del engine
-    if not replay:
-        return tpot
-    overhead = {b: round(tpot[b] - ms, 4) for b, ms in replay.items() if ms is not None}
-    return {**tpot, "graph_replay_ms": replay, "step_overhead_ms": overhead}
+    tpot = {name: {b: [] for b in batches} for name in engines}
+    replay = {name: {b: [] for b in batches} for name in engines}
+    for _ in tqdm(range(max(1, args.repeats)), desc="[decode] ours, rounds over " + ", ".join(engines), unit="round"):
+        for batch in batches:
+            for name, engine in engines.items():
+                tpot[name][batch].append(_engine_tpot(engine, batch, args.prompt_len, args.steps, rng))
+                if engine.runner.graphs:
+                    replay[name][batch].append(replay_ms(engine.runner.graphs, batch))
+    out = {}
+    for name in engines:
+        out[name] = {b: median(runs) for b, runs in tpot[name].items()}
+        out[name]["min_ms"] = {b: min(runs) for b, runs in tpot[name].items()}
+        out[name]["runs_ms"] = tpot[name]
+        replays = {b: median(runs) for b, runs in replay[name].items() if runs and None not in runs}
+        if replays:
+            out[name]["graph_replay_ms"] = replays
+            out[name]["step_overhead_ms"] = {b: round(out[name][b] - ms, 4) for b, ms in replays.items()}
+    engines.clear()
+    return out
 
 
 def _time_cpu(args, model_dir, hf, batches) -> dict:

@@ -25,6 +25,7 @@ _count = 0
 _after_start = 0
 _any_started = False
 _installed = False
+_seen_reprs: dict[str, list[str]] = {}  # kernel name -> its specialisations so far (Triton's repr)
 
 
 def install() -> bool:
@@ -43,7 +44,7 @@ def install() -> bool:
         previous = runtime.jit_post_compile_hook
 
         def hook(*args, **kwargs):
-            _seen(kwargs.get("fn"))
+            _seen(kwargs.get("fn"), describe(kwargs.get("compile")))
             return previous(*args, **kwargs) if previous else None
 
         runtime.jit_post_compile_hook = hook
@@ -64,15 +65,50 @@ def starting() -> Iterator[None]:
         _any_started = True
 
 
-def _seen(fn) -> None:
+def _seen(fn, spec: str | None = None) -> None:
     global _count, _after_start
     late = _any_started and not getattr(_local, "starting", 0)
+    name = getattr(fn, "name", fn)
     with _lock:
         _count += 1
         _after_start += late
+        earlier = _seen_reprs.setdefault(str(name), [])
+        differs = specialisation_change(earlier, spec) if late and spec else ""
+        if spec:
+            earlier.append(spec)
     if late:
-        log.warning("kernel %s compiled while serving: a request waited for it (the start-up warm-up missed it)",
-                    getattr(fn, "name", fn))
+        log.warning("kernel %s compiled while serving: a request waited for it (the start-up warm-up missed it)%s",
+                    name, f"; new in this variant: {differs}" if differs else "")
+
+
+def describe(compile: dict | None) -> str | None:
+    """A variant as `name: type {attributes} = constant` per argument, from what Triton hands
+    its hook (signature, the attributes it specialised on, the constexprs); None if it hands
+    something else."""
+    try:
+        attrs, constants = (compile.get("configs") or [{}])[0], compile.get("constants") or {}
+        args = []
+        for i, (name, kind) in enumerate(compile["signature"].items()):
+            text = f"{name}: {kind}"
+            if attrs.get((i,)):
+                text += f" {attrs[(i,)]}"
+            if (i,) in constants:
+                text += f" = {constants[(i,)]}"
+            args.append(text)
+        return f"num_warps={compile.get('num_warps')}, num_stages={compile.get('num_stages')} | " + " | ".join(args)
+    except (AttributeError, KeyError, TypeError, IndexError):
+        return None
+
+
+def specialisation_change(earlier: list[str], spec: str) -> str:
+    """What sets a new variant apart from the nearest one compiled before (`describe`'s fields),
+    so a miss names the argument that caused it."""
+    new = spec.split(" | ")
+    best = min((e.split(" | ") for e in earlier), key=lambda old: sum(a != b for a, b in zip(old, new)),
+               default=None)
+    if best is None or len(best) != len(new):
+        return spec[:400]
+    return "; ".join(f"{b} (was {a})" for a, b in zip(best, new) if a != b)[:400]
 
 
 def count() -> int:

@@ -163,7 +163,7 @@ class EngineCore:
     in columns). It knows no text and no parent requests: a request for n completions is n
     requests here. `add`, `abort` and `call` apply the messages above between steps."""
 
-    def __init__(self, config: EngineConfig, on_status=None):
+    def __init__(self, config: EngineConfig, on_status=None, defer_capture: bool = False):
         if config.backend != "torch":
             raise ValueError(f"backend {config.backend!r}: this engine is the torch backend (see open_engine)")
         refuse_if_it_cannot_fit(config)  # here, in the process that will hold the model (and the GPU)
@@ -171,7 +171,8 @@ class EngineCore:
         # The core's tokenizer only gives EOS ids and bad words' ids: text is the front end's.
         self.tokenizer = Tokenizer.from_pretrained(config.model) if config.has_tokenizer else None
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) if self.tokenizer else frozenset()
-        self.runner = ModelRunner(config, progress=on_status)
+        # A served core leaves what only speeds up prefill steps for its idle moments (ModelRunner.capture_deferred).
+        self.runner = ModelRunner(config, progress=on_status, defer_capture=defer_capture)
         self.scheduler = Scheduler(config, self.runner.num_blocks)
         spec = config.speculative
         self.draft_policy = (DraftPolicy(spec.num_speculative_tokens, spec.adaptive, self.runner.decode_costs,
@@ -491,7 +492,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         outbox.send(encode(message), copy=False)
 
     try:
-        core = EngineCore(config, on_status=lambda text: send(Status(text)))
+        core = EngineCore(config, on_status=lambda text: send(Status(text)), defer_capture=True)
     except BaseException as exc:  # noqa: BLE001 - reported to the front end, which decides
         send(Failed(f"{type(exc).__name__}: {exc}"))
         outbox.close(linger=5000)
@@ -503,9 +504,11 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     send(Ready(core.model_info, core.stats()))
     try:
         while True:
-            if not core.has_work() and not inbox.poll(IDLE_TICK * 1000):
+            if not core.has_work() and not inbox.poll(0 if core.runner.deferred else IDLE_TICK * 1000):
                 if os.getppid() != parent:
                     return
+                if core.runner.deferred:
+                    core.runner.capture_deferred()
                 send(Outputs([], core.stats()))  # the heartbeat
                 continue
             outputs: list[CoreOutput] = []

@@ -95,10 +95,10 @@ class StagedInputs:
 
 
 def _capture(todo: list, step: Callable, num_warmup: int, pool, describe: Callable[[tuple], str],
-             progress: Callable[[str], None] | None) -> dict:
+             progress: Callable[[str], None] | None, before: Callable | None = None) -> dict:
     """Capture `step(*key)` for each key (largest first) into the shared pool, each after
-    `num_warmup` eager runs. A key whose capture fails is left out (its steps run eagerly) and
-    the engine still starts. Returns {key: (graph, step's output)}."""
+    `before(*key)` and `num_warmup` eager runs. A key whose capture fails is left out (its steps
+    run eagerly) and the engine still starts. Returns {key: (graph, step's output)}."""
     captured = {}
     # With `progress` (the service's log records) no bar beside them; without, a terminal's bar.
     for i, key in enumerate(tqdm(todo, desc="capturing CUDA graphs", unit="graph", leave=False,
@@ -106,6 +106,8 @@ def _capture(todo: list, step: Callable, num_warmup: int, pool, describe: Callab
         if progress:
             progress(f"capturing CUDA graphs {i + 1}/{len(todo)}")
         try:
+            if before is not None:
+                before(*key)
             for _ in range(num_warmup):
                 step(*key)
             torch.cuda.empty_cache()  # the warm-ups' memory, for the graph's private pool
@@ -358,6 +360,8 @@ class MixedStepGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.greedy: dict[int, torch.Tensor] = {}
         self.mtp_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pending = sorted(self.sizes, reverse=True)  # buckets not yet captured, largest first
+        self._captured_s = self._captured_mib = 0.0
 
     def max_items(self, tokens: int) -> int:
         """Flash-kernel work items a step of `tokens` tokens over up to max_seqs sequences may
@@ -417,24 +421,36 @@ class MixedStepGraphs:
                 self.mtp_step(tokens)
 
     @torch.inference_mode()
-    def capture(self, pool, progress: Callable[[str], None] | None = None) -> None:
+    def capture(self, pool, progress: Callable[[str], None] | None = None, count: int | None = None) -> bool:
+        """Capture the `count` largest buckets not yet captured (all by default), each with its
+        MTP pass; True while some remain. Each bucket's static inputs are an empty step of its
+        size first, so the runs of a capture made while serving write the scratch slot, not a
+        live sequence's KV from the last step staged."""
+        todo = self.pending[:count] if count is not None else self.pending
+        self.pending = self.pending[len(todo):]
         start, reserved = time.perf_counter(), torch.cuda.memory_reserved()
-        captured = _capture([(tokens,) for tokens in sorted(self.sizes, reverse=True)], self.step, self.num_warmup,
-                            pool, lambda key: f"a mixed step of {key[0]} tokens", progress)
+        captured = _capture([(tokens,) for tokens in todo], self.step, self.num_warmup, pool,
+                            lambda key: f"a mixed step of {key[0]} tokens", progress, before=self._stage_empty)
         for (tokens,), (graph, greedy) in captured.items():
             self.graphs[tokens], self.greedy[tokens] = graph, greedy
         if self.hidden is not None:  # a bucket without its MTP pass graph runs eagerly
-            mtp = _capture([(tokens,) for tokens in sorted(self.graphs, reverse=True)], self.mtp_step,
-                           self.num_warmup, pool, lambda key: f"the MTP pass of a mixed step of {key[0]} tokens",
-                           progress)
+            mtp = _capture([key for key in captured], self.mtp_step, self.num_warmup, pool,
+                           lambda key: f"the MTP pass of a mixed step of {key[0]} tokens", progress,
+                           before=self._stage_empty)
             for (tokens,), (graph, _) in mtp.items():
                 self.mtp_graphs[tokens] = graph
-            for tokens in set(self.graphs) - set(self.mtp_graphs):
+            for (tokens,) in set(captured) - set(mtp):
                 del self.graphs[tokens]
         torch.cuda.synchronize()
-        log.info("CUDA graphs of mixed steps: %d of %d captured in %.1f s (tokens %s), %.0f MiB", len(self.graphs),
-                 len(self.sizes), time.perf_counter() - start, ",".join(map(str, self.sizes)),
-                 (torch.cuda.memory_reserved() - reserved) / 2**20)
+        self._captured_s += time.perf_counter() - start
+        self._captured_mib += (torch.cuda.memory_reserved() - reserved) / 2**20
+        if not self.pending:
+            log.info("CUDA graphs of mixed steps: %d of %d captured in %.1f s (tokens %s), %.0f MiB", len(self.graphs),
+                     len(self.sizes), self._captured_s, ",".join(map(str, self.sizes)), self._captured_mib)
+        return bool(self.pending)
+
+    def _stage_empty(self, bucket: int) -> None:
+        self.stage(bucket, [], [], [], [], [], [])
 
     def stage(self, bucket: int, ids: list[int], positions: list[int], q_lens: list[int], ctx_lens: list[int],
               tables: list[list[int]], sample_at: list[int]) -> None:

@@ -123,8 +123,10 @@ class ModelRunner:
     programs. No phase times a kernel tile: the tiles come from tables (tile_tables.py), unless
     the engine was built to tune them (`jetserve tune`)."""
 
-    def __init__(self, config: EngineConfig, progress: Callable[[str], None] | None = None):
+    def __init__(self, config: EngineConfig, progress: Callable[[str], None] | None = None,
+                 defer_capture: bool = False):
         self.config = config
+        self.defer_capture = defer_capture
         self.device = torch.device(config.device)
         self.dtype = torch_dtype(config.dtype)
         self.block_size = config.block_size
@@ -246,10 +248,29 @@ class ModelRunner:
                 for graphs in (self.mixed, self.graphs):
                     if graphs is not None:
                         graphs.dry_run()
-        if self.mixed is not None:
+        self._pool = pool
+        if self.mixed is not None and not (self.defer_capture and not self.kernels.tile_timing):  # tuning: now
             self.mixed.capture(pool, self.progress)
+        elif self.mixed is not None:
+            log.info("CUDA graphs of mixed steps: %d buckets left for after start-up (captured while idle; "
+                     "until then such steps run eagerly)", len(self.mixed.pending))
         self.graphs.capture(pool, self.progress)
         self.kernels.freeze()
+
+    @property
+    def deferred(self) -> bool:
+        """Start-up work left for after the engine serves (`defer_capture`)."""
+        return self.mixed is not None and bool(self.mixed.pending)
+
+    def capture_deferred(self) -> bool:
+        """One piece of the work `defer_capture` left: the largest mixed-step graph not yet
+        captured, with its MTP pass; True while more remain. A served engine calls it only while
+        it has no request, so a capture delays at most a request that arrives during it. Why
+        defer: those graphs only make prefill steps cheaper, and capturing them is the longest
+        part of a warm start; every kernel they launch was compiled before SERVING (the dry
+        pass), so a capture here compiles nothing."""
+        with torch.inference_mode():
+            return self.mixed.capture(self._pool, lambda _: None, count=1)
 
     def _row_counts(self) -> list[int]:
         """The skinny-matmul row counts (powers of two) this engine's steps bring: with every

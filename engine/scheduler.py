@@ -55,6 +55,8 @@ class Scheduler:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
         self.chunked = config.enable_chunked_prefill
+        # Steps replay captured (CUDA) or compiled (CPU) programs, which exist for uniform steps only.
+        self.uniform_drafts = config.cuda_graphs is not None or config.cpu_compile is not None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is preempted first
         self.num_preemptions = 0
@@ -103,9 +105,27 @@ class Scheduler:
             self.running.append(seq)
             batch.add(seq, n)
             budget -= n
+        if self.uniform_drafts and batch:
+            self._uniform_drafts(batch)
         if self.step_cost and batch:
             batch.cost_features, batch.scheduled_at = self._features(batch), time.perf_counter()
         return batch
+
+    @staticmethod
+    def _uniform_drafts(batch: ScheduledBatch) -> None:
+        """Every sequence of a step verifies as many drafts: the fewest any of them has (none
+        beside a prefill chunk or a sequence that has no drafts yet), the rest dropped. Why: a
+        graphed engine has a program for each uniform step, and any other step runs eagerly,
+        launch by launch and outside the async pipeline, at the cost of many plain steps; a
+        dropped draft is only a guess, so the tokens stay the same and the loss is one step's
+        expected gain. A step of such sequences without drafts then proposes for all of them."""
+        counts = [len(seq.spec_token_ids) if n == 1 + len(seq.spec_token_ids) and seq.num_uncomputed_tokens == 1
+                  else 0 for seq, n in zip(batch.seqs, batch.num_tokens)]
+        fewest = min(counts)
+        for i, (seq, count) in enumerate(zip(batch.seqs, counts)):
+            if count > fewest:
+                del seq.spec_token_ids[fewest:]
+                batch.num_tokens[i] -= count - fewest
 
     def decoding_only(self) -> bool:
         """Every running sequence decodes one token without drafts, and no waiting one could join:

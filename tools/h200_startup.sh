@@ -11,6 +11,7 @@
 #   ratio06 — `bench mtp --shape qwen3-0.6b`: the k=3 step against the plain step, batch 1
 #   quant, profile — `bench quant` (TPOT and kernels), `bench profile` (the 0.6B's step by kernel)
 #   decode  — `bench decode` batch 1: shipped table vs tuned tiles, interleaved, same run
+#   gputests — the GPU tests named in $TESTS
 set -uo pipefail
 # Stages write under /tmp/res; after each one, everything so far is packed into $OUT/results.tgz
 # (the device tool brings back few files, and a call cut short by its limit keeps what it packed).
@@ -64,14 +65,19 @@ profile)  # where the 0.6B's batch-1 decode step goes, kernel by kernel (issue 3
   timeout 120 $J bench profile --steps 20 --out "$OUT/profile" 2>&1 | tail -25
   ;;
 mtps)  # the default drafting against plain as a server meets 1, 4, 8 and 32 concurrent users
-  timeout 300 $J bench mtp --dtype bfloat16 --ks 3 --streams ${STREAMS:-1,4,8,32} --temperatures ${TEMPS:-0,0.7} --out "$OUT/mtp-streams" > "$OUT/mtp-streams.log" 2>&1
+  timeout 300 $J bench mtp --dtype bfloat16 --ks 3 --streams ${STREAMS:-1,4,8,32} --temperatures ${TEMPS:-0,0.7} \
+    --repeats ${REPEATS:-3} --out "$OUT/mtp-streams" > "$OUT/mtp-streams.log" 2>&1
   grep -E 'compiled while serving|Error' "$OUT/mtp-streams.log" | sort | uniq -c | head -12
   python3 -c "import json; g=json.load(open('$OUT/mtp-streams/result.json'))['generation']
-for k, v in g.items(): print('[mtp]', k, v['tok_s']['median'], v['tok_s']['min'], v.get('speedup'), v.get('speedup_min'), v.get('chosen_k', ''))"
+for k, v in g.items(): print('[mtp]', k, v['tok_s']['median'], v['tok_s']['min'], v.get('speedup'), v.get('speedup_min'), v.get('speedup_paired'), v.get('chosen_k', ''))"
   ;;
 ratio06)  # the 0.6B shape's k=3 step against its plain step, batch 1 (not batch-invariant)
   timeout 200 $J bench mtp --shape qwen3-0.6b --dtype bfloat16 --ks 3 --batch-sizes 1 --out "$OUT/ratio-q06" 2>&1 \
     | grep -E '^(plain|k=)|Error' | tail -6
+  ;;
+gputests)  # the GPU-marked tests of $TESTS (default: the CUDA graph tests), their log kept
+  timeout 300 python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/engine/test_cuda_graphs.py} > "$OUT/gpu-tests.log" 2>&1
+  grep -E "passed|failed|Error" "$OUT/gpu-tests.log" | tail -8
   ;;
 pack)  # every stage packs (below); kept so older command lines still run
   ;;
@@ -86,11 +92,11 @@ start|start06)
       --out "$OUT/startup-$name" 2>&1 | grep -E '^\[startup\]|Error|error' ; cp "$W/$name"/serve-*.log "$OUT/startup-$name/" 2>/dev/null
   done
   ;;
-tune)
+tune)  # $TUNE: "shape|flags;shape|flags" (default: both shapes in bf16, INT8 and INT4)
   checkpoints
+  IFS=';' read -r -a TUNES <<<"${TUNE:-qwen3-0.6b|;qwen3-4b|;qwen3-4b|--quantization int4;qwen3-4b|--quantization int8;qwen3-0.6b|--quantization int4;qwen3-0.6b|--quantization int8}"
   export JETSERVE_CACHE_DIR=$W/tuned TRITON_CACHE_DIR=$W/triton
-  for spec in "qwen3-0.6b|" "qwen3-4b|" "qwen3-4b|--quantization int4" "qwen3-4b|--quantization int8" \
-              "qwen3-0.6b|--quantization int4" "qwen3-0.6b|--quantization int8"; do
+  for spec in "${TUNES[@]}"; do
     IFS='|' read -r shape flags <<<"$spec"
     model=$W/ckpt/$shape
     began=$(date +%s)
@@ -106,9 +112,10 @@ decode)  # after tune: its tile cache is what "tuned" reads
     IFS='|' read -r shape q <<<"$spec"
     timeout 300 $J bench decode --model "$W/ckpt/$shape" --batch-sizes 1 --steps 64 --repeats 3 --no-hf --only ours_graphs \
       --tiles tuned shipped ${q:+--quantization $q} --out "$OUT/decode-$shape${q:+-$q}" 2>&1 | grep -E 'Error|error'
-    python3 -c "import json,sys; r=json.load(open('$OUT/decode-$shape${q:+-$q}/result.json'))['models']['model']['configs'];
-print('[decode] $shape $q', {k: v['1'] if isinstance(v, dict) and '1' in v else v.get(1) for k, v in r.items() if k.startswith('ours')})"
+    python3 -c "import json,sys; r=json.load(open('$OUT/decode-$shape${q:+-$q}/result.json'))['models']['$shape']['configs'];
+[print('[decode] $shape $q', k, 'TPOT median', v['1'], 'min', v['min_ms']['1'], 'replay', v.get('graph_replay_ms', {}).get('1')) for k, v in r.items() if k.startswith('ours')]"
   done
+  cp "$JETSERVE_CACHE_DIR"/tiles/*.json "$OUT/" 2>/dev/null
   ;;
 esac
 (cd "$OUT" && tar czf "$FINAL/.results.tgz" . && mv "$FINAL/.results.tgz" "$FINAL/results.tgz")

@@ -42,6 +42,23 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
+ALIGN_INT32 = 4  # 16 bytes: what Triton specializes a pointer argument on
+
+
+def pack_int32(parts: list[list[int]], device: torch.device) -> list[torch.Tensor]:
+    """Lists of ints as int32 views of one buffer, sent in one host-to-device copy, each view
+    starting 16 bytes aligned. Triton compiles a kernel variant per pointer alignment, so views
+    at offsets that follow the step's shape would meet, while serving, variants the start-up
+    warm-up never compiled."""
+    flat, bounds = [], []
+    for part in parts:
+        bounds.append((len(flat), len(flat) + len(part)))
+        flat += part
+        flat += [0] * (-len(flat) % ALIGN_INT32)
+    packed = to_device(torch.tensor(flat, dtype=torch.int32), device)
+    return [packed[lo:hi] for lo, hi in bounds]
+
+
 @dataclass
 class SdpaGroup:
     """Sequences attended together: queries padded to the group's longest, keys to its longest context."""
@@ -138,12 +155,10 @@ class AttentionMetadata:
                  device: torch.device, q_lens: list[int] | None = None) -> AttentionMetadata:
         width = max(len(t) for t in block_tables)
         slots = slot_mapping(block_tables, ctx_lens, q_lens or [q_len] * len(ctx_lens), block_size)
-        tables = [t + [0] * (width - len(t)) for t in block_tables]
-        # One host-to-device copy for all three.
-        packed = to_device(torch.tensor(slots + ctx_lens + [x for t in tables for x in t], dtype=torch.int32), device)
-        n, b = len(slots), len(ctx_lens)
-        return AttentionMetadata(slot_mapping=packed[:n], context_lens=packed[n:n + b],
-                                 block_tables=packed[n + b:].view(b, width), q_len=q_len,
+        tables = [x for t in block_tables for x in t + [0] * (width - len(t))]
+        slot_mapping_t, context_lens, tables_t = pack_int32([slots, ctx_lens, tables], device)
+        return AttentionMetadata(slot_mapping=slot_mapping_t, context_lens=context_lens,
+                                 block_tables=tables_t.view(len(ctx_lens), width), q_len=q_len,
                                  block_size=block_size)
 
     @staticmethod
@@ -154,17 +169,12 @@ class AttentionMetadata:
         starts = [0, *accumulate(q_lens)]
         items, merges = prefill_plan(q_lens, ctx_lens, split_items)
         tables = [x for t in block_tables for x in t + [0] * (width - len(t))]
-        # One host-to-device copy for all of them.
-        packed = to_device(torch.tensor(slots + ctx_lens + starts + sum(items, []) + sum(merges, []) + tables,
-                                        dtype=torch.int32), device)
-        n, b, k, m = len(slots), len(ctx_lens), len(items[0]), len(merges[0])
-        at = n + 2 * b + 1
-        merges_at, tables_at = at + 5 * k, at + 5 * k + 4 * m
-        work = PrefillWork(items=packed[at:merges_at].view(5, k), merges=packed[merges_at:tables_at].view(4, m),
+        slots_t, ctx_t, starts_t, items_t, merges_t, tables_t = pack_int32(
+            [slots, ctx_lens, starts, sum(items, []), sum(merges, []), tables], device)
+        work = PrefillWork(items=items_t.view(5, len(items[0])), merges=merges_t.view(4, len(merges[0])),
                            num_parts=sum(merges[3]))
-        return AttentionMetadata(slot_mapping=packed[:n], context_lens=packed[n:n + b],
-                                 query_start_loc=packed[n + b:at], prefill=work,
-                                 block_tables=packed[tables_at:].view(b, width), block_size=block_size)
+        return AttentionMetadata(slot_mapping=slots_t, context_lens=ctx_t, query_start_loc=starts_t, prefill=work,
+                                 block_tables=tables_t.view(len(ctx_lens), width), block_size=block_size)
 
 
 @dataclass

@@ -202,6 +202,48 @@ def test_mixed_steps_graphed_equal_transformers(checkpoint, budget):
 
 @gpu
 @pytest.mark.gpu
+def test_a_served_core_captures_its_mixed_step_graphs_when_idle(checkpoint):
+    """`jetserve serve`'s core (defer_capture) reaches SERVING with the decode graphs only; its
+    prefill steps run eagerly meanwhile, each idle turn captures one mixed-step bucket, compiling
+    nothing, and afterwards the prefills replay those graphs: transformers' tokens throughout,
+    prompts that hit the prefix cache of the earlier requests included."""
+    from jetserve.engine import EngineArgs, compile_watch
+    from jetserve.engine.core import AddRequest, EngineCore
+    from jetserve.engine.prompts import token_array
+
+    path, hf_model = checkpoint
+    config = EngineArgs(model=str(path), device="cuda", max_num_seqs=8, dtype="float32",
+                        max_num_batched_tokens=64).resolve()
+    core = EngineCore(config, defer_capture=True)
+    runner = core.runner
+    assert runner.deferred and not runner.mixed.graphs and runner.graphs.graphs
+
+    def generate_all(prompts):
+        for i, p in enumerate(prompts):
+            core.add(AddRequest(f"r{len(core.requests)}-{i}", token_array(p), GREEDY, 0.0))
+        ids = list(core.requests)
+        tokens = {rid: [] for rid in ids}
+        while core.has_work():
+            for out in core.step():
+                tokens[out.request_id] += out.token_ids
+        return [tokens[rid] for rid in ids]
+
+    prompts = PROMPTS + [list(range(3, 120))]
+    reference = [hf_greedy(hf_model, p, GREEDY.max_tokens) for p in prompts]
+    assert generate_all(prompts) == reference
+    compiled, captures = compile_watch.count(), 0
+    while runner.capture_deferred():
+        captures += 1
+    assert captures + 1 == len(runner.mixed.sizes) and set(runner.mixed.graphs) == set(runner.mixed.sizes)
+    assert compile_watch.count() == compiled
+    buckets, replay = [], runner.mixed.replay
+    runner.mixed.replay = lambda bucket, n: buckets.append(bucket) or replay(bucket, n)
+    assert generate_all(prompts) == reference  # the same prompts: prefix-cache hits on blocks written before
+    assert buckets and core.scheduler.blocks.num_used == 0
+
+
+@gpu
+@pytest.mark.gpu
 def test_enforce_eager_captures_nothing(checkpoint):
     llm, _ = generate(checkpoint[0], PROMPTS[:1], enforce_eager=True)
     assert llm.engine.runner.graphs is None and llm.engine.model_info.cuda_graphs is False

@@ -76,6 +76,27 @@ def test_mixed_step_on_static_inputs_equals_eager(tmp_path, monkeypatch):
 
 
 @torch.inference_mode()
+def test_a_capture_made_while_serving_writes_only_the_scratch_block(tmp_path):
+    """A served engine captures its mixed-step graphs when idle, after real steps were staged:
+    each bucket's capture first stages an empty step, so its runs write the scratch block and
+    not the slots of the step staged last, which another sequence's KV may fill by then."""
+    build_qwen3(tmp_path, **SMALL)
+    model, cache = fused_model(tmp_path, FusedKernels(tile_timing=False))
+    mixed = MixedStepGraphs(model, cache, (16, 32), max_seqs=5, width=8, block_size=BLOCK_SIZE,
+                            scratch_block=NUM_BLOCKS, num_warmup=0, split_items=4)
+    q_lens, ctx_lens, tables = [9, 1], [9, 40], [[0], [4, 5, 6]]
+    mixed.stage(16, *step_lists(q_lens, ctx_lens, tables)[:2], q_lens, ctx_lens, tables, [8, 9])
+    mixed.step(16)
+    live = slice(0, NUM_BLOCKS * BLOCK_SIZE)
+    cache[:, :, live] = torch.randn_like(cache[:, :, live])  # the blocks went to other sequences
+    before = cache.clone()
+    for bucket in mixed.pending:  # what capture() runs before each bucket's warm-ups and capture
+        mixed._stage_empty(bucket)
+        mixed.step(bucket)
+    assert torch.equal(cache[:, :, live], before[:, :, live])
+
+
+@torch.inference_mode()
 def test_start_up_tuning_leaves_no_untuned_shape(tmp_path):
     """After `tune_kernels` and `freeze`, no step brings a skinny-matmul shape that would be timed
     lazily: decode and verify batches of every size (a shape is keyed by its rows' power of two),
