@@ -55,8 +55,8 @@ class Scheduler:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
         self.chunked = config.enable_chunked_prefill
-        # Steps replay captured (CUDA) or compiled (CPU) programs, which exist for uniform steps only.
-        self.uniform_drafts = config.cuda_graphs is not None or config.cpu_compile is not None
+        # Speculative steps replay CUDA graphs, which exist for uniform steps only (a CPU's run eagerly).
+        self.uniform_drafts = config.cuda_graphs is not None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is preempted first
         self.num_preemptions = 0

@@ -22,14 +22,19 @@ import grpc
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
 from jetserve import fdbudget
 from jetserve.server.errors import RpcError, status_for
-from jetserve.server.guard import check_room, tokenized
+from jetserve.engine.prompts import token_array
+from jetserve.server.guard import MAX_MESSAGE_BYTES, check_room, tokenized
 from jetserve.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 
+# What gRPC takes in a message, in JSON's longer spelling of token ids (~7 bytes an id against ~3).
+MAX_BODY_BYTES = 4 * MAX_MESSAGE_BYTES
+CLIENT_CLOSED = 499  # nginx's "client closed request": logged, never read by the client that left
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
     grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
@@ -140,10 +145,9 @@ def create_app(server) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
-        if first.get("type") == "json_invalid":  # its loc is a character offset, not a field
-            at = first.get("loc", (None, None))[-1]
-            return error_response(400, "invalid_request_error", "the request body is not valid JSON: %s (at character %s)"
-                                  % (first.get("ctx", {}).get("error", "decode error"), at))
+        if first.get("type") == "json_invalid":  # no field to name: where the JSON broke
+            return error_response(400, "invalid_request_error", "the request body is not valid JSON: %s"
+                                  % first.get("ctx", {}).get("error", "decode error"))
         where = ".".join(str(part) for part in first.get("loc", ())[1:])
         return error_response(400, "invalid_request_error", "%s: %s" % (where or "body", first.get("msg", "invalid")),
                               where or None)
@@ -171,19 +175,22 @@ def create_app(server) -> FastAPI:
         return model_card(server, engine)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
+    async def completions(request: Request):
+        body = await parsed_body(request, CompletionRequest)
         engine = server.loaded()
         check_model(server, body.model)
         if body.echo or body.suffix:
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "echo and suffix are not supported")
         params = body.sampling_params(body.max_tokens, body.logprobs)
         prompts = [await asyncio.to_thread(tokenized, prompt, engine) for prompt in body.prompts()]
+        body.prompt = ""  # its token lists live on as int32 arrays (tokenized), not as Python ints
         for prompt in prompts:
             check_room(prompt, params, engine.model_info.max_model_len)
         return await respond(request, server, body, "cmpl", prompts, params, engine, chat=False)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
+    async def chat_completions(request: Request):
+        body = await parsed_body(request, ChatCompletionRequest)
         engine = server.loaded()
         check_model(server, body.model)
         if engine.tokenizer is None:
@@ -192,12 +199,34 @@ def create_app(server) -> FastAPI:
         # Off the event loop; message content never becomes control tokens (no forged turns).
         text, ids = await asyncio.to_thread(engine.tokenizer.encode_chat, [m.as_dict() for m in body.messages],
                                             max_tokens=engine.model_info.max_model_len)
-        prompt = {"prompt": text, "prompt_token_ids": ids}
+        prompt = {"prompt": text, "prompt_token_ids": token_array(ids)}
         check_room(prompt, params, engine.model_info.max_model_len,
                    "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
         return await respond(request, server, body, "chatcmpl", [prompt], params, engine, chat=True)
 
     return app
+
+
+async def parsed_body(request: Request, model: type[BaseModel]):
+    """The JSON body as `model`, read here rather than by FastAPI: a route's body parameter keeps
+    FastAPI's decoded JSON alive while the route runs, which for a token prompt is a Python int
+    and list slots an id, several times the id's bytes on the wire, for as long as the request
+    waits in the queue. Here pydantic reads the bytes itself, the route keeps only the model, and
+    a body past MAX_BODY_BYTES is refused (413) before it is read whole."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise HTTPException(413, "the request body is %s bytes; at most %d are taken" % (declared, MAX_BODY_BYTES))
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise HTTPException(413, "the request body is over %d bytes" % MAX_BODY_BYTES)
+        chunks.append(chunk)
+    try:
+        return model.model_validate_json(b"".join(chunks))
+    except ValidationError as exc:  # answered as FastAPI's own validation errors are (invalid_body)
+        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])}
+                                      for e in exc.errors(include_url=False)]) from None
 
 
 def model_card(server, engine) -> dict:
@@ -213,29 +242,47 @@ def check_model(server, name: str | None) -> None:
 
 async def respond(request: Request, server, body, kind: str, prompts: list, params, engine, chat: bool):
     """Start one engine request per prompt; the first delta of each is awaited here, so a request
-    the engine refuses gets its HTTP error before any streaming starts."""
+    the engine refuses gets its HTTP error before any streaming starts. Until the response
+    starts, a client that leaves (a request queued behind others, a long non-streamed one) ends
+    the engine's work at once, not when the work would have answered."""
     rid = "%s-%s" % (kind, uuid.uuid4().hex)
     streams = [server.stream(prompt, params, "%s-%d" % (rid, i)) for i, prompt in enumerate(prompts)]
+    disconnected = asyncio.ensure_future(wait_disconnected(request))
+    firsts = None
     try:
-        firsts = [await anext(stream) for stream in streams]
-    except BaseException:
-        for stream in streams:
-            await stream.aclose()
-        raise
+        firsts = await until_disconnected(first_deltas(streams), disconnected)
+    finally:
+        if firsts is None:  # refused, or the client left
+            disconnected.cancel()
+            for stream in streams:
+                await stream.aclose()
+    if firsts is None:
+        return Response(status_code=CLIENT_CLOSED)
     shape = (Chat if chat else Completion)(rid, server.model_name, params.n, params.logprobs)
-    if body.stream:
+    if body.stream:  # from here Starlette watches the connection
+        disconnected.cancel()
         return StreamingResponse(stream_events(shape, streams, firsts, body.include_usage),
                                  media_type="text/event-stream")
-    collect = asyncio.ensure_future(collect_all(shape, streams, firsts))
-    disconnected = asyncio.ensure_future(wait_disconnected(request))
-    try:
-        await asyncio.wait([collect, disconnected], return_when=asyncio.FIRST_COMPLETED)
+    try:  # collect_all closes the streams however it ends
+        result = await until_disconnected(collect_all(shape, streams, firsts), disconnected)
     finally:
         disconnected.cancel()
-        if not collect.done():  # the client left: stop the work it asked for (closes the streams)
-            collect.cancel()
-            await asyncio.gather(collect, return_exceptions=True)
-    return JSONResponse(collect.result())
+    return JSONResponse(result) if result is not None else Response(status_code=CLIENT_CLOSED)
+
+
+async def first_deltas(streams) -> list:
+    return [await anext(stream) for stream in streams]
+
+
+async def until_disconnected(work, disconnected: asyncio.Future):
+    """`work`'s result, or None once the client has gone (the work cancelled and awaited)."""
+    task = asyncio.ensure_future(work)
+    await asyncio.wait([task, disconnected], return_when=asyncio.FIRST_COMPLETED)
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    return None
 
 
 async def wait_disconnected(request: Request) -> None:

@@ -67,6 +67,32 @@ def test_greedy_is_token_identical_and_stats_add_up(model, reference, k):
     assert s.num_speculative_tokens == k and s.kv_blocks_used == 0
 
 
+def test_a_graphed_engine_verifies_as_many_drafts_in_every_sequence_of_a_step(model, reference):
+    """Requests joining and ending among others (prompts of 2..32 tokens under a 16-token budget):
+    with the rule a CUDA-graphed engine's scheduler follows (`uniform_drafts`), every step's
+    sequences verify as many drafts — none beside a prefill chunk — and drafting still happens,
+    with plain greedy's tokens; without it (an eager engine, as here on the CPU) the same
+    workload brings steps whose sequences verify different numbers."""
+    for uniform in (True, False):
+        llm = engine(model, 3)
+        scheduler = llm.engine.scheduler
+        assert scheduler.uniform_drafts is False  # a CPU engine's speculative steps run eagerly
+        scheduler.uniform_drafts = uniform
+        steps, schedule = [], scheduler.schedule
+
+        def spied(*args, schedule=schedule, steps=steps, **kwargs):
+            batch = schedule(*args, **kwargs)
+            # Per sequence: the drafts it verifies, or None for a prefill chunk.
+            steps.append([len(seq.spec_token_ids) if n == 1 + len(seq.spec_token_ids) and seq.num_uncomputed_tokens == 1
+                          else None for seq, n in zip(batch.seqs, batch.num_tokens)])
+            return batch
+        scheduler.schedule = spied
+        assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == reference
+        mixed = [s for s in steps if len({0 if c is None else c for c in s}) > 1]
+        assert any(c for s in steps for c in s if c), "nothing drafted"
+        assert bool(mixed) is not uniform, mixed[:3]
+
+
 def test_draft_vocab_size_drafts_from_the_first_ids_and_stays_lossless(model, reference):
     """draft_vocab_size N: every draft is an id below N (the argmax over those rows of the vocab
     projection); verification still sees every id, so the output is the plain greedy one."""

@@ -130,6 +130,96 @@ def test_a_queued_token_id_request_costs_at_most_3x_its_wire_size(wide_model, tm
         server.wait(60)
 
 
+@pytest.mark.timeout(600)
+def test_a_queued_openai_token_prompt_costs_at_most_3x_its_wire_size(wide_model, tmp_path):
+    """The same through the OpenAI API: /v1/completions with a token-id prompt, its JSON body
+    sent and the response left unread while the request waits behind the running one. JSON
+    spends ~7 bytes an id, so the bound is against that body's size."""
+    import http.client
+
+    port = free_port()  # the last --openai-port given is the one taken
+    server, target = serve(wide_model, tmp_path, "--max-waiting", str(QUEUED + WARM_UP), "--openai-port", str(port))
+    try:
+        front = psutil.Process(server.pid)
+        core = next(p for p in front.children() if "jetserve.engine.core" in " ".join(p.cmdline()))
+        with grpc.insecure_channel(target) as channel:
+            inference = pb_grpc.InferenceServiceStub(channel)
+            running = blocker(inference)
+
+            def waiting():
+                return inference.GetStats(pb.GetStatsRequest(), timeout=30).num_waiting
+
+            bodies = [json.dumps({"prompt": prompt(i), "max_tokens": 8}).encode()
+                      for i in range(WARM_UP + QUEUED)]
+
+            def send(body):
+                connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+                connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+                return connection  # its answer waits for the blocker
+
+            warm = [send(b) for b in bodies[:WARM_UP]]
+            wait_for(lambda: waiting() == WARM_UP, "the warm-up requests queue")
+            for connection in warm:
+                connection.close()  # the client left: the server aborts the request
+            wait_for(lambda: waiting() == 0, "the warm-up requests leave the queue")
+            time.sleep(0.5)
+            before = rss(front), rss(core)
+            queued = [send(b) for b in bodies[WARM_UP:]]
+            wait_for(lambda: waiting() == QUEUED, "the requests queue")
+            time.sleep(0.5)
+            after = rss(front), rss(core)
+            wire = sum(map(len, bodies[WARM_UP:]))
+            for connection in queued:
+                connection.close()
+            running.cancel()
+        ratios = [(a - b) / wire for a, b in zip(after, before)]
+        print("wire %.1f MB for %d requests; server +%.1f MB (%.2fx), engine core +%.1f MB (%.2fx)" % (
+            wire / 1e6, QUEUED, (after[0] - before[0]) / 1e6, ratios[0], (after[1] - before[1]) / 1e6, ratios[1]))
+        assert ratios[0] <= MAX_RATIO, "the server holds %.2fx the wire size of its queued requests" % ratios[0]
+        assert ratios[1] <= MAX_RATIO, "the engine core holds %.2fx the wire size of its queued requests" % ratios[1]
+    finally:
+        server.terminate()
+        server.wait(60)
+
+
+@pytest.mark.timeout(600)
+def test_an_openai_client_that_leaves_frees_its_place_in_the_queue(wide_model, tmp_path):
+    """A non-streamed and a streamed completion wait behind the running sequence; their clients
+    hang up before any answer: both leave the engine's queue then, not when their turn would
+    have come, and a third request still queues and is answered once the blocker ends."""
+    import http.client
+
+    port = free_port()
+    server, target = serve(wide_model, tmp_path, "--max-waiting", "4", "--openai-port", str(port))
+    try:
+        with grpc.insecure_channel(target) as channel:
+            inference = pb_grpc.InferenceServiceStub(channel)
+            running = blocker(inference)
+
+            def waiting():
+                return inference.GetStats(pb.GetStatsRequest(), timeout=30).num_waiting
+
+            def send(stream):
+                connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+                connection.request("POST", "/v1/completions", json.dumps(
+                    {"prompt": [5, 6, 7], "max_tokens": 4, "stream": stream}), {"Content-Type": "application/json"})
+                return connection
+
+            leaving = [send(False), send(True)]
+            wait_for(lambda: waiting() == 2, "both requests queue")
+            for connection in leaving:
+                connection.close()
+            wait_for(lambda: waiting() == 0, "the requests of the clients that left leave the queue")
+            staying = send(False)
+            wait_for(lambda: waiting() == 1, "a third request queues")
+            running.cancel()
+            answer = staying.getresponse()
+            assert answer.status == 200 and len(json.loads(answer.read())["choices"]) == 1
+    finally:
+        server.terminate()
+        server.wait(60)
+
+
 BUDGET = 64 * 1024  # --max-queued-bytes: two prompts of SMALL tokens and the blocker's fit, a third does not
 SMALL = 3000  # tokens: 24,000 bytes in the engine (prompts.queued_bytes: 4 bytes a token, twice)
 
