@@ -182,8 +182,9 @@ def create_app(server) -> FastAPI:
         if body.echo or body.suffix:
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "echo and suffix are not supported")
         params = body.sampling_params(body.max_tokens, body.logprobs)
-        prompts = [await asyncio.to_thread(tokenized, prompt, engine) for prompt in body.prompts()]
-        body.prompt = ""  # its token lists live on as int32 arrays (tokenized), not as Python ints
+        prompts = body.prompts()
+        body.prompt = ""  # its token lists live on as int32 arrays, not as Python ints, from here on
+        prompts = [await asyncio.to_thread(tokenized, prompt, engine) for prompt in prompts]
         for prompt in prompts:
             check_room(prompt, params, engine.model_info.max_model_len)
         return await respond(request, server, body, "cmpl", prompts, params, engine, chat=False)

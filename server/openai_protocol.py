@@ -12,6 +12,7 @@ from typing import Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from jetserve.engine import SamplingParams
+from jetserve.engine.prompts import token_array
 from jetserve.engine.sampling_params import MAX_LOGPROBS, MAX_N
 
 # Bounds that keep one request from asking for unbounded work; the engine checks the rest.
@@ -80,21 +81,22 @@ class CompletionRequest(SamplingFields):
     suffix: Optional[str] = None
 
     def prompts(self) -> list:
-        """Each prompt as the engine takes it: text, or {"prompt_token_ids": [...]}."""
+        """Each prompt as the engine takes it: text, or {"prompt_token_ids": an int32 array}
+        (prompts.token_array: 4 bytes an id where the parsed list holds a Python int and a slot)."""
         p = self.prompt
         if isinstance(p, str):
             prompts = [p]
         elif p and all(isinstance(t, int) for t in p):
-            prompts = [{"prompt_token_ids": p}]
+            prompts = [p]
         else:
-            prompts = [x if isinstance(x, str) else {"prompt_token_ids": x} for x in p]
+            prompts = list(p)
         if not prompts:
             raise ValueError("prompt is empty")
         if len(prompts) > MAX_PROMPTS:
             raise ValueError("prompt: at most %d prompts a request, got %d" % (MAX_PROMPTS, len(prompts)))
-        if any(isinstance(x, dict) and len(x["prompt_token_ids"]) > MAX_TOKEN_LIST * 64 for x in prompts):
+        if any(not isinstance(x, str) and len(x) > MAX_TOKEN_LIST * 64 for x in prompts):
             raise ValueError("prompt: a token list is longer than any model's context")
-        return prompts
+        return [x if isinstance(x, str) else {"prompt_token_ids": token_array(x)} for x in prompts]
 
 
 class TextPart(BaseModel):

@@ -90,41 +90,50 @@ def rss(process):
     return process.memory_info().rss
 
 
+def assert_queued_cost(server, target, requests, send, leave, wire_size):
+    """Behind the one running sequence: WARM_UP requests sent and left, then QUEUED sent; what
+    both processes' RSS gained for those, against their size on the wire, at most MAX_RATIO."""
+    front = psutil.Process(server.pid)
+    core = next(p for p in front.children() if "jetserve.engine.core" in " ".join(p.cmdline()))
+    with grpc.insecure_channel(target) as channel:
+        inference = pb_grpc.InferenceServiceStub(channel)
+        running = blocker(inference)
+
+        def waiting():
+            return inference.GetStats(pb.GetStatsRequest(), timeout=30).num_waiting
+
+        warm = [send(r) for r in requests[:WARM_UP]]
+        wait_for(lambda: waiting() == WARM_UP, "the warm-up requests queue")
+        for call in warm:
+            leave(call)
+        wait_for(lambda: waiting() == 0, "the warm-up requests leave the queue")
+        time.sleep(0.5)
+        before = rss(front), rss(core)
+        queued = [send(r) for r in requests[WARM_UP:]]
+        wait_for(lambda: waiting() == QUEUED, "the requests queue")
+        time.sleep(0.5)
+        after = rss(front), rss(core)
+        for call in queued:
+            leave(call)
+        running.cancel()
+    wire = sum(map(wire_size, requests[WARM_UP:]))
+    ratios = [(a - b) / wire for a, b in zip(after, before)]
+    print("wire %.1f MB for %d requests; server +%.1f MB (%.2fx), engine core +%.1f MB (%.2fx)" % (
+        wire / 1e6, QUEUED, (after[0] - before[0]) / 1e6, ratios[0], (after[1] - before[1]) / 1e6, ratios[1]))
+    assert ratios[0] <= MAX_RATIO, "the server holds %.2fx the wire size of its queued requests" % ratios[0]
+    assert ratios[1] <= MAX_RATIO, "the engine core holds %.2fx the wire size of its queued requests" % ratios[1]
+
+
 @pytest.mark.timeout(600)
 def test_a_queued_token_id_request_costs_at_most_3x_its_wire_size(wide_model, tmp_path):
     server, target = serve(wide_model, tmp_path, "--max-waiting", str(QUEUED + WARM_UP))
     try:
-        front = psutil.Process(server.pid)
-        core = next(p for p in front.children() if "jetserve.engine.core" in " ".join(p.cmdline()))
         with grpc.insecure_channel(target, options=[("grpc.max_send_message_length", 8 * 2**20)]) as channel:
             inference = pb_grpc.InferenceServiceStub(channel)
-            running = blocker(inference)
-
-            def waiting():
-                return inference.GetStats(pb.GetStatsRequest(), timeout=30).num_waiting
-
             requests = [pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt(i)), sampling=pb.SamplingOptions(
                 max_tokens=8)) for i in range(WARM_UP + QUEUED)]
-            warm = [inference.Generate(r) for r in requests[:WARM_UP]]
-            wait_for(lambda: waiting() == WARM_UP, "the warm-up requests queue")
-            for call in warm:
-                call.cancel()
-            wait_for(lambda: waiting() == 0, "the warm-up requests leave the queue")
-            time.sleep(0.5)
-            before = rss(front), rss(core)
-            queued = [inference.Generate(r) for r in requests[WARM_UP:]]
-            wait_for(lambda: waiting() == QUEUED, "the requests queue")
-            time.sleep(0.5)
-            after = rss(front), rss(core)
-            wire = sum(r.ByteSize() for r in requests[WARM_UP:])
-            for call in queued:
-                call.cancel()
-            running.cancel()
-        ratios = [(a - b) / wire for a, b in zip(after, before)]
-        print("wire %.1f MB for %d requests; server +%.1f MB (%.2fx), engine core +%.1f MB (%.2fx)" % (
-            wire / 1e6, QUEUED, (after[0] - before[0]) / 1e6, ratios[0], (after[1] - before[1]) / 1e6, ratios[1]))
-        assert ratios[0] <= MAX_RATIO, "the server holds %.2fx the wire size of its queued requests" % ratios[0]
-        assert ratios[1] <= MAX_RATIO, "the engine core holds %.2fx the wire size of its queued requests" % ratios[1]
+            assert_queued_cost(server, target, requests, inference.Generate, lambda call: call.cancel(),
+                               lambda r: r.ByteSize())
     finally:
         server.terminate()
         server.wait(60)
@@ -133,50 +142,21 @@ def test_a_queued_token_id_request_costs_at_most_3x_its_wire_size(wide_model, tm
 @pytest.mark.timeout(600)
 def test_a_queued_openai_token_prompt_costs_at_most_3x_its_wire_size(wide_model, tmp_path):
     """The same through the OpenAI API: /v1/completions with a token-id prompt, its JSON body
-    sent and the response left unread while the request waits behind the running one. JSON
-    spends ~7 bytes an id, so the bound is against that body's size."""
+    sent and the response left unread while the request waits behind the running one, the
+    connection closed to leave. JSON spends ~7 bytes an id, so the bound is against that body."""
     import http.client
 
     port = free_port()  # the last --openai-port given is the one taken
     server, target = serve(wide_model, tmp_path, "--max-waiting", str(QUEUED + WARM_UP), "--openai-port", str(port))
+
+    def send(body):
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        return connection  # its answer waits for the blocker
+
     try:
-        front = psutil.Process(server.pid)
-        core = next(p for p in front.children() if "jetserve.engine.core" in " ".join(p.cmdline()))
-        with grpc.insecure_channel(target) as channel:
-            inference = pb_grpc.InferenceServiceStub(channel)
-            running = blocker(inference)
-
-            def waiting():
-                return inference.GetStats(pb.GetStatsRequest(), timeout=30).num_waiting
-
-            bodies = [json.dumps({"prompt": prompt(i), "max_tokens": 8}).encode()
-                      for i in range(WARM_UP + QUEUED)]
-
-            def send(body):
-                connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-                connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
-                return connection  # its answer waits for the blocker
-
-            warm = [send(b) for b in bodies[:WARM_UP]]
-            wait_for(lambda: waiting() == WARM_UP, "the warm-up requests queue")
-            for connection in warm:
-                connection.close()  # the client left: the server aborts the request
-            wait_for(lambda: waiting() == 0, "the warm-up requests leave the queue")
-            time.sleep(0.5)
-            before = rss(front), rss(core)
-            queued = [send(b) for b in bodies[WARM_UP:]]
-            wait_for(lambda: waiting() == QUEUED, "the requests queue")
-            time.sleep(0.5)
-            after = rss(front), rss(core)
-            wire = sum(map(len, bodies[WARM_UP:]))
-            for connection in queued:
-                connection.close()
-            running.cancel()
-        ratios = [(a - b) / wire for a, b in zip(after, before)]
-        print("wire %.1f MB for %d requests; server +%.1f MB (%.2fx), engine core +%.1f MB (%.2fx)" % (
-            wire / 1e6, QUEUED, (after[0] - before[0]) / 1e6, ratios[0], (after[1] - before[1]) / 1e6, ratios[1]))
-        assert ratios[0] <= MAX_RATIO, "the server holds %.2fx the wire size of its queued requests" % ratios[0]
-        assert ratios[1] <= MAX_RATIO, "the engine core holds %.2fx the wire size of its queued requests" % ratios[1]
+        bodies = [json.dumps({"prompt": prompt(i), "max_tokens": 8}).encode() for i in range(WARM_UP + QUEUED)]
+        assert_queued_cost(server, target, bodies, send, lambda connection: connection.close(), len)
     finally:
         server.terminate()
         server.wait(60)
