@@ -117,8 +117,6 @@ def tokenized(prompt, engine):
     if isinstance(prompt, str) and engine.tokenizer is not None:
         return {"prompt": prompt,
                 "prompt_token_ids": engine.tokenizer.encode_at_most(prompt, engine.model_info.max_model_len)}
-    if isinstance(prompt, dict):  # ids kept once, compactly, from here to the engine core
-        return {**prompt, "prompt_token_ids": token_array(prompt["prompt_token_ids"])}
     return prompt
 
 
