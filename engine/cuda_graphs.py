@@ -49,7 +49,8 @@ import torch
 from tqdm import tqdm
 
 from jetserve.engine.config import CUDAGraphConfig
-from jetserve.engine.model.attention import (PREFILL_BLOCK_M, AttentionMetadata, PrefillWork, prefill_plan,
+from jetserve.engine.model.attention import (PREFILL_BLOCK_M, AttentionMetadata, PrefillWork, aligned_bounds,
+                                              prefill_plan,
                                              slot_mapping, to_device)
 from jetserve.engine.spec_decode import Acceptance, device_acceptance, speculative_step
 
@@ -133,16 +134,20 @@ class CUDAGraphs:
         self.max_rows, self.max_batch = max(self.sizes) * max_q, max(self.sizes)
         # Wide enough for max_model_len plus the KV slots reserved for drafts.
         self.width = -(-(max_model_len + max_q) // block_size)
-        size = 3 * self.max_rows + self.max_batch * (6 + self.width)
-        self.staged = StagedInputs(size, kv_cache.device, self._split, self._pad)
+        n, b = self.max_rows, self.max_batch
+        # [ids n | positions n | slots n | context_lens b | chain b | temperature b | min_p b |
+        # seeds 2b | block_tables b×W], each part 16-byte aligned (aligned_bounds); chain: per
+        # sequence the flag of `chain_inputs`; seeds as (lo, hi) pairs. The tables come last, so a
+        # step of a smaller bucket sends a prefix.
+        self._bounds = aligned_bounds((n, n, n, b, b, b, b, 2 * b, b * self.width))
+        self.staged = StagedInputs(self._bounds[-1][1], kv_cache.device, self._split, self._pad)
         self.inputs = self.staged.device  # static inputs, shared by every graph (one step runs at a time)
         self.ids, self.positions, self.slots, self.context_lens, self.chain, self.block_tables, draw = \
             self.staged.views
-        self.chained_from = 3 * self.max_rows + self.max_batch  # where what a chained step sends begins
+        self.chained_from = self._bounds[4][0]  # where what a chained step sends begins
         # Per sequence, what the draw reads (sampler.race): temperature and min_p (float32 bits), seed (lo, hi).
-        self.temperature = draw[:self.max_batch].view(torch.float32)
-        self.min_p = draw[self.max_batch:2 * self.max_batch].view(torch.float32)
-        self.seeds = draw[2 * self.max_batch:]
+        self.temperature, self.min_p = draw[0].view(torch.float32), draw[1].view(torch.float32)
+        self.seeds = draw[2]
         # Outside the pool and shared by the main-model graphs: one graph's own output would pin
         # its logits in the pool, one such copy per captured graph.
         self.logits = torch.zeros(self.max_rows, model.config.vocab_size, dtype=torch.float32, device=kv_cache.device)
@@ -161,14 +166,16 @@ class CUDAGraphs:
         block_tables.fill(self.scratch_block)
 
     def _split(self, flat):
-        """Views of one buffer, laid out [ids n | positions n | slots n | context_lens b | chain b |
-        draw 4b | block_tables b×W] (n: rows of the largest step, b: the largest bucket, W: the
-        table width; chain: per sequence the flag of `chain_inputs`; draw: per sequence
-        temperature, min_p, then seeds as (lo, hi) pairs)."""
-        n, b = self.max_rows, self.max_batch
-        tables = 3 * n + 6 * b
-        return (flat[:n], flat[n:2 * n], flat[2 * n:3 * n], flat[3 * n:3 * n + b], flat[3 * n + b:3 * n + 2 * b],
-                flat[tables:].reshape(b, self.width), flat[3 * n + 2 * b:tables])
+        """Views of one buffer, laid out as `_bounds` says: ids, positions, slots, context_lens,
+        chain, block_tables [b, W], and the draw's (temperature, min_p, seeds)."""
+        ids, positions, slots, context_lens, chain, temperature, min_p, seeds, tables = (
+            flat[lo:hi] for lo, hi in self._bounds)
+        return ids, positions, slots, context_lens, chain, tables.reshape(self.max_batch, self.width), \
+            (temperature, min_p, seeds)
+
+    def _sent(self, bucket: int) -> int:
+        """Where a step of `bucket` sequences' inputs end: its rows of the block tables."""
+        return self._bounds[-1][0] + bucket * self.width
 
     def key(self, num_drafts: int | None, q_len: int, batch: int, width: int) -> tuple[int | None, int, int] | None:
         """The captured graph for `batch` sequences of `q_len` tokens with block tables `width`
@@ -264,7 +271,7 @@ class CUDAGraphs:
         for row, table in zip(block_tables, tables):
             row[:len(table)] = table
         block_tables[batch:bucket, 0] = self.scratch_block
-        self.staged.send(self.inputs.shape[0] - (self.max_batch - bucket) * self.width)
+        self.staged.send(self._sent(bucket))
 
     def stage_chained(self, key: tuple[int, int, int], prev_q: int, tables: list[list[int]],
                       draw: list[tuple[float, float, int]]) -> None:
@@ -282,13 +289,13 @@ class CUDAGraphs:
         for row, table in zip(block_tables, tables):
             row[:len(table)] = table
         block_tables[batch:bucket, 0] = self.scratch_block
-        self.staged.send(self.inputs.shape[0] - (self.max_batch - bucket) * self.width, self.chained_from)
+        self.staged.send(self._sent(bucket), self.chained_from)
 
     def _stage_draws(self, host_draw, draw: list[tuple[float, float, int]], bucket: int) -> None:
         """Each sequence's temperature (padding: greedy), min_p and seed, into the staging buffer."""
-        batch, b = len(draw), self.max_batch
-        temperature, min_p, seeds = host_draw[:b].view(np.float32), host_draw[b:2 * b].view(np.float32), \
-            host_draw[2 * b:].view(np.uint32)
+        batch = len(draw)
+        temperature, min_p, seeds = host_draw[0].view(np.float32), host_draw[1].view(np.float32), \
+            host_draw[2].view(np.uint32)
         temperature[:batch] = [t for t, _, _ in draw]
         temperature[batch:bucket] = 0.0
         min_p[:batch] = [m for _, m, _ in draw]
@@ -348,8 +355,9 @@ class MixedStepGraphs:
         self.scratch_block, self.scratch_slot = scratch_block, scratch_block * block_size
         self.max_tokens = max(self.sizes)
         n, b = self.max_tokens, max_seqs
-        size = 3 * n + (b + 1) + (b + 2) + b + 5 * self.max_items(n) + 4 * split_items + (b + 1) * width
-        self.staged = StagedInputs(size, kv_cache.device, self._split, self._pad)
+        self._bounds = aligned_bounds((n, n, n, b + 1, b + 2, b, 5 * self.max_items(n), 4 * split_items,
+                                       (b + 1) * width))
+        self.staged = StagedInputs(self._bounds[-1][1], kv_cache.device, self._split, self._pad)
         self.ids, self.positions, self.slots, self.context_lens, self.starts, self.sample_rows, self.items, \
             self.merges, self.block_tables = self.staged.views
         self.logits = torch.zeros(max_seqs, model.config.vocab_size, dtype=torch.float32, device=kv_cache.device)
@@ -371,11 +379,10 @@ class MixedStepGraphs:
     def _split(self, flat):
         """Views of one buffer: [ids n | positions n | slots n | context_lens b+1 | query starts b+2 |
         sampled rows b | work items 5×K | merges 4×M | block_tables (b+1)×W] (n: the largest bucket,
-        b: max_seqs, K: its most work items, M: split_items; the empty sequence is row b)."""
-        n, b, w = self.max_tokens, self.max_seqs, self.width
-        bounds = [0, *accumulate((n, n, n, b + 1, b + 2, b, 5 * self.max_items(n), 4 * self.split_items))]
-        views = [flat[lo:hi] for lo, hi in zip(bounds, bounds[1:])]
-        return (*views, flat[bounds[-1]:].reshape(b + 1, w))
+        b: max_seqs, K: its most work items, M: split_items; the empty sequence is row b), each
+        16-byte aligned (aligned_bounds)."""
+        *views, tables = (flat[lo:hi] for lo, hi in self._bounds)
+        return (*views, tables.reshape(self.max_seqs + 1, self.width))
 
     def _pad(self, ids, positions, slots, context_lens, starts, sample_rows, items, merges, block_tables) -> None:
         slots.fill(self.scratch_slot)

@@ -65,7 +65,7 @@ profile)  # where the 0.6B's batch-1 decode step goes, kernel by kernel (issue 3
   timeout 120 $J bench profile --steps 20 --out "$OUT/profile" 2>&1 | tail -25
   ;;
 mtps)  # the default drafting against plain as a server meets 1, 4, 8 and 32 concurrent users
-  timeout 300 $J bench mtp --dtype bfloat16 --ks 3 --streams ${STREAMS:-1,4,8,32} --temperatures ${TEMPS:-0,0.7} \
+  timeout ${MTPS_TIMEOUT:-300} $J bench mtp --dtype bfloat16 --ks 3 --streams ${STREAMS:-1,4,8,32} --temperatures ${TEMPS:-0,0.7} \
     --repeats ${REPEATS:-3} --out "$OUT/mtp-streams" > "$OUT/mtp-streams.log" 2>&1
   grep -E 'compiled while serving|Error' "$OUT/mtp-streams.log" | sort | uniq -c | head -12
   python3 -c "import json; g=json.load(open('$OUT/mtp-streams/result.json'))['generation']

@@ -45,16 +45,25 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 ALIGN_INT32 = 4  # 16 bytes: what Triton specializes a pointer argument on
 
 
+def aligned_bounds(lengths) -> list[tuple[int, int]]:
+    """(start, end) of consecutive int32 parts of these lengths in one buffer, each start 16 bytes
+    aligned. Triton compiles a kernel variant per pointer alignment, so views at offsets that
+    follow a step's or a configuration's shape would meet, while serving, variants the start-up
+    warm-up never compiled. The buffer is the last end long."""
+    bounds, at = [], 0
+    for n in lengths:
+        bounds.append((at, at + n))
+        at += n + (-n % ALIGN_INT32)
+    return bounds
+
+
 def pack_int32(parts: list[list[int]], device: torch.device) -> list[torch.Tensor]:
     """Lists of ints as int32 views of one buffer, sent in one host-to-device copy, each view
-    starting 16 bytes aligned. Triton compiles a kernel variant per pointer alignment, so views
-    at offsets that follow the step's shape would meet, while serving, variants the start-up
-    warm-up never compiled."""
-    flat, bounds = [], []
-    for part in parts:
-        bounds.append((len(flat), len(flat) + len(part)))
-        flat += part
-        flat += [0] * (-len(flat) % ALIGN_INT32)
+    starting 16 bytes aligned (aligned_bounds)."""
+    bounds = aligned_bounds(len(part) for part in parts)
+    flat = [0] * bounds[-1][1] if bounds else []
+    for (lo, hi), part in zip(bounds, parts):
+        flat[lo:hi] = part
     packed = to_device(torch.tensor(flat, dtype=torch.int32), device)
     return [packed[lo:hi] for lo, hi in bounds]
 

@@ -118,6 +118,9 @@ def race(logits: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor, f
     A min-p row's programs each read its whole row for the largest logit: a separate reduction
     launched for every row cost more than that in every step, min-p or not."""
     rows, vocab = logits.shape
+    # Positions as int32 whoever built them: a second dtype would be a second variant, compiled
+    # on the first request that brings it.
+    positions = positions.to(torch.int32)
     v_block = min(2048, triton.next_power_of_2(vocab))
     chunk = max(v_block, min(CHUNK, triton.next_power_of_2(vocab)))
     splits = triton.cdiv(vocab, chunk)

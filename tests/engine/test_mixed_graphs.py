@@ -9,8 +9,8 @@ from tests.tools import require_module
 
 require_module("triton")
 
-from jetserve.engine.config import EngineArgs, token_sizes  # noqa: E402
-from jetserve.engine.cuda_graphs import MixedStepGraphs  # noqa: E402
+from jetserve.engine.config import CUDAGraphConfig, EngineArgs, token_sizes  # noqa: E402
+from jetserve.engine.cuda_graphs import CUDAGraphs, MixedStepGraphs  # noqa: E402
 from jetserve.engine.model import attention  # noqa: E402
 from jetserve.engine.model.attention import AttentionMetadata  # noqa: E402
 from jetserve.engine.model.kernels import SKINNY_MAX_ROWS, FusedKernels  # noqa: E402
@@ -73,6 +73,27 @@ def test_mixed_step_on_static_inputs_equals_eager(tmp_path, monkeypatch):
         greedy = mixed.step(bucket)[:len(sample_at)]
         torch.testing.assert_close(mixed.logits[:len(sample_at)], want, rtol=1e-4, atol=1e-4)
         assert greedy.tolist() == want.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("odd", [False, True])
+def test_every_static_input_of_a_graph_starts_16_bytes_aligned(tmp_path, odd):
+    """Triton compiles a variant per pointer alignment, and an eager step's metadata are aligned
+    (attention.pack_int32): a static input at an offset that follows the configuration's sizes
+    (buckets, steps' rows, sequences, table width) would make the captured kernels and the eager
+    ones two variants, the second compiled on a request. Every view of both graph families'
+    input buffers starts 16 bytes aligned, on the device and in the host staging."""
+    build_qwen3(tmp_path, **SMALL)
+    model, cache = fused_model(tmp_path, FusedKernels(tile_timing=False))
+    sizes, shapes, seqs = ((3, 5), ((None, 1), (2, 3)), 5) if odd else ((4, 8), ((None, 1), (3, 4)), 8)
+    decode = CUDAGraphs(model, cache, CUDAGraphConfig(sizes, shapes, 0), 61 if odd else 64, BLOCK_SIZE, NUM_BLOCKS)
+    mixed = MixedStepGraphs(model, cache, (13, 24) if odd else (16, 32), max_seqs=seqs, width=7 if odd else 8,
+                            block_size=BLOCK_SIZE, scratch_block=NUM_BLOCKS, num_warmup=0, split_items=3 if odd else 4)
+    for family in (decode, mixed):
+        for views in (family.staged.views, *family.staged._host):
+            flat = [v for view in views for v in (view if isinstance(view, tuple) else (view,))]
+            offsets = [torch.as_tensor(v).data_ptr() - torch.as_tensor(flat[0]).data_ptr() for v in flat]
+            assert len(flat) == 9 and all(o % 16 == 0 for o in offsets), offsets
+    assert decode.seeds.data_ptr() % 16 == decode.temperature.data_ptr() % 16 == decode.positions.data_ptr() % 16
 
 
 @torch.inference_mode()
