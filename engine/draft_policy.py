@@ -5,7 +5,11 @@ The rules, all of them:
 1. Acceptance per draft position: alpha_i, the chance that draft i is accepted once drafts
    1..i-1 were. A decayed estimate: each verification that reached position i (drafted it, all
    before it accepted) is one trial of it, a hit if accepted; earlier trials and hits of that
-   position are discounted by 1 - 1/acceptance_window each time. It starts at PRIOR, worth one trial.
+   position are discounted by 1 - 1/acceptance_window each time. It starts at PRIOR = 1 (every
+   draft accepted), worth one trial, so a new workload drafts from its first step wherever the
+   table says drafting can pay, and its first estimates come from drafts made with the MTP pass's
+   whole context (see "Off costs nothing" below: a policy that started pessimistic, off, would
+   learn only from probes, which under-rate acceptance, and could stay off where drafting pays).
 2. Tokens a sequence gains from a step that verifies k drafts: E_k = 1 + sum_{j<=k} prod_{i<=j} alpha_i.
 3. Step time T(k, b): the step-cost table (step_cost.DecodeCosts), measured when the engine
    captured (or compiled) its steps, at the batch bucket of b sequences; T(0, b) is a plain decode.
@@ -33,7 +37,7 @@ import math
 
 from jetserve.engine.step_cost import DecodeCosts
 
-PRIOR = 0.5  # alpha of a position never verified: drafts as likely accepted as not
+PRIOR = 1.0  # alpha of a position never verified (rule 1)
 PROBE_SHARE = 0.01
 MIN_PROBE_EVERY, MAX_PROBE_EVERY = 64, 4096
 
