@@ -116,11 +116,12 @@ class Registry:
     def _lock_devices(self, db, keys):
         """{(fleet, device): row without its documents}, rows made if new and locked for the
         transaction (a write never needs the stored birth or health, and decoding them is costly)."""
-        db.execute("INSERT INTO devices (fleet, device) VALUES %s ON CONFLICT DO NOTHING" % _values(len(keys), 2),
-                   _flat(keys))
+        padded = _bucketed(keys)
+        db.execute("INSERT INTO devices (fleet, device) VALUES %s ON CONFLICT DO NOTHING" % _values(len(padded), 2),
+                   _flat(padded))
         rows = db.execute("SELECT %s FROM devices WHERE (fleet, device) IN (VALUES %s) ORDER BY fleet, device%s"
-                          % (", ".join(WRITE_COLUMNS), _values(len(keys), 2), self._store.row_lock),
-                          _flat(keys)).fetchall()
+                          % (", ".join(WRITE_COLUMNS), _values(len(padded), 2), self._store.row_lock),
+                          _flat(padded)).fetchall()
         return {(row[0], row[1]): _decode(row, WRITE_COLUMNS) for row in rows}
 
     @staticmethod
@@ -130,6 +131,7 @@ class Registry:
                       if isinstance(m.doc.get("epoch"), str) and isinstance(m.doc.get("n"), int)})
         if not ids:
             return set()
+        ids = _bucketed(ids)
         return set(map(tuple, db.execute("INSERT INTO seen (fleet, device, epoch, n) VALUES %s ON CONFLICT DO NOTHING "
                                          "RETURNING fleet, device, epoch, n" % _values(len(ids), 4),
                                          _flat(ids)).fetchall()))
@@ -139,6 +141,7 @@ class Registry:
         """{(fleet, device, kind): last refusal's error} of these devices."""
         if not keys:
             return {}
+        keys = _bucketed(keys)
         rows = db.execute("SELECT fleet, device, kind, last_error FROM rejections WHERE (fleet, device) IN "
                           "(VALUES %s)" % _values(len(keys), 2), _flat(keys)).fetchall()
         return {(f, d, k): error for f, d, k, error in rows}
@@ -323,6 +326,15 @@ class _Changes:
                            "DO UPDATE SET count = rejections.count + excluded.count, last_error = excluded.last_error, "
                            "last_ts = excluded.last_ts",
                            [key + refusal for key, refusal in sorted(self.refusals.items())])
+
+
+def _bucketed(rows):
+    """`rows` (not empty) padded to a power of two by repeating the last, for the statements where
+    a repeated row changes nothing (INSERT … DO NOTHING, IN lists). Each statement text is a
+    prepared statement that SQLite's and psycopg's caches keep (up to a hundred or so): with one
+    text per batch size, a controller kept hundreds of large ones alive, and its memory grew with
+    the sizes its load had brought. Bucketed, a statement has at most log2(MAX_BATCH) + 1 texts."""
+    return list(rows) + [rows[-1]] * ((1 << (len(rows) - 1).bit_length()) - len(rows))
 
 
 def _values(rows, width):

@@ -75,3 +75,30 @@ def test_silence_marks_offline_and_a_message_brings_it_back(registry_location):
     r.data("lab", "d", "health", health(2), now=108.0)
     assert r.devices()[0]["online"]
 
+
+
+def test_sqlite_memory_stays_bounded_whatever_batch_sizes_the_load_brings(tmp_path):
+    """Batches come in every size up to MAX_BATCH, and each size used to be new statement texts
+    (multi-row VALUES lists), which SQLite prepares and Python's sqlite3 keeps, 128 a connection:
+    a controller's memory grew with the sizes its load had brought (tens of MB, found in the
+    hour-long fleet soak). SQLite's own count of the memory it holds (sqlite3_memory_used) grows
+    by less than 6 MB over 171 batch sizes, its page cache included (21.9 MB before)."""
+    import _sqlite3
+    import ctypes
+
+    from jetserve.fleet.ingest import MAX_BATCH
+    from jetserve.fleet.registry import Message
+
+    memory_used = ctypes.CDLL(_sqlite3.__file__).sqlite3_memory_used  # the library _sqlite3 links
+    memory_used.restype = ctypes.c_int64
+    r = Registry(str(tmp_path / "fleet.db"))
+    before, n = memory_used(), 0
+    for size in range(1, MAX_BATCH + 1, 3):
+        # message m is device m % 2000's report number m // 2000 + 1: every one new, no gap
+        outcomes, _ = r.apply([Message("lab", "d%04d" % (m % 2000), "health", health(m // 2000 + 1))
+                               for m in range(n, n + size)], now=100.0)
+        assert outcomes == ["new"] * size
+        n += size
+    assert memory_used() - before < 6 * 2**20, (memory_used() - before) / 2**20
+    assert r.counts()["devices"] == 2000 and sum(d["received"] for d in r.devices()) == n
+    r.close()
