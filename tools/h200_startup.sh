@@ -8,7 +8,7 @@
 #   phases  — where the engine core's start goes before the model loads (tools/startup_probe.py)
 #   mtp, binv — `bench mtp` on the demo: default drafting; the batch-invariant mode's cost
 #   mtps    — `bench mtp` on the demo, default drafting against plain at 1, 4, 8 and 32 streams
-#   ratio06 — `bench mtp --shape qwen3-0.6b`: the k=3 step against the plain step, batch 1
+#   ratio06 — `bench mtp --shape qwen3-0.6b`: the k=3 step against the plain step, batch 1 ($DVS: a draft vocabulary)
 #   quant, profile — `bench quant` (TPOT and kernels), `bench profile` (the 0.6B's step by kernel)
 #   decode  — `bench decode` batch 1: shipped table vs tuned tiles, interleaved, same run
 #   gputests — the GPU tests named in $TESTS
@@ -72,11 +72,13 @@ mtps)  # the default drafting against plain as a server meets 1, 4, 8 and 32 con
 for k, v in g.items(): print('[mtp]', k, v['tok_s']['median'], v['tok_s']['min'], v.get('speedup'), v.get('speedup_min'), v.get('speedup_paired'), v.get('chosen_k', ''))"
   ;;
 ratio06)  # the 0.6B shape's k=3 step against its plain step, batch 1 (not batch-invariant)
-  timeout 200 $J bench mtp --shape qwen3-0.6b --dtype bfloat16 --ks 3 --batch-sizes 1 --out "$OUT/ratio-q06" 2>&1 \
+  timeout 200 $J bench mtp --shape qwen3-0.6b --dtype bfloat16 --ks 3 --batch-sizes 1 ${DVS:+--draft-vocab-size $DVS} \
+    --out "$OUT/ratio-q06${DVS:+-dvs$DVS}" 2>&1 \
     | grep -E '^(plain|k=)|Error' | tail -6
   ;;
 gputests)  # the GPU-marked tests of $TESTS (default: the CUDA graph tests), their log kept
-  timeout 300 python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/engine/test_cuda_graphs.py} > "$OUT/gpu-tests.log" 2>&1
+  # --import-mode=append: the repository root (whose jetserve/ is the top package alone) after the link farm
+  timeout 300 python3 -m pytest -q -p no:cacheprovider --import-mode=append ${TESTS:-tests/engine/test_cuda_graphs.py} > "$OUT/gpu-tests.log" 2>&1
   grep -E "passed|failed|Error" "$OUT/gpu-tests.log" | tail -8
   ;;
 pack)  # every stage packs (below); kept so older command lines still run
@@ -108,6 +110,8 @@ tune)  # $TUNE: "shape|flags;shape|flags" (default: both shapes in bf16, INT8 an
 decode)  # after tune: its tile cache is what "tuned" reads
   checkpoints
   export JETSERVE_CACHE_DIR=$W/tuned TRITON_CACHE_DIR=$W/triton
+  # $TUNED_CACHE: a tile cache an earlier call's tune stage brought back, as "tuned" on a fresh machine
+  [ -n "${TUNED_CACHE:-}" ] && mkdir -p "$JETSERVE_CACHE_DIR/tiles" && cp "$TUNED_CACHE" "$JETSERVE_CACHE_DIR/tiles/"
   for spec in ${DECODE:-"qwen3-0.6b|" "qwen3-4b|int4"}; do
     IFS='|' read -r shape q <<<"$spec"
     timeout 300 $J bench decode --model "$W/ckpt/$shape" --batch-sizes 1 --steps 64 --repeats 3 --no-hf --only ours_graphs \
