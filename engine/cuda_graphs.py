@@ -95,6 +95,16 @@ class StagedInputs:
             self._copied[turn].record(self._stream)
 
 
+def _dry_run(keys: list, step: Callable) -> None:
+    """`step(*key)` once for each key, as a dry pass before the captures. A key whose step fails
+    is passed over: its capture fails the same way, says so and leaves that bucket eager."""
+    for key in keys:
+        try:
+            step(*key)
+        except Exception:  # reported by the capture
+            continue
+
+
 def _capture(todo: list, step: Callable, num_warmup: int, pool, describe: Callable[[tuple], str],
              progress: Callable[[str], None] | None, before: Callable | None = None) -> dict:
     """Capture `step(*key)` for each key (largest first) into the shared pool, each after
@@ -232,10 +242,7 @@ class CUDAGraphs:
         """Every plain step's launches once, for `parallel_compile.compile_only()` to queue their
         kernels (batch sizes specialise some) side by side before the captures need them one by
         one. Speculative steps stay out: their inputs come from kernels a dry pass does not run."""
-        for d, q in self.shapes:
-            if d is None:
-                for b in self.sizes:
-                    self._step(d, q, b)
+        _dry_run([(d, q, b) for d, q in self.shapes if d is None for b in self.sizes], self._step)
 
     @torch.inference_mode()
     def capture(self, pool, progress: Callable[[str], None] | None = None) -> None:
@@ -422,10 +429,11 @@ class MixedStepGraphs:
     @torch.inference_mode()
     def dry_run(self) -> None:
         """Each bucket's launches once, as `CUDAGraphs.dry_run` (every input here is staged)."""
-        for tokens in self.sizes:
+        def both(tokens):
             self.step(tokens)
             if self.hidden is not None:
                 self.mtp_step(tokens)
+        _dry_run([(tokens,) for tokens in self.sizes], both)
 
     @torch.inference_mode()
     def capture(self, pool, progress: Callable[[str], None] | None = None, count: int | None = None) -> bool:

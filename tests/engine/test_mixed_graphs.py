@@ -96,6 +96,32 @@ def test_every_static_input_of_a_graph_starts_16_bytes_aligned(tmp_path, odd):
     assert decode.seeds.data_ptr() % 16 == decode.temperature.data_ptr() % 16 == decode.positions.data_ptr() % 16
 
 
+def test_a_step_that_fails_in_the_dry_pass_leaves_the_others_to_it(tmp_path, monkeypatch):
+    """The dry pass before the captures (compile_only queues every step's kernels) meets a bucket
+    whose step fails: the engine still starts, that bucket's capture reports it (the GPU test
+    test_failing_bucket_falls_back_to_eager), and every other bucket is still passed through."""
+    build_qwen3(tmp_path, **SMALL)
+    model, cache = fused_model(tmp_path, FusedKernels(tile_timing=False))
+    decode = CUDAGraphs(model, cache, CUDAGraphConfig((1, 2, 4, 8), ((None, 1), (2, 3)), 0), 64, BLOCK_SIZE,
+                        NUM_BLOCKS)
+    mixed = MixedStepGraphs(model, cache, (16, 32, 64), max_seqs=4, width=8, block_size=BLOCK_SIZE,
+                            scratch_block=NUM_BLOCKS, num_warmup=0, split_items=4)
+    seen = []
+
+    def broken(seen_as):
+        def step(self, *key):
+            seen.append((seen_as, *key))
+            if key[-1] in (4, 32):
+                raise RuntimeError("simulated failure")
+        return step
+    monkeypatch.setattr(CUDAGraphs, "_step", broken("decode"))
+    monkeypatch.setattr(MixedStepGraphs, "step", broken("mixed"))
+    monkeypatch.setattr(MixedStepGraphs, "mtp_step", lambda self, tokens: seen.append(("mtp", tokens)))
+    decode.dry_run()
+    mixed.dry_run()
+    assert seen == [("decode", None, 1, b) for b in (1, 2, 4, 8)] + [("mixed", 16), ("mixed", 32), ("mixed", 64)]
+
+
 @torch.inference_mode()
 def test_a_capture_made_while_serving_writes_only_the_scratch_block(tmp_path):
     """A served engine captures its mixed-step graphs when idle, after real steps were staged:
