@@ -22,6 +22,7 @@ import time
 import uuid
 
 from jetserve import notify
+from jetserve.fleet import heap
 from jetserve.fleet.ingest import CAPACITY, GroupCommit, Received
 from jetserve.fleet.liveness import Liveness
 from jetserve.fleet.metrics import Metrics
@@ -91,8 +92,11 @@ class Controller:
     # sweep thread
 
     def _sweep_loop(self):
-        last_error = None
+        last_error, trimmed = None, time.monotonic()
         while not self._stopping.wait(SWEEP_EVERY_S):
+            if time.monotonic() - trimmed >= heap.TRIM_EVERY_S:
+                heap.trim()
+                trimmed = time.monotonic()
             with self.liveness.busy("sweep"):
                 try:
                     for fleet, device in self.registry.sweep(self.silence_factor):
