@@ -50,8 +50,7 @@ from tqdm import tqdm
 
 from jetserve.engine.config import CUDAGraphConfig
 from jetserve.engine.model.attention import (PREFILL_BLOCK_M, AttentionMetadata, PrefillWork, aligned_bounds,
-                                              prefill_plan,
-                                             slot_mapping, to_device)
+                                             prefill_plan, slot_mapping, to_device)
 from jetserve.engine.spec_decode import Acceptance, device_acceptance, speculative_step
 
 log = logging.getLogger(__name__)
