@@ -150,7 +150,6 @@ class CUDAGraphs:
         # step of a smaller bucket sends a prefix.
         self._bounds = aligned_bounds((n, n, n, b, b, b, b, 2 * b, b * self.width))
         self.staged = StagedInputs(self._bounds[-1][1], kv_cache.device, self._split, self._pad)
-        self.inputs = self.staged.device  # static inputs, shared by every graph (one step runs at a time)
         self.ids, self.positions, self.slots, self.context_lens, self.chain, self.block_tables, draw = \
             self.staged.views
         self.chained_from = self._bounds[4][0]  # where what a chained step sends begins

@@ -80,9 +80,9 @@ def test_silence_marks_offline_and_a_message_brings_it_back(registry_location):
 def test_sqlite_memory_stays_bounded_whatever_batch_sizes_the_load_brings(tmp_path):
     """Batches come in every size up to MAX_BATCH, and each size used to be new statement texts
     (multi-row VALUES lists), which SQLite prepares and Python's sqlite3 keeps, 128 a connection:
-    a controller's memory grew with the sizes its load had brought (tens of MB, found in the
-    hour-long fleet soak). SQLite's own count of the memory it holds (sqlite3_memory_used) grows
-    by less than 6 MB over 171 batch sizes, its page cache included (21.9 MB before)."""
+    a controller's memory grew with the sizes its load had brought (found in the hour-long fleet
+    soak). SQLite's own count of the memory it holds (sqlite3_memory_used) grows by less than
+    6 MB over 171 batch sizes, its page cache included."""
     import _sqlite3
     import ctypes
 
