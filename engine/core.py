@@ -250,6 +250,7 @@ class EngineCore:
           there, `_chain`); any other step (prefill chunks, a batch that changes, a limit within
           reach) first catches up, then runs as one at a time."""
         pipe = self.pipeline
+        pipe.tick(self.draft_policy.costs if self.draft_policy is not None else None)
         overlap = self.config.async_scheduling and not self.num_reading_host
         if pipe.in_flight is not None and not overlap:  # a sequence reads the host's tokens: catch up
             return self._receive(pipe.take())
@@ -263,9 +264,15 @@ class EngineCore:
             if launch is not None:
                 self.scheduler.launched(batch, launch.seqs)
             pipe.in_flight = launch
-            return self._receive(previous) if previous is not None else []
+            if previous is None:
+                return []
+            if launch is not None:
+                pipe.steady = (0, len(previous.seqs))
+            return self._receive(previous)
         if previous is not None:
             pipe.in_flight = self._chain(previous, num_drafts) if isinstance(previous, SpeculativeLaunch) else None
+            if pipe.in_flight is not None:
+                pipe.steady = (previous.num_drafts, len(previous.batch.seqs))
             return self._receive(previous)
         pipe.launched()
         batch = self._schedule(num_drafts)
@@ -328,6 +335,7 @@ class EngineCore:
 
     def _receive(self, launch: Launch | SpeculativeLaunch) -> list[CoreOutput]:
         """Async scheduling: the outputs of a launched step, once its tokens are on the host."""
+        self.pipeline.wait(launch)
         if isinstance(launch, SpeculativeLaunch):
             emitted, drafts = self.runner.speculative_result(launch)
             live = [i for i, seq in enumerate(launch.batch.seqs) if seq.status is not SequenceStatus.FINISHED]

@@ -11,8 +11,10 @@ The rules, all of them:
    whole context (see "Off costs nothing" below: a policy that started pessimistic, off, would
    learn only from probes, which under-rate acceptance, and could stay off where drafting pays).
 2. Tokens a sequence gains from a step that verifies k drafts: E_k = 1 + sum_{j<=k} prod_{i<=j} alpha_i.
-3. Step time T(k, b): the step-cost table (step_cost.DecodeCosts), measured when the engine
-   captured (or compiled) its steps, at the batch bucket of b sequences; T(0, b) is a plain decode.
+3. Step time T(k, b): the step-cost table (step_cost.DecodeCosts) at the batch bucket of b
+   sequences, the longer of the device's time (measured when the engine captured or compiled its
+   steps) and the host's (observed on the steps that overlapped the device); T(0, b) is a plain
+   decode. Where the host is the longer, a draft costs little more than it does.
 4. Each step drafts k = argmax E_k / T(k, b) over 0..k_max (the smaller k on a tie): off (0)
    where no k beats plain decoding.
 5. The argmax learns only about the positions it drafts, so every N-th step drafts one more
@@ -21,8 +23,9 @@ The rules, all of them:
    k+1, the next step verifies them), so N = 2 (T(k+1) - T(k)) / (PROBE_SHARE T(k)), at least
    MIN_PROBE_EVERY (a probe out of plain decoding leaves the async pipeline, which the table
    does not price) and at most MAX_PROBE_EVERY.
-6. Where drafting cannot pay even with every draft accepted (E_k = k + 1) at any batch bucket,
-   it stays off with no probes, and prompts skip the MTP pass too (`hopeless`).
+6. Where drafting cannot pay even with every draft accepted (E_k = k + 1) at any batch bucket
+   on the device's times, it stays off with no probes, and prompts skip the MTP pass too
+   (`hopeless`).
 7. Fixed k (`adaptive` false): every step drafts k_max. k_max is num_speculative_tokens; the
    live control lowers it (set_max), 0 turns drafting off.
 
@@ -101,7 +104,8 @@ class DraftPolicy:
 
     def by_bucket(self) -> list[tuple[int, int, list[float]]]:
         """For each batch bucket of the table: the k a step of that many would draft now, and
-        its measured T(k) for k = 0..k_max (0.0 where not measured): why drafting is on or off."""
+        its T(k) for k = 0..k_max as priced (device or host, the longer; 0.0 where the device's
+        was not measured): why drafting is on or off."""
         if self.costs is None:
             return []
         return [(b, (0 if self.hopeless else self.best(b)) if self.adaptive and self.k_max else self.k_max,

@@ -13,20 +13,43 @@ that overlap, in two public fields:
 
 Without async scheduling `in_flight` stays None and `next_drafts` only carries a decision from
 one step to the same step's launch.
+
+It also clocks the host's share of an overlapped decode step for the step-cost table
+(`DecodeCosts.observe_host`): from one step() to the next, less the time spent waiting for the
+device, when that step() read a decode step and launched the next one (the steady state, where
+the device's and the host's work overlap).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from jetserve.engine.draft_policy import DraftPolicy
 from jetserve.engine.runner import Launch, SpeculativeLaunch
+from jetserve.engine.step_cost import DecodeCosts
 
 
 @dataclass
 class Pipeline:
     in_flight: Launch | SpeculativeLaunch | None = None
     next_drafts: int | None = None
+    began: float = 0.0  # when the current step() began
+    waited: float = 0.0  # of it, seconds spent waiting for the device
+    steady: tuple[int, int] | None = None  # (k, sequences) of the decode step it read while it launched the next
+
+    def tick(self, costs: DecodeCosts | None) -> None:
+        """A step() begins: the previous one's host time goes to `costs`, if it was steady."""
+        now = time.perf_counter()
+        if self.steady is not None and costs is not None:
+            costs.observe_host(*self.steady, now - self.began - self.waited)
+        self.began, self.waited, self.steady = now, 0.0, None
+
+    def wait(self, launch: Launch | SpeculativeLaunch) -> None:
+        """Wait for a launched step's result, the time kept apart from the host's."""
+        began = time.perf_counter()
+        launch.wait()
+        self.waited += time.perf_counter() - began
 
     def drafts(self, policy: DraftPolicy | None, batch: int) -> int:
         """The drafts the next launched step (of about `batch` sequences) proposes: decided once,

@@ -743,12 +743,16 @@ class Launch:
     tokens_on_host: torch.Tensor | None  # pinned, filled by a non-blocking copy (CPU: the tokens)
     ready: torch.cuda.Event | None
 
+    def wait(self) -> None:
+        """Until the step's tokens are on the host."""
+        if self.ready is not None and self.seqs:
+            self.ready.synchronize()
+
     def tokens(self) -> list[tuple[Sequence, int]]:
         """Wait for the step's tokens: (sequence, token) for each sequence it sampled."""
         if not self.seqs:
             return []
-        if self.ready is not None:
-            self.ready.synchronize()
+        self.wait()
         return list(zip(self.seqs, self.tokens_on_host.tolist()))
 
 
@@ -768,8 +772,12 @@ class SpeculativeLaunch:
         """Tokens verified a sequence."""
         return self.batch.num_tokens[0]
 
-    def rows(self) -> list[list[int]]:
-        """Wait for the result: a row a sequence."""
+    def wait(self) -> None:
+        """Until the result is on the host."""
         if self.ready is not None:
             self.ready.synchronize()
+
+    def rows(self) -> list[list[int]]:
+        """Wait for the result: a row a sequence."""
+        self.wait()
         return self.packed.tolist()

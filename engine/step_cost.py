@@ -1,6 +1,7 @@
 """What steps cost: a prefill step's time predicted from its shape (`StepCost`), so that prefill
 chunks are sized by time, not by a token count; and a decode step's time measured for each draft
-length and batch bucket (`DecodeCosts`), which the draft policy reads.
+length and batch bucket, the device's and the host's (`DecodeCosts`), which the draft policy
+reads.
 
 A fixed token budget is the wrong unit for the streams decoding beside a long prompt: a chunk at
 context 0 is cheap, the same chunk deep in the prompt pays attention over all of it, and every
@@ -22,7 +23,9 @@ direction the data cannot tell apart (every chunk the same size) stays at the pr
 from __future__ import annotations
 
 import bisect
+import collections
 import math
+import statistics
 import time
 from collections.abc import Callable
 
@@ -42,6 +45,7 @@ HUBER = 0.05
 # How much slower the flash kernel does a FLOP than the matmuls (bench/results/prefill-profile-h200):
 # only the prior's split between the two terms, which the data then corrects.
 ATTENTION_SLOWDOWN = 2.5
+HOST_SAMPLES = 15  # a (k, bucket)'s host time: the median of its last this many overlapped steps
 
 
 def tile_keys(q: int, ctx: int, block_m: int = PREFILL_BLOCK_M) -> int:
@@ -153,37 +157,71 @@ class StepCost:
 
 class DecodeCosts:
     """Seconds of a decode step by (k, batch bucket): k = 0 a plain decode, k >= 1 a speculative
-    step that verifies k drafts a sequence and proposes k (drafting steadily at k). The runner
-    measures them once it has captured its CUDA graphs or compiled its CPU steps (`time_runs` on
-    each graph's replay, or on the eager step where none is captured), over padded inputs on the
-    scratch block: a decode step of a small model costs its weights and launches, not its
-    context, so one context stands for all. Measured, not timed online: a step inside the async
-    pipeline overlaps the host's work and its neighbours, and its wall time said more about the
-    pipeline than about the step. A (k, bucket) not measured costs infinity: never chosen."""
+    step that verifies k drafts a sequence and proposes k (drafting steadily at k). A step costs
+    the larger of two times, each measured apart:
+
+    - the device's: measured once the runner has captured its CUDA graphs or compiled its CPU
+      steps (`time_runs` on each graph's replay, or on the eager step where none is captured),
+      over padded inputs on the scratch block: a decode step of a small model costs its weights
+      and launches, not its context, so one context stands for all. Not timed online: a step's
+      wall time inside the async pipeline says more about the pipeline than about the step.
+    - the host's: what the engine core's own work (scheduling, launching, reading and emitting
+      the tokens) takes for a step, `observe_host`, from the steps that overlapped the device
+      (async scheduling: the device runs step N+1 while the host reads step N, so a step lasts
+      the longer of the two). The median of the last HOST_SAMPLES of each (k, bucket), time
+      spent waiting for the device left out. Where many sequences decode, a small model's
+      device step is shorter than the host's bookkeeping of it, and pricing the device alone
+      would rate drafting, whose extra tokens cost the host little, far below what it gains.
+      A (k, bucket) the host has not been seen running costs the host what the nearest smaller
+      k did (drafting adds host work, it removes none), or nothing.
+
+    A (k, bucket) the device table lacks costs infinity: never chosen."""
 
     def __init__(self, seconds: dict[tuple[int, int], float]):
         self.table: dict[tuple[int, int], float] = {}
+        self.host: dict[tuple[int, int], float] = {}
+        self._host_samples: dict[tuple[int, int], collections.deque] = {}
         self.buckets: list[int] = []
         self._pays: dict[int, bool] = {}
         self.update(seconds)
 
     def update(self, seconds: dict[tuple[int, int], float]) -> None:
-        """New measurements (a CPU's plain step once its compiled program is in use)."""
+        """New device measurements (a CPU's plain step once its compiled program is in use)."""
         self.table.update(seconds)
         self.buckets = sorted({b for _, b in self.table})
         self._pays.clear()
 
+    def bucket(self, batch: int) -> int | None:
+        """The bucket a step of `batch` sequences is padded to (the largest bucket past it: those
+        steps run eagerly, at least as slowly)."""
+        return self.buckets[min(bisect.bisect_left(self.buckets, batch), len(self.buckets) - 1)] \
+            if self.buckets else None
+
+    def observe_host(self, k: int, batch: int, seconds: float) -> None:
+        """The host's busy seconds of one overlapped decode step drafting k over `batch` sequences."""
+        key = (k, self.bucket(batch))
+        samples = self._host_samples.setdefault(key, collections.deque(maxlen=HOST_SAMPLES))
+        samples.append(seconds)
+        self.host[key] = statistics.median(samples)
+
+    def device_seconds(self, k: int, batch: int) -> float:
+        return self.table.get((k, self.bucket(batch)), math.inf)
+
+    def host_seconds(self, k: int, batch: int) -> float:
+        b = self.bucket(batch)
+        return next((self.host[j, b] for j in range(k, -1, -1) if (j, b) in self.host), 0.0)
+
     def seconds(self, k: int, batch: int) -> float:
-        """T(k) for `batch` sequences: the bucket a step of that many is padded to (the largest
-        bucket past it: those steps run eagerly, at least as slowly)."""
-        i = min(bisect.bisect_left(self.buckets, batch), len(self.buckets) - 1)
-        return self.table.get((k, self.buckets[i]), math.inf) if self.buckets else math.inf
+        """T(k) for `batch` sequences: the longer of the device's and the host's time."""
+        return max(self.device_seconds(k, batch), self.host_seconds(k, batch))
 
     def could_pay(self, k_max: int) -> bool:
-        """Whether some k <= k_max beats plain decoding at some bucket if every draft is accepted
-        (k + 1 tokens a step)."""
+        """Whether some k <= k_max beats plain decoding at some bucket on the device's times if
+        every draft is accepted (k + 1 tokens a step). The device's times alone: they are known
+        before any step runs, and where they rule drafting out (a CPU's eager drafting steps,
+        many plain ones each) the host's bookkeeping is small beside them."""
         if k_max not in self._pays:
-            self._pays[k_max] = any((k + 1) * self.seconds(0, b) > self.seconds(k, b)
+            self._pays[k_max] = any((k + 1) * self.device_seconds(0, b) > self.device_seconds(k, b)
                                     for b in self.buckets for k in range(1, k_max + 1))
         return self._pays[k_max]
 

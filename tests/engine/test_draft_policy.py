@@ -250,3 +250,47 @@ def test_demo_drafting_on_by_the_rule_decodes_as_plain(demo_plain):
     assert [o.outputs[0].token_ids for o in measured.generate(prompts, GREEDY, use_tqdm=False)] == plain
     if policy.hopeless:
         assert policy.chosen[1:] == [0, 0]
+
+
+def test_where_the_host_is_the_longer_a_draft_is_priced_by_it():
+    """Many streams of a small model: the device's k=3 step costs 2.5 plain ones, but the host's
+    bookkeeping of a step is longer than either, so a step lasts the host's time and drafting
+    pays; the host's time is the median of the recent steps (one stalled step moves nothing); a
+    k the host has not run costs it what the nearest smaller k did; rule 6 reads the device."""
+    device = {(0, 32): 0.1e-3, (1, 32): 0.17e-3, (2, 32): 0.21e-3, (3, 32): 0.25e-3}
+    policy = with_acceptance([0.6, 0.6, 0.6])  # E_k = 1, 1.6, 1.96, 2.18
+    policy.costs = DecodeCosts(device)
+    assert policy.best(32) == 0  # on the device's times no k pays
+    for seconds in (0.7e-3, 0.71e-3, 0.69e-3, 50e-3, 0.7e-3):
+        policy.costs.observe_host(0, 32, seconds)
+    assert policy.costs.seconds(0, 32) == pytest.approx(0.7e-3)
+    assert policy.costs.seconds(3, 32) == pytest.approx(0.7e-3)  # not run yet: plain's host time
+    assert policy.best(32) == 3
+    for _ in range(3):
+        policy.costs.observe_host(3, 20, 0.9e-3)  # 20 sequences run in the bucket of 32
+    assert policy.costs.seconds(3, 32) == pytest.approx(0.9e-3) and policy.costs.seconds(2, 32) == pytest.approx(0.7e-3)
+    assert policy.best(32) == 2  # 1.96 tokens in 0.7 ms (k = 2 priced as plain) against 2.18 in 0.9
+    policy.costs.observe_host(2, 32, 0.85e-3)
+    assert policy.best(32) == 3  # 2.18 in 0.9 ms beats 1.96 in 0.85
+    for _ in range(16):
+        policy.costs.observe_host(3, 32, 2.0e-3)  # the last HOST_SAMPLES are all it keeps
+    assert policy.costs.seconds(3, 32) == pytest.approx(2.0e-3) and policy.best(32) == 2
+    cpu = DecodeCosts({(0, 1): 1e-3, (1, 1): 15e-3})
+    cpu.observe_host(0, 1, 1.0)
+    assert not cpu.could_pay(1)  # however slow the host
+
+
+def test_async_steps_clock_the_hosts_time(tmp_path):
+    """Async scheduling on the CPU, drafting adaptive: the overlapped decode steps give the table
+    the host's time of each bucket they ran at, and the policy prices steps by it."""
+    model = build_drafting_model(tmp_path / "m")
+    llm = LLM(model, speculative_config={"method": "mtp", "num_speculative_tokens": 2}, max_model_len=64,
+              block_size=4, num_kv_blocks=64, max_num_seqs=4, async_scheduling=True)
+    costs = llm.engine.draft_policy.costs
+    assert not costs.host
+    prompts = [{"prompt_token_ids": [3 + i, 7, 11]} for i in range(4)]
+    llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert costs.host and all(b in costs.buckets for _, b in costs.host)
+    for (k, b), seconds in costs.host.items():
+        assert 0 < seconds < 1.0  # a CPU's step: its forward is the host's too
+        assert costs.seconds(k, b) == max(costs.table[k, b], seconds)
