@@ -12,6 +12,7 @@
 #   quant, profile — `bench quant` (TPOT and kernels), `bench profile` (the 0.6B's step by kernel)
 #   decode  — `bench decode` batch 1: shipped table vs tuned tiles, interleaved, same run
 #   gputests — the GPU tests named in $TESTS
+#   spy     — after start: a warm 4B INT4 start under py-spy
 set -uo pipefail
 # Stages write under /tmp/res; after each one, everything so far is packed into $OUT/results.tgz
 # (the device tool brings back few files, and a call cut short by its limit keeps what it packed).
@@ -93,6 +94,12 @@ start|start06)
     timeout 420 $J bench startup --model "$W/ckpt/$shape" --serve-flags "$flags" $extra --work "$W/$name" \
       --out "$OUT/startup-$name" 2>&1 | grep -E '^\[startup\]|Error|error' ; cp "$W/$name"/serve-*.log "$OUT/startup-$name/" 2>/dev/null
   done
+  ;;
+spy)  # after start: a warm Qwen3-4B INT4 start under py-spy (its wheel in .whl/), where each process's seconds go
+  timeout 150 /tmp/site/bin/py-spy record --subprocesses --nonblocking --rate 200 --format speedscope \
+    -o "$OUT/spy-4b-int4.json" -- $J bench startup --model "$W/ckpt/qwen3-4b" --runs warm \
+    --serve-flags "--dtype bfloat16 --quantization int4" --work "$W/qwen3-4b-int4" --out "$OUT/spy-startup" 2>&1 \
+    | grep -E '^\[startup\]|Error|error' | tail -5
   ;;
 tune)  # $TUNE: "shape|flags;shape|flags" (default: both shapes in bf16, INT8 and INT4)
   checkpoints

@@ -10,7 +10,9 @@ loading, so a model whose float weights would not fit the device never exists in
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import torch
 from tqdm import tqdm
@@ -20,6 +22,9 @@ from jetserve.engine.config import ON_THE_FLY, ModelConfig, QuantizationConfig
 from jetserve.engine.model.qwen3 import Linear, Qwen3ForCausalLM, RotaryEmbedding
 from jetserve.engine.model import quant
 
+# Tensors read and copied to the device at once: a copy out of the page cache is the host's
+# memcpy, which one thread does not keep the bus busy with.
+LOAD_THREADS = 4
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -106,22 +111,37 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_pos
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     params = dict(model.named_parameters())
-    with torch.no_grad():
-        # One report of progress, never two on one stream: with `progress` (the service's log
-        # records) no bar; without it a bar, on a terminal only (tqdm's None).
-        for n, (name, names) in enumerate(tqdm(sources.items(), desc="loading weights", unit="tensor",
-                                               leave=False, disable=True if progress else None)):
-            if name in modes:
-                weight = _quantized_weight(ckpt, names, quantization, modes[name], device)
-                if modes[name] == "dequantize":
-                    params[name].copy_(quant.dequantize(weight, dtype))
-                else:
-                    model.get_submodule(name.removesuffix(".weight")).load(weight)
-                continue
-            tensor = torch.cat([ckpt.get(s) for s in names]) if len(names) > 1 else ckpt.get(names[0])
-            params[name].copy_(tensor)
-            if progress and n % 16 == 0:
-                progress(f"loading weights {n + 1}/{len(sources)}")
+    quantizing = threading.Lock()
+
+    @torch.no_grad()  # grad mode is a thread's own
+    def fill(name: str, names: list[str]) -> None:
+        if name not in modes:
+            _copy_rows(params[name], [ckpt.get(s) for s in names])
+            return
+        weight = _quantized_weight(ckpt, names, quantization, modes[name], device, quantizing)
+        if modes[name] == "dequantize":
+            params[name].copy_(quant.dequantize(weight, dtype))
+        else:
+            model.get_submodule(name.removesuffix(".weight")).load(weight)
+
+    # One report of progress, never two on one stream: with `progress` (the service's log records)
+    # no bar; without it a bar, on a terminal only (tqdm's None).
+    bar = tqdm(total=len(sources), desc="loading weights", unit="tensor", leave=False,
+               disable=True if progress else None)
+    with ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="load") as pool:
+        futures = [pool.submit(fill, name, names) for name, names in sources.items()]
+        try:
+            for n, future in enumerate(as_completed(futures)):
+                future.result()
+                bar.update()
+                if progress and n % 16 == 0:
+                    progress(f"loading weights {n + 1}/{len(sources)}")
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
+        finally:
+            bar.close()
     return model.eval()
 
 
@@ -157,17 +177,32 @@ def _quant_linear(linear: Linear, config: QuantizationConfig, mode: str) -> quan
 
 
 def _quantized_weight(ckpt: Checkpoint, names: list[str], config: QuantizationConfig, mode: str,
-                      device: torch.device) -> quant.QuantizedWeight:
+                      device: torch.device, quantizing: threading.Lock) -> quant.QuantizedWeight:
     """A projection in our quantized layout (on `device`, where quantizing a 4B model takes
-    seconds instead of minutes on a CPU)."""
+    seconds instead of minutes on a CPU). One projection is quantized at a time, whatever the
+    loading threads: its fp32 temporaries are several times its float weight."""
     if f"{names[0].removesuffix('.weight')}.qweight" in ckpt:
-        weight = quant.read_quantized(ckpt, [s.removesuffix(".weight") for s in names], config)
-        if mode in ("packed", "dequantize"):
-            return weight
-        tensor = quant.dequantize(weight, torch.float32)
+        with quantizing:
+            weight = quant.read_quantized(ckpt, [s.removesuffix(".weight") for s in names], config)
+            if mode in ("packed", "dequantize"):
+                return weight
+            tensor = quant.dequantize(weight, torch.float32).to(device)
     else:
-        tensor = torch.cat([ckpt.get(s) for s in names]) if len(names) > 1 else ckpt.get(names[0])
-    return quant.quantize(tensor.to(device), *ON_THE_FLY[mode])
+        parts = [ckpt.get(s) for s in names]
+        tensor = torch.empty((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), dtype=parts[0].dtype,
+                             device=device)
+        _copy_rows(tensor, parts)
+    with quantizing:
+        return quant.quantize(tensor, *ON_THE_FLY[mode])
+
+
+def _copy_rows(dest: torch.Tensor, parts: list[torch.Tensor]) -> None:
+    """The checkpoint's tensors of a fused parameter, each into its rows: no concatenated copy
+    on the host first."""
+    row = 0
+    for part in parts:
+        dest[row:row + part.shape[0]].copy_(part)
+        row += part.shape[0]
 
 
 def _check(ckpt: Checkpoint, cfg: ModelConfig, params: dict, sources: dict[str, list[str]]) -> None:
