@@ -21,6 +21,10 @@ if [ $service = 1 ]; then
     exit 1; }
   python3 -m venv --system-site-packages /opt/jetserve
   /opt/jetserve/bin/pip install --quiet "$src[serve]"
+  # Bytecode for torch and Triton, written now where a wheel installed without it would have
+  # every start of the service compile their sources again (seconds each time).
+  python3 -m compileall -q -j 0 $(python3 -c 'import os, torch; print(os.path.dirname(torch.__file__))') \
+    $(python3 -c 'import os, triton; print(os.path.dirname(triton.__file__))' 2>/dev/null) >/dev/null || true
 else
   python3 -m venv /opt/jetserve
   /opt/jetserve/bin/pip install --quiet "$src"
