@@ -722,7 +722,8 @@ def _soak_figure(r):
 
 
 def _documents():
-    """A real agent's health document and birth (from a bundled device's files), to send as is."""
+    """A real agent's health document and birth (from a bundled device's files, in a source
+    checkout; else this machine's own), to send as is."""
     from jetserve import __version__
     from jetserve.agent import health
     from jetserve.config import DEFAULT_ADDRESS
@@ -730,7 +731,7 @@ def _documents():
     from jetserve.device.probe import probe
 
     sysroot = os.path.join(_repo(), "tests", "agent", "sysroots", "agx-orin-jp62")
-    found = probe(sysroot) if os.path.isdir(sysroot) else {}
+    found = probe(sysroot if os.path.isdir(sysroot) else "/")
     verdict = compat.check(found)
     service = {"health": "SERVING", "stats": {"max_num_seqs": 8, "num_requests_running": 1}}
     doc = health.build(found, verdict, service, 0, {"pending": 0, "dropped": {"health": 0, "alert": 0}})
