@@ -3,7 +3,7 @@
 # tools/h200_startup.sh STAGE` in the repository root there, the wheels the image lacks carried in
 # .whl/ (pyzmq, msgspec, paho-mqtt, grpcio-health-checking, grpcio-reflection). Results under $OUT.
 #   probe   — the image's versions, and Triton compiles serial vs in compile_only()'s threads
-#   start   — `bench startup` fresh + warm: 0.6B bf16 (8k prompt beside 8 streams), 4B bf16, 4B INT4
+#   start   — `bench startup` fresh + warm: 0.6B bf16 (8k prompt beside 8 streams), 4B bf16, 4B INT4 ($START: others)
 #   tune    — `jetserve tune` for each shape and weight format: tables to ship, and the tuned cache
 #   phases  — where the engine core's start goes before the model loads (tools/startup_probe.py)
 #   mtp, binv — `bench mtp` on the demo: default drafting; the batch-invariant mode's cost
@@ -102,6 +102,7 @@ start|start06)
   checkpoints
   specs=("qwen3-0.6b|--dtype bfloat16 --max-model-len 9216|--long-prompt 8000 --beside 8")
   [ "$stage" = start ] && specs+=("qwen3-4b|--dtype bfloat16|" "qwen3-4b|--dtype bfloat16 --quantization int4|")
+  [ -n "${START:-}" ] && IFS=';' read -r -a specs <<<"$START"  # "shape|flags|extra;…" instead
   for spec in "${specs[@]}"; do
     IFS='|' read -r shape flags extra <<<"$spec"
     name=$shape$(echo "$flags" | grep -o 'int[48]' | sed 's/^/-/')
