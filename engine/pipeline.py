@@ -14,10 +14,10 @@ that overlap, in two public fields:
 Without async scheduling `in_flight` stays None and `next_drafts` only carries a decision from
 one step to the same step's launch.
 
-It also clocks the host's share of an overlapped decode step for the step-cost table
-(`DecodeCosts.observe_host`): from one step() to the next, less the time spent waiting for the
-device, when that step() read a decode step and launched the next one (the steady state, where
-the device's and the host's work overlap).
+Three more fields clock the host's share of an overlapped decode step for the step-cost table
+(`DecodeCosts.observe_host`): from one step() to the next (`began`), less the time spent waiting
+for the device (`waited`), when that step() read a decode step and launched the next one
+(`steady`: the steady state, where the device's and the host's work overlap).
 """
 
 from __future__ import annotations
