@@ -112,17 +112,18 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_pos
         model.lm_head.weight = model.embed_tokens.weight
     params = dict(model.named_parameters())
     quantizing = threading.Lock()
+    inference = torch.is_inference_mode_enabled()  # the caller's: its tensors are written in it
 
-    @torch.no_grad()  # grad mode is a thread's own
     def fill(name: str, names: list[str]) -> None:
-        if name not in modes:
-            _copy_rows(params[name], [ckpt.get(s) for s in names])
-            return
-        weight = _quantized_weight(ckpt, names, quantization, modes[name], device, quantizing)
-        if modes[name] == "dequantize":
-            params[name].copy_(quant.dequantize(weight, dtype))
-        else:
-            model.get_submodule(name.removesuffix(".weight")).load(weight)
+        with torch.inference_mode(inference), torch.no_grad():  # both are a thread's own
+            if name not in modes:
+                _copy_rows(params[name], [ckpt.get(s) for s in names])
+                return
+            weight = _quantized_weight(ckpt, names, quantization, modes[name], device, quantizing)
+            if modes[name] == "dequantize":
+                params[name].copy_(quant.dequantize(weight, dtype))
+            else:
+                model.get_submodule(name.removesuffix(".weight")).load(weight)
 
     # One report of progress, never two on one stream: with `progress` (the service's log records)
     # no bar; without it a bar, on a terminal only (tqdm's None).
