@@ -158,15 +158,21 @@ def _quant_skinny_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_p
 
 @triton.jit
 def _group_of(s_ptr, z_ptr, n, w0, K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-              HAS_ZEROS: tl.constexpr):
-    """The scale and stored zero point of each row's group that starts at word w0 (a tile of
-    `_quant_gemv_kernel` is one group), requested a tile ahead like the words; placeholders for
-    formats with one group a row."""
+              HAS_ZEROS: tl.constexpr, BLOCK_W: tl.constexpr):
+    """The scale and stored zero point of the group of each word of the tile at word w0 of rows
+    n, [BLOCK_N, 1] where the tile is one group, [BLOCK_N, BLOCK_W] where it spans several (a
+    load a word and row, but the same address for a span's 16 words); requested tiles ahead like
+    the words. Placeholders for formats with one group a row."""
     GROUPS: tl.constexpr = K // GROUP
+    FIELDS: tl.constexpr = 32 // BITS
     if GROUPS == 1:
-        return tl.zeros(n.shape, tl.float32), tl.zeros(n.shape, tl.int32)
-    at = n * GROUPS + w0 * (32 // BITS) // GROUP
-    zero = tl.load(z_ptr + at).to(tl.int32) if HAS_ZEROS else tl.zeros(n.shape, tl.int32) + (1 << (BITS - 1))
+        return tl.zeros([n.shape[0], 1], tl.float32), tl.zeros([n.shape[0], 1], tl.int32)
+    if BLOCK_W * FIELDS <= GROUP:
+        at = (n * GROUPS + w0 * FIELDS // GROUP)[:, None]
+    else:  # the span layout: word w holds columns of span w // 16, SPAN columns from (w // 16) * SPAN
+        word = w0 + tl.arange(0, BLOCK_W)
+        at = (n * GROUPS)[:, None] + ((word // 16) * (16 * FIELDS) // GROUP)[None, :]
+    zero = tl.load(z_ptr + at).to(tl.int32) if HAS_ZEROS else tl.zeros(at.shape, tl.int32) + (1 << (BITS - 1))
     return tl.load(s_ptr + at), zero
 
 
@@ -174,16 +180,17 @@ def _group_of(s_ptr, z_ptr, n, w0, K: tl.constexpr, BITS: tl.constexpr, GROUP: t
 def _gemv_tile(acc, cur, scale, zero, w0, x_ptr, res_ptr, res_out_ptr, norm_w_ptr, inv, low_bits, store_sum,
                K: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr, SILU: tl.constexpr, BITS: tl.constexpr,
                GROUP: tl.constexpr, BLOCK_W: tl.constexpr):
-    """acc + one tile of words [BLOCK_N, BLOCK_W] (from word w0 of its rows, with their group's
-    `scale` and `zero`) times the input row's matching columns, for `_quant_gemv_kernel`; also
-    the sum of those inputs a column, for formats whose zero points come in once a row."""
+    """acc + one tile of words [BLOCK_N, BLOCK_W] (from word w0 of its rows, with their groups'
+    `scale` and `zero`, see `_group_of`) times the input row's matching columns, for
+    `_quant_gemv_kernel`; also the sum of those inputs a column, for formats whose zero points
+    come in once a row."""
     FIELDS: tl.constexpr = 32 // BITS
     SPAN: tl.constexpr = 16 * FIELDS
     one = tl.arange(0, 1)
     t = tl.arange(0, BLOCK_W)
     field0 = (t // 16) * SPAN + t % 16  # input column of field 0 of the tile's word t, from the tile's first
     dtype = x_ptr.dtype.element_ty
-    part = tl.zeros(acc.shape, tl.float32)
+    part = tl.zeros(cur.shape, tl.float32)
     a_sum = tl.zeros([1, BLOCK_W], tl.float32)
     high = cur >> 16  # the upper half word's fields, moved down once a word
     for i in tl.static_range(FIELDS):
@@ -200,9 +207,13 @@ def _gemv_tile(acc, cur, scale, zero, w0, x_ptr, res_ptr, res_out_ptr, norm_w_pt
         part += (a * (1.0 / (1 << place))) * q
         a_sum += a
     if K // GROUP == 1:  # zero points and scales once a row, at the end
-        return acc + part, a_sum
-    zero = _as_float(zero) - 8388608.0
-    return acc + (part - zero[:, None] * a_sum) * scale[:, None], a_sum
+        acc += part
+    elif BLOCK_W * FIELDS <= GROUP:  # one group: the tile's sums a row first
+        zero = _as_float(zero) - 8388608.0
+        acc += (tl.sum(part, axis=1, keep_dims=True) - zero * tl.sum(a_sum, axis=1, keep_dims=True)) * scale
+    else:
+        acc += (part - (_as_float(zero) - 8388608.0) * a_sum) * scale
+    return acc, a_sum
 
 
 @triton.jit
@@ -213,13 +224,16 @@ def _quant_gemv_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_ptr
     """out[1, N] = a(x)[1, K] @ dequant(w)[N, K]^T for one input row (batch-1 decode), a() the
     prologue as in `_quant_skinny_kernel`, whose span layout it reads.
 
-    Built so that nothing moves between threads in the loop: the tiles are 2-D [BLOCK_N,
-    BLOCK_W] (no [rows, N, K] products), a thread's input columns are loaded straight into the
-    layout of its words (a tile of one row, small enough for Triton to load it in any layout), and
-    every load is unmasked: rows past N read row N - 1 (their results are not stored), and K is a
-    whole number of tiles, the next one requested while this one is multiplied. A weight costs a
+    Decode's products are short: a program makes a few steps over K, so each step's wait for
+    memory is exposed unless the requests run ahead of the arithmetic. The words and their
+    groups' scales and zero points are requested AHEAD steps ahead, every load unmasked: rows
+    past N read row N - 1 (their results are not stored), K is a whole number of steps, and a
+    split's last requests repeat its last step (cache hits, never used). Nothing moves between
+    threads in the loop: the tiles are 2-D [BLOCK_N, BLOCK_W], a thread's input columns are
+    loaded straight into the layout of its words (a tile of one row, small enough for Triton to
+    load it in any layout), each shared by the thread's rows of that word. A weight costs a
     mask-and-OR into the bits of 2**23, a subtraction and an FMA; the zero point comes in once a
-    row and tile through the inputs' sum, sum_i a_i (q_i - z) = sum_i a_i q_i - z sum_i a_i.
+    row and group through the inputs' sum, sum_i a_i (q_i - z) = sum_i a_i q_i - z sum_i a_i.
     Program (i, j) takes words [j KW_SPLIT, (j + 1) KW_SPLIT) as in `_quant_skinny_kernel`."""
     pid = tl.program_id(0)
     FIELDS: tl.constexpr = 32 // BITS
@@ -232,32 +246,42 @@ def _quant_gemv_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_ptr
     n = n_out if EVEN_N else tl.minimum(n_out, N - 1)
     tile_words = qw_ptr + n.to(tl.int64)[:, None] * KW + tl.arange(0, BLOCK_W)[None, :]
     dtype = x_ptr.dtype.element_ty
-    words = tl.load(tile_words + w_lo)  # in flight first
-    scale, zero = _group_of(s_ptr, z_ptr, n, w_lo, K, BITS, GROUP, HAS_ZEROS)
+    # AHEAD steps in flight first: two where each step's groups bring scales and zero points too
+    # (more loads a step to wait for), one for formats with one group a row (registers kept for
+    # occupancy)
+    AHEAD: tl.constexpr = 1 if GROUPS == 1 else 2
+    words = tl.load(tile_words + w_lo)
+    scale, zero = _group_of(s_ptr, z_ptr, n, w_lo, K, BITS, GROUP, HAS_ZEROS, BLOCK_W)
+    w_next = tl.minimum(w_lo + BLOCK_W, w_last)
+    words2 = tl.load(tile_words + w_next) if AHEAD == 2 else words
+    scale2, zero2 = _group_of(s_ptr, z_ptr, n, w_next, K, BITS, GROUP, HAS_ZEROS, BLOCK_W)
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
     inv = tl.zeros([1], tl.float32)
     if NORM:  # first pass: the row's mean square
         inv = row_inv_rms(x_ptr, res_ptr, res_out_ptr, one, one < 1, K, eps, ADD, SILU, dtype, 1, NORM_BLOCK)
-    acc = tl.zeros([BLOCK_N, BLOCK_W], tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_W if GROUPS == 1 or BLOCK_W * FIELDS > GROUP else 1], tl.float32)
     a_total = tl.zeros([1, BLOCK_W], tl.float32)
-    for w0 in range(w_lo, w_last, BLOCK_W):
-        following = tl.load(tile_words + w0 + BLOCK_W)
-        next_scale, next_zero = _group_of(s_ptr, z_ptr, n, w0 + BLOCK_W, K, BITS, GROUP, HAS_ZEROS)
+    for w0 in range(w_lo, w_last + BLOCK_W, BLOCK_W):
+        w_ahead = tl.minimum(w0 + AHEAD * BLOCK_W, w_last)
+        words3 = tl.load(tile_words + w_ahead)
+        scale3, zero3 = _group_of(s_ptr, z_ptr, n, w_ahead, K, BITS, GROUP, HAS_ZEROS, BLOCK_W)
         acc, a_sum = _gemv_tile(acc, words, scale, zero, w0, x_ptr, res_ptr, res_out_ptr, norm_w_ptr, inv, low_bits,
                                 pid == 0, K, NORM, ADD, SILU, BITS, GROUP, BLOCK_W)
         a_total += a_sum
-        words, scale, zero = following, next_scale, next_zero
-    acc, a_sum = _gemv_tile(acc, words, scale, zero, w_last, x_ptr, res_ptr, res_out_ptr, norm_w_ptr, inv, low_bits,
-                            pid == 0, K, NORM, ADD, SILU, BITS, GROUP, BLOCK_W)
+        if AHEAD == 2:
+            words, scale, zero = words2, scale2, zero2
+            words2, scale2, zero2 = words3, scale3, zero3
+        else:
+            words, scale, zero = words3, scale3, zero3
     out = tl.sum(acc, axis=1)
     if GROUPS == 1:  # (sum a q - z sum a) s, a row's zero point and scale applied once
         if HAS_ZEROS:
             zero = tl.load(z_ptr + n).to(tl.float32)
         else:
             zero = tl.zeros([BLOCK_N], tl.float32) + (1 << (BITS - 1))
-        out = (out - zero * tl.sum(a_total + a_sum, axis=1)) * tl.load(s_ptr + n)
+        out = (out - zero * tl.sum(a_total, axis=1)) * tl.load(s_ptr + n)
     if KW_SPLIT >= KW:
         tl.store(out_ptr + n_out, out.to(dtype), mask=n_out < N)
     else:  # this split's partial sums, [split, 1, N] fp32
@@ -402,23 +426,26 @@ _MAX_WORDS_PER_THREAD = 16  # accumulators a thread holds per word: more spills 
 
 
 # Candidates for one input row (`one_row`: `_quant_gemv_kernel`, BLOCK_N rows of block_k words a
-# step), timed beside TILES: of those explored (bench/results/quant-h200-r4, explore/), the ones
-# that won a Qwen3 projection (4B gate·up INT8, the prologue apart) or came close to the best
-# multi-row tile (split K: a few hundred programs leave the loop's latency exposed). Formats with groups take a group a step (16 words: INT4 in groups of 128;
-# other groups, their own words), those with one scale a row 64 words a step.
-GROUP_TILES = [Tile(32, 16, 2, 4, one_row=True), Tile(32, 16, 2, apart=True, one_row=True)]
-ROW_TILES = [Tile(32, 64, 4, apart=True, one_row=True), Tile(32, 64, 4, 4, one_row=True), Tile(16, 64, 2, one_row=True)]
+# step), timed beside TILES: the ones that were fastest or second for some Qwen3 0.6B/4B projection
+# at batch 1, INT8 and INT4, in a sweep of 8 to 32 words a thread (bench/results/quant-gemv-h200).
+# Many rows a program: the input's columns (and a fused prologue's work on them) are shared by
+# all of a thread's rows; split K where N / BLOCK_N programs leave the GPU part empty.
+GEMV_TILES = [Tile(32, 64, 4, apart=True, one_row=True), Tile(32, 128, 8, apart=True, one_row=True),
+              Tile(64, 64, 8, apart=True, one_row=True), Tile(16, 64, 4, 4, one_row=True),
+              Tile(32, 128, 8, one_row=True), Tile(64, 128, 8, 4, one_row=True), Tile(64, 128, 8, one_row=True),
+              Tile(64, 64, 4, 4, one_row=True), Tile(16, 128, 8, one_row=True), Tile(8, 128, 4, one_row=True),
+              Tile(32, 128, 8, 2, one_row=True), Tile(64, 64, 8, 2, one_row=True), Tile(32, 64, 4, 4, one_row=True)]
+_MAX_GEMV_WORDS_PER_THREAD = 32  # its accumulators: one a word, rows sharing the inputs
 
 
 def _gemv_tiles(rows: int, weight: QuantizedWeight) -> list[Tile]:
     """The one-row kernel's candidates for this weight: one row, groups of whole spans, K a
-    whole number of steps."""
+    whole number of steps, a step within one group or over whole groups."""
     group_words, row_words = weight.group_size * weight.bits // 32, weight.qweight.shape[1]
     if rows != 1 or weight.group_size % span(weight.bits):
         return []
-    if group_words < row_words:
-        return [t._replace(block_k=group_words) for t in GROUP_TILES]
-    return [t for t in ROW_TILES if row_words % t.block_k == 0]
+    return [t for t in GEMV_TILES if row_words % t.block_k == 0 and (group_words % t.block_k == 0 or
+                                                                     t.block_k % group_words == 0)]
 
 
 # Tensor-core candidates (`_quant_dot_kernel`, `dot`): BLOCK_N weight rows a program (the dot's M),
@@ -446,8 +473,8 @@ def fitting_tiles(rows: int, weight: QuantizedWeight, prologue: int = PLAIN, pdl
     a plain product has no prologue to run apart; with and without PDL as `kernels.with_pdl`."""
     if weight.scales.dtype != torch.float32:
         return []
-    fma = [t for t in TILES + _gemv_tiles(rows, weight)
-           if triton.next_power_of_2(rows) * t.block_n * t.block_k <= _MAX_WORDS_PER_THREAD * 32 * t.warps]
+    fma = [t for t in TILES if triton.next_power_of_2(rows) * t.block_n * t.block_k <= _MAX_WORDS_PER_THREAD * 32 * t.warps]
+    fma += [t for t in _gemv_tiles(rows, weight) if t.block_n * t.block_k <= _MAX_GEMV_WORDS_PER_THREAD * 32 * t.warps]
     # the tensor-core tiles last: a shape no table lists keeps the first FMA tile, as before them
     return with_pdl([t for t in fma + _dot_tiles(rows, weight, dtype) if not (t.apart and prologue == PLAIN)], pdl)
 

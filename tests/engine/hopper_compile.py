@@ -63,7 +63,8 @@ def main() -> None:
 
 def quant() -> None:
     """The one-row quantized kernel: INT4 with zero points and groups, INT8 per channel and
-    symmetric; every prologue, with PDL or rows past N and K split; bf16 (and fp32) activations."""
+    symmetric; every prologue, with PDL or rows past N and K split, a step within a group or over
+    several; bf16 (and fp32) activations."""
     cases = [(bits, group, zeros, prologue, "*bf16") for bits, group, zeros in ((4, 128, True), (8, 1024, False))
              for prologue in range(4)] + [(4, 128, True, 0, "*fp32")]
     for i, (bits, group, zeros, prologue, act) in enumerate(cases):
@@ -73,7 +74,7 @@ def quant() -> None:
                                 z_ptr="*u8" if zeros else "*fp32", out_ptr=act if split == 1 else "*fp32",
                                 res_out_ptr=act, eps="fp32"),
                            dict(K=1024, NORM=prologue in (1, 2), ADD=prologue == 2, SILU=prologue == 3, BITS=bits,
-                                GROUP=group, HAS_ZEROS=zeros, BLOCK_N=64, BLOCK_W=16 if bits == 4 else 32,
+                                GROUP=group, HAS_ZEROS=zeros, BLOCK_N=64, BLOCK_W=64 if i % 3 == 0 else 16 if bits == 4 else 32,
                                 NORM_BLOCK=1024, KW_SPLIT=1024 * bits // 32 // split, EVEN_N=even, PDL=pdl))
     print("compiled")
 

@@ -257,8 +257,9 @@ def prologue_cases(m: int, k: int, dense: torch.Tensor, device: str, eps: float)
 def test_quant_gemv_kernel(bits, group, sym):
     """The one-row kernel against dequantize + torch, every prologue: N not a multiple of the
     tile's rows (the rows past it read the last one, unstored), K in several steps (the next in
-    flight), K split over programs with a partial last split, the prologue apart; groups smaller
-    than a span of words take none of its tiles."""
+    flight), K split over programs with a partial last split, the prologue apart, a step over
+    two groups (a scale and zero point a word); groups smaller than a span of words take none of
+    its tiles."""
     require_module("triton")
     from jetserve.engine.model import kernels
     from jetserve.engine.model.kernels import Tile
@@ -273,20 +274,25 @@ def test_quant_gemv_kernel(bits, group, sym):
     tiles = {Tile(16, step, 1, one_row=True): (kernels.PLAIN, kernels.NORM, kernels.ADD_NORM, kernels.SILU_MUL),
              Tile(8, step, 1, 2, one_row=True): (kernels.NORM, kernels.ADD_NORM),
              Tile(16, step, 1, apart=True, one_row=True): (kernels.SILU_MUL,)}  # tile: prologues
-    fitting = [t for t in fitting_tiles(1, w, kernels.NORM) if t.one_row]
+    wide = quant.quantize(torch.randn(n, 1024) / 8, bits, group, sym)  # K of a whole number of the candidates' steps
+    wide = quant.QuantizedWeight(*(t.to(device) if isinstance(t, torch.Tensor) else t for t in wide))
+    fitting = [t for t in fitting_tiles(1, wide, kernels.NORM) if t.one_row]
     if group % quant.span(bits) and group != -1:
         assert not fitting
         return
-    assert fitting and not [t for t in fitting_tiles(2, w) if t.one_row]
+    assert fitting and not [t for t in fitting_tiles(2, wide) if t.one_row]
     cases, h = prologue_cases(1, k, quant.dequantize(w, torch.float32), device, eps)
-    for tile, prologues in tiles.items():
-        for prologue in prologues:
-            (inp, residual, nw), want = cases[prologue]
-            got = quant_matmul(tile, prologue, inp, w, residual, nw, eps)
-            if prologue == kernels.ADD_NORM:
-                torch.testing.assert_close(got[1], h, rtol=0, atol=0)
-            got = got[0] if isinstance(got, tuple) else got
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=f"{prologue} {tile}")
+    runs = [(tile, p, w, cases) for tile, prologues in tiles.items() for p in prologues]
+    if group != -1:  # a step over two groups, two splits
+        wide_cases, _ = prologue_cases(1, 1024, quant.dequantize(wide, torch.float32), device, eps)
+        runs += [(Tile(8, 2 * step, 1, 2, one_row=True), p, wide, wide_cases) for p in (kernels.PLAIN, kernels.SILU_MUL)]
+    for tile, prologue, weight, inputs in runs:
+        (inp, residual, nw), want = inputs[prologue]
+        got = quant_matmul(tile, prologue, inp, weight, residual, nw, eps)
+        if prologue == kernels.ADD_NORM:
+            torch.testing.assert_close(got[1], h, rtol=0, atol=0)
+        got = got[0] if isinstance(got, tuple) else got
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=f"{prologue} {tile}")
 
 
 DOT_FORMATS = [(8, -1, True), (4, 128, False), (8, 128, False), (4, 128, True), (4, 256, False)]
