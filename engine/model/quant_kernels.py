@@ -252,9 +252,11 @@ def _quant_gemv_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_ptr
     AHEAD: tl.constexpr = 1 if GROUPS == 1 else 2
     words = tl.load(tile_words + w_lo)
     scale, zero = _group_of(s_ptr, z_ptr, n, w_lo, K, BITS, GROUP, HAS_ZEROS, BLOCK_W)
-    w_next = tl.minimum(w_lo + BLOCK_W, w_last)
-    words2 = tl.load(tile_words + w_next) if AHEAD == 2 else words
-    scale2, zero2 = _group_of(s_ptr, z_ptr, n, w_next, K, BITS, GROUP, HAS_ZEROS, BLOCK_W)
+    words2, scale2, zero2 = words, scale, zero  # the second step's, where AHEAD is 2
+    if AHEAD == 2:
+        w_next = tl.minimum(w_lo + BLOCK_W, w_last)
+        words2 = tl.load(tile_words + w_next)
+        scale2, zero2 = _group_of(s_ptr, z_ptr, n, w_next, K, BITS, GROUP, HAS_ZEROS, BLOCK_W)
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -429,12 +431,14 @@ _MAX_WORDS_PER_THREAD = 16  # accumulators a thread holds per word: more spills 
 # step), timed beside TILES: the ones that were fastest or second for some Qwen3 0.6B/4B projection
 # at batch 1, INT8 and INT4, in a sweep of 8 to 32 words a thread (bench/results/quant-gemv-h200).
 # Many rows a program: the input's columns (and a fused prologue's work on them) are shared by
-# all of a thread's rows; split K where N / BLOCK_N programs leave the GPU part empty.
+# all of a thread's rows; split K where N / BLOCK_N programs leave the GPU part empty. The last,
+# a step of one span, fits every K of whole spans (the demo's), where the wider steps do not.
 GEMV_TILES = [Tile(32, 64, 4, apart=True, one_row=True), Tile(32, 128, 8, apart=True, one_row=True),
               Tile(64, 64, 8, apart=True, one_row=True), Tile(16, 64, 4, 4, one_row=True),
               Tile(32, 128, 8, one_row=True), Tile(64, 128, 8, 4, one_row=True), Tile(64, 128, 8, one_row=True),
               Tile(64, 64, 4, 4, one_row=True), Tile(16, 128, 8, one_row=True), Tile(8, 128, 4, one_row=True),
-              Tile(32, 128, 8, 2, one_row=True), Tile(64, 64, 8, 2, one_row=True), Tile(32, 64, 4, 4, one_row=True)]
+              Tile(32, 128, 8, 2, one_row=True), Tile(64, 64, 8, 2, one_row=True), Tile(32, 64, 4, 4, one_row=True),
+              Tile(32, 16, 2, 4, one_row=True)]
 _MAX_GEMV_WORDS_PER_THREAD = 32  # its accumulators: one a word, rows sharing the inputs
 
 
