@@ -6,9 +6,9 @@ and dropped. No message can end the ingest thread, and if ingestion stops anyway
 a step is stuck) the process exits non-zero so systemd (or compose) restarts it; under systemd it
 is `Type=notify` and pings the watchdog only while ingestion is healthy.
 
-The MQTT thread only checks and queues; one writer stores the queued messages a batch per
-transaction and acknowledges them after the commit (`ingest.GroupCommit`: at least once, bounded,
-with back-pressure). It keeps a persistent MQTT session (clean_start off, a session expiry) so
+The MQTT thread only queues what it receives; one writer checks the queued messages, stores them
+a batch per transaction and acknowledges them after the commit (`ingest.GroupCommit`: at least
+once, bounded in messages and bytes, with back-pressure). It keeps a persistent MQTT session (clean_start off, a session expiry) so
 messages published while it reconnects, or not yet acknowledged when it died, wait at the broker. With `--share GROUP` several replicas split the
 fleet's stream (`$share/GROUP/...`). A device heard from without a known session (births are not
 retained, as in Sparkplug) is asked for a rebirth, at most once per `REBIRTH_EVERY_S`.
@@ -16,7 +16,6 @@ retained, as in Sparkplug) is asked for a rebirth, at most once per `REBIRTH_EVE
 
 import json
 import logging
-import math
 import threading
 import time
 import uuid
@@ -52,7 +51,8 @@ class Controller:
         self._stopping = threading.Event()
         self._rebirth_asked = {}  # (fleet, device) → when we last asked (writer thread)
         self.client = new_client(client_id, mqtt_options, manual_ack=True)
-        self.writer = GroupCommit(registry, self.client.ack, self.metrics, self.liveness, self._committed)
+        self.writer = GroupCommit(registry, self._check, self.client.ack, self.metrics, self.liveness,
+                                  self._committed)
         self.client.reconnect_delay_set(1, 10)
         self.client.on_connect = self._on_connect
         self.client.on_disconnect = self._on_disconnect
@@ -129,12 +129,9 @@ class Controller:
             return  # not acknowledged: the broker keeps it for the next run
         with self.liveness.busy("ingest"):
             self.metrics.received.inc()
-            try:
-                checked = self._check(message.topic, message.payload)
-            except Exception:  # a bug: this message is dropped (acknowledged, counted as ignored), the thread is not
-                log.exception("checking a message on %s failed", message.topic[:200])
-                checked = None
-            self.writer.put(Received(checked, message.mid, message.qos, _timestamp(checked)))
+            self.writer.put(Received(message.topic, message.payload, message.mid, message.qos))
+
+    # writer thread
 
     def _check(self, topic, payload):
         """The Message to store: checked, or refused with the reason; None if not ours."""
@@ -148,8 +145,6 @@ class Controller:
         except messages.MessageError as exc:
             log.warning("%s/%s %s refused: %s", fleet, device, kind, exc)
             return Message(fleet, device, kind, error=str(exc))
-
-    # writer thread
 
     def _committed(self, stored, outcomes, unborn):
         for message, outcome in zip(stored, outcomes):
@@ -170,10 +165,3 @@ class Controller:
         request = {"id": "rebirth-" + uuid.uuid4().hex[:12], "command": "rebirth"}
         self.client.publish(topics.topic(fleet, device, topics.CMD), json.dumps(request), qos=1)
         log.info("%s/%s: no birth on record; asked for a rebirth", fleet, device)
-
-
-
-def _timestamp(message):
-    """When the device says it sent `message` (its `ts`), if it says so with a usable number."""
-    ts = message.doc.get("ts") if message is not None and message.doc is not None else None
-    return float(ts) if type(ts) in (int, float) and math.isfinite(ts) else None

@@ -22,9 +22,13 @@ class Metrics:
         self.received = Counter("jetserve_fleet_received", "Messages taken from the broker, stored or not yet",
                                 registry=r)
         self.queue_depth = Gauge("jetserve_fleet_queue_depth_messages",
-                                 "Messages checked and waiting for the registry writer", registry=r)
+                                 "Messages received and waiting for the registry writer", registry=r)
         self.queue_capacity = Gauge("jetserve_fleet_queue_capacity_messages",
-                                    "Bound of that queue (also the MQTT Receive Maximum)", registry=r)
+                                    "Bound of that queue in messages (also the MQTT Receive Maximum)", registry=r)
+        self.queue_bytes = Gauge("jetserve_fleet_queue_bytes", "Payload bytes of the messages in that queue",
+                                 registry=r)
+        self.queue_capacity_bytes = Gauge("jetserve_fleet_queue_capacity_bytes",
+                                          "Bound of that queue in payload bytes", registry=r)
         self.batch = Histogram("jetserve_fleet_batch_messages", "Messages stored per registry transaction",
                                buckets=BATCH_BUCKETS, registry=r)
         self.commit = Histogram("jetserve_fleet_commit_seconds", "Time of one registry transaction",

@@ -1,20 +1,23 @@
 """Group commit against a real controller, real mosquitto and a real registry (SQLite and
 PostgreSQL): a burst that waits behind a locked registry lands in far fewer transactions than
 messages and loses none; messages not yet committed when the controller is killed come back from
-the broker (acknowledged only after the commit); a message the database refuses alone is
-dropped without taking its batch with it; /metrics passes promtool."""
+the broker (acknowledged only after the commit); the queue holds at most its byte bound of large
+payloads, the rest waiting at the broker; a message the database refuses alone is dropped without
+taking its batch with it; /metrics passes promtool."""
 
 import contextlib
 import json
 import signal
 import subprocess
+import time
 import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from jetserve.fleet.ingest import BATCH_BYTES, QUEUE_BYTES
 from jetserve.fleet.registry import Registry
 from tests.agent.conftest import Process, controller_args, free_port, wait_for
-from tests.fleet.test_poison import alert, health, publish, publisher, raw, topic
+from tests.fleet.test_poison import DEEP, alert, health, publish, publisher, raw, topic
 from tests.tools import require_tool
 
 BURST = 200  # messages: 20 devices x 10 health reports
@@ -138,6 +141,35 @@ def test_messages_not_committed_when_the_controller_dies_come_back(broker, regis
         client.disconnect()
         client.loop_stop()
         controller.stop()
+
+
+def test_large_payloads_wait_at_the_broker_beyond_the_queues_byte_bound(broker, registry_location, tmp_path):
+    """A device floods 200 kB payloads (under the broker's size limit) while the registry is
+    locked: the controller takes in only what its byte bound holds (the queue, and the one batch
+    the writer is stuck on) however many the broker has; every one is counted once it is free."""
+    controller = start(broker, registry_location, tmp_path, "controller")
+    client = publisher(broker.port)
+    at_least = QUEUE_BYTES // len(DEEP) + 1  # a queue full, and the writer's batch (one or more)
+    at_most = at_least + BATCH_BYTES // len(DEEP)  # the batch at its largest, and one in the MQTT thread's hands
+    flood = 3 * at_most
+    try:
+        with registry_locked(registry_location):
+            sent = [client.publish(topic("flood", "health"), DEEP, qos=1) for _ in range(flood)]
+            for info in sent:
+                info.wait_for_publish(120)  # the broker holds the whole flood
+            wait_received(controller, at_least)
+            time.sleep(1.0)  # time for the broker to push past the bound, were there none
+            text = scrape(controller)
+            assert value(text, "jetserve_fleet_received_total") <= at_most, "the byte bound held the flood back"
+            assert 0 < value(text, "jetserve_fleet_queue_bytes") <= QUEUE_BYTES
+            assert value(text, "jetserve_fleet_queue_capacity_bytes") == QUEUE_BYTES
+        wait_for(lambda: value(scrape(controller), "jetserve_fleet_messages_total", kind="health",
+                               outcome="rejected") == flood, 120, what="every large payload checked and counted")
+        assert value(scrape(controller), "jetserve_fleet_queue_bytes") == 0
+    finally:
+        client.disconnect()
+        client.loop_stop()
+        assert controller.stop() == 0, controller.output()[-3000:]
 
 
 def test_a_message_the_database_refuses_alone_costs_only_itself(broker, postgres_url, tmp_path):
