@@ -24,9 +24,12 @@ from jetserve.engine.prompts import queued_bytes
 DEFAULT_MAX_MODEL_LEN = 4096  # when the model allows more: KV for a longer default rarely fits a Jetson
 DEFAULT_CHUNK_BUDGET = 512  # tokens a step with chunked prefill computes at most: measured (bench/results/prefill-h200)
 # With a step latency target, chunks are sized by predicted time (step_cost.py) under a hard cap of
-# DEFAULT_TARGET_BUDGET tokens a step unless max_num_batched_tokens says otherwise. The target's default
-# on a discrete GPU is to be set from `jetserve bench prefill` (docs/engine.md, chunked prefill): not
-# measured yet, so off; a CPU and a Jetson keep it off by default whatever it is.
+# DEFAULT_TARGET_BUDGET tokens a step unless max_num_batched_tokens says otherwise. Off by default
+# everywhere for now: on the H200 the target `jetserve bench prefill` recommends shortens a long
+# prompt's TTFT beside streams, but it needs three times the mixed-step graphs, which a served engine
+# captures after start-up, and a server loaded from its first second runs those steps eagerly until
+# they exist (bench/results/prefill-h200-targets); a CPU (a step is host work) and a Jetson (not
+# measured) keep chunks by budget whatever it is.
 DEFAULT_STEP_LATENCY_MS: float | None = None
 DEFAULT_TARGET_BUDGET = 2048
 MAX_STEP_LATENCY_MS = 1000.0  # a target beyond a second paces nothing a user would notice

@@ -50,6 +50,11 @@ log = logging.getLogger("jetserve.engine.core")  # its name when run as __main__
 
 # An idle core still reports this often: a front end that hears nothing for longer knows it is wedged.
 IDLE_TICK = 0.5
+# A busy served core captures a graph it left for later (ModelRunner.capture_deferred) at most this
+# often: each capture stalls every stream for about one long step, so one a second costs them a few
+# percent of their time, and a core under load from its first second has every graph within a minute
+# instead of running those steps eagerly until it is idle.
+BUSY_CAPTURE_EVERY_S = 1.0
 
 
 # -- front end → core -------------------------------------------------------------------------
@@ -333,6 +338,15 @@ class EngineCore:
             self._mark_scheduled(batch)
         return launch
 
+    def capture_deferred(self) -> list[CoreOutput]:
+        """One piece of the work a served core left for after its start (the runner's
+        `capture_deferred`), and the outputs of the step in flight, if any: it is read first, as
+        a capture needs the device to itself. Its time is no step's (the pipeline's timing skips it)."""
+        outputs = self._receive(self.pipeline.take()) if self.pipeline.in_flight is not None else []
+        self.runner.capture_deferred()
+        self.pipeline.steady = None
+        return outputs
+
     def _receive(self, launch: Launch | SpeculativeLaunch) -> list[CoreOutput]:
         """Async scheduling: the outputs of a launched step, once its tokens are on the host."""
         self.pipeline.wait(launch)
@@ -510,6 +524,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     gc.collect()
     gc.freeze()
     send(Ready(core.model_info, core.stats()))
+    next_busy_capture = 0.0
     try:
         while True:
             if not core.has_work() and not inbox.poll(0 if core.runner.deferred else IDLE_TICK * 1000):
@@ -537,6 +552,9 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
                     return
             if core.has_work():
                 outputs.extend(core.step())
+                if core.runner.deferred and time.monotonic() >= next_busy_capture:
+                    outputs.extend(core.capture_deferred())
+                    next_busy_capture = time.monotonic() + BUSY_CAPTURE_EVERY_S
             send(Outputs(outputs, core.stats()))
     finally:
         context.destroy(linger=0)

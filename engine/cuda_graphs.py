@@ -400,6 +400,10 @@ class MixedStepGraphs:
         ok = bucket in self.graphs and num_seqs <= self.max_seqs and width <= self.width
         return bucket if ok else None
 
+    def awaits(self, num_tokens: int) -> bool:
+        """Whether the bucket of a step of `num_tokens` tokens is one still to be captured."""
+        return next((s for s in self.sizes if s >= num_tokens), None) in self.pending
+
     def meta(self, tokens: int) -> AttentionMetadata:
         """Varlen attention metadata over the static inputs, for the bucket of `tokens` tokens."""
         k, m = self.max_items(tokens), self.split_items

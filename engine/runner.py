@@ -264,9 +264,9 @@ class ModelRunner:
 
     def capture_deferred(self) -> bool:
         """One piece of the work `defer_capture` left: the largest mixed-step graph not yet
-        captured, with its MTP pass; True while more remain. A served engine calls it only while
-        it has no request, so a capture delays at most a request that arrives during it. Why
-        defer: those graphs only make prefill steps cheaper, and capturing them is the longest
+        captured, with its MTP pass; True while more remain. A served engine calls it in its idle
+        moments, and under load now and then with no step in flight (core.BUSY_CAPTURE_EVERY_S),
+        so a capture delays the requests by its own length at most. Why defer: those graphs only make prefill steps cheaper, and capturing them is the longest
         part of a warm start; every kernel they launch was compiled before SERVING (the dry
         pass), so a capture here compiles nothing."""
         with torch.inference_mode():
@@ -574,6 +574,7 @@ class ModelRunner:
         bucket = self.mixed.bucket(len(ids), len(q_lens), max(map(len, tables))) if (
             key is None and self.mixed is not None and not any(seq.spec_token_ids for seq in batch.seqs)
             and not any(seq.params.prompt_logprobs is not None for seq in batch.seqs)) else None
+        batch.graph_pending = bucket is None and key is None and self.mixed is not None and self.mixed.awaits(len(ids))
         if bucket is not None:
             self.mixed.stage(bucket, ids, positions, q_lens, ctx_lens, tables, sample_at)
             if pending:

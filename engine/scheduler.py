@@ -39,6 +39,10 @@ class ScheduledBatch:
     # decode step) and when the step was scheduled.
     cost_features: tuple[float, float, float] | None = None
     scheduled_at: float | None = None
+    # Set by the runner: the step ran eagerly because its CUDA graph is not captured yet (a served
+    # engine captures mixed-step graphs in its idle moments). Such a step's time is not what the
+    # graphed steps to come will cost, so the step cost model does not learn from it.
+    graph_pending: bool = False
 
     def add(self, seq: Sequence, n: int) -> None:
         self.seqs.append(seq)
@@ -191,7 +195,13 @@ class Scheduler:
         else it sampled none and its end is unknown): its time, for the step cost model."""
         if self.step_cost and self.in_flight:
             batch = self.in_flight.popleft()
-            self.step_cost.done(batch.cost_features, batch.scheduled_at, synced)
+            self.step_cost.done(self._observed(batch), batch.scheduled_at, synced)
+
+    @staticmethod
+    def _observed(batch: ScheduledBatch):
+        """What the step cost model learns from `batch`'s time: nothing from a step that ran
+        without the graph its kind will have."""
+        return None if batch.graph_pending else batch.cost_features
 
     @staticmethod
     def _slots(seq: Sequence, n: int, lookahead: int) -> int:
@@ -230,7 +240,7 @@ class Scheduler:
         rejected drafts (their KV is stale and gets rewritten: that is the rollback); a sampled
         one gains its tokens (accepted drafts + one) and keeps its next drafts."""
         if self.step_cost:  # the step's tokens were read, if it sampled any
-            self.step_cost.done(batch.cost_features, batch.scheduled_at, any(new is not None for new in sampled))
+            self.step_cost.done(self._observed(batch), batch.scheduled_at, any(new is not None for new in sampled))
         for seq, n, new, next_drafts in zip(batch.seqs, batch.num_tokens, sampled, drafts):
             if new is None:  # a prefill chunk short of the prompt's end
                 seq.num_computed_tokens += n

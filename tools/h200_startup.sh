@@ -9,6 +9,7 @@
 #   mtp, binv — `bench mtp` on the demo: default drafting; the batch-invariant mode's cost
 #   mtps    — `bench mtp` on the demo, default drafting against plain at 1, 4, 8 and 32 streams
 #   ratio06 — `bench mtp --shape qwen3-0.6b`: the k=3 step against the plain step, batch 1 ($DVS: a draft vocabulary)
+#   prefill — `bench prefill`: an 8k prompt beside 8 streams, by token budget ($BUDGETS) and step latency target ($TARGETS)
 #   quant, profile — `bench quant` (TPOT and kernels), `bench profile` (the 0.6B's step by kernel)
 #   decode  — `bench decode` batch 1: shipped table vs tuned tiles, interleaved, same run
 #   gputests — the GPU tests named in $TESTS
@@ -89,6 +90,15 @@ ratio06)  # the 0.6B shape's k=3 step against its plain step, batch 1 (not batch
     --out "$OUT/ratio-q06${DVS:+-dvs$DVS}" 2>&1 \
     | grep -E '^(plain|k=)|Error' | tail -6
   ;;
+prefill)  # chunked prefill: the long prompt's TTFT against chunking off, the streams' ITL, by budget and by target
+  timeout ${PREFILL_TIMEOUT:-480} $J bench prefill --budgets ${BUDGETS:-512,2048} --targets ${TARGETS:-6,7,8} \
+    --repeats ${REPEATS:-3} --out "$OUT/prefill" > "$OUT/prefill.log" 2>&1
+  grep -E 'Error|error' "$OUT/prefill.log" | tail -5
+  python3 -c "import json; r=json.load(open('$OUT/prefill/result.json'))
+for n, c in r['configs'].items(): print('[prefill]', n, 'TTFT', c['long_ttft_ms'], 'min', c['long_ttft_min_ms'], 'x', c.get('ttft_over_unchunked'),
+  'ITL p50/p99 during', c['during_itl_p50_ms'], c['during_itl_p99_ms'], 'worst', c['during_itl_p99_worst_ms'], 'chunks', len(c.get('long_chunks') or []))
+print('[prefill] recommended', r.get('recommended_budget'), r.get('recommended_target_ms'))"
+  ;;
 gputests)  # the GPU-marked tests of $TESTS (default: the CUDA graph tests), their log kept
   # --import-mode=append: the repository root (whose jetserve/ is the top package alone) after the link farm
   # the repository root after the link farm too: tests that start `python -m tests.…`
@@ -105,7 +115,7 @@ start|start06)
   [ -n "${START:-}" ] && IFS=';' read -r -a specs <<<"$START"  # "shape|flags|extra;…" instead
   for spec in "${specs[@]}"; do
     IFS='|' read -r shape flags extra <<<"$spec"
-    name=$shape$(echo "$flags" | grep -o 'int[48]' | sed 's/^/-/')
+    name=$shape$(echo "$flags" | grep -o 'int[48]' | sed 's/^/-/')$(echo "$flags" | grep -o 'max-step-latency-ms [0-9.]*' | sed 's/.* /-target/')
     timeout 420 $J bench startup --model "$W/ckpt/$shape" --serve-flags "$flags" $extra --work "$W/$name" \
       --out "$OUT/startup-$name" 2>&1 | grep -E '^\[startup\]|Error|error' ; cp "$W/$name"/serve-*.log "$OUT/startup-$name/" 2>/dev/null
   done

@@ -134,6 +134,34 @@ def test_chunks_shrink_as_the_context_grows_and_stay_under_the_target(long_model
     assert all(sum(q_lens) in SIZES for q_lens, _ in steps[:-1])  # whole buckets: no padding computed for nothing
 
 
+def test_a_step_run_before_its_graph_exists_does_not_teach_the_model(long_model):
+    """A served engine captures mixed-step graphs in its idle moments; until then such steps run
+    eagerly, several times slower. Learned from, they would make every chunk look over the target
+    (the minimum chunk every step); so the scheduler passes them over, and learns from the rest."""
+    sched = scheduler(long_model, max_step_latency_ms=7.0)
+    observed = []
+    sched.step_cost.observe = lambda features, ms: observed.append(features)
+    greedy = SamplingParams(temperature=0, max_tokens=10**6, ignore_eos=True)
+    sched.add(Sequence("stream", [1] * 100, greedy))
+    sched.add(Sequence("long", [2] * 8192, greedy))
+
+    def step(pending):
+        batch = sched.schedule()
+        batch.graph_pending = pending
+        sched.update(batch, [[0] if seq.sampled_after(n) else None for seq, n in zip(batch.seqs, batch.num_tokens)],
+                     [[] for _ in batch.seqs])
+        return batch
+
+    while not step(False).cost_features:  # the stream's prompt, then its decode beside the long prompt's chunks
+        pass
+    counts = []
+    for pending in (True, True, False, False, True, False):
+        assert step(pending).cost_features is not None  # each step carries a chunk of the long prompt
+        counts.append(len(observed))
+    base = counts[0]
+    assert counts == [base, base, base + 1, base + 2, base + 2, base + 3], counts
+
+
 def test_a_prompt_progresses_under_any_target(long_model):
     """A target no step can meet: each step still takes MIN_CHUNK of the prompt, and only of one
     prompt; decodes go on every step."""
