@@ -24,13 +24,11 @@ from jetserve.engine.prompts import queued_bytes
 DEFAULT_MAX_MODEL_LEN = 4096  # when the model allows more: KV for a longer default rarely fits a Jetson
 DEFAULT_CHUNK_BUDGET = 512  # tokens a step with chunked prefill computes at most: measured (bench/results/prefill-h200)
 # With a step latency target, chunks are sized by predicted time (step_cost.py) under a hard cap of
-# DEFAULT_TARGET_BUDGET tokens a step unless max_num_batched_tokens says otherwise. Off by default
-# everywhere for now: on the H200 the target `jetserve bench prefill` recommends shortens a long
-# prompt's TTFT beside streams, but it needs three times the mixed-step graphs, which a served engine
-# captures after start-up, and a server loaded from its first second runs those steps eagerly until
-# they exist (bench/results/prefill-h200-targets); a CPU (a step is host work) and a Jetson (not
-# measured) keep chunks by budget whatever it is.
-DEFAULT_STEP_LATENCY_MS: float | None = None
+# DEFAULT_TARGET_BUDGET tokens a step unless max_num_batched_tokens says otherwise. A discrete GPU's
+# default target is what `jetserve bench prefill` recommends there: the shortest long-prompt TTFT whose
+# streams' ITL p99 stays under 8 ms in every run (bench/results/prefill-h200-targets). A CPU (a step is
+# host work) and a Jetson (not measured) keep chunks by budget.
+DEFAULT_STEP_LATENCY_MS: float | None = 7.5
 DEFAULT_TARGET_BUDGET = 2048
 MAX_STEP_LATENCY_MS = 1000.0  # a target beyond a second paces nothing a user would notice
 # Batch-invariant mode (docs/engine.md, "Batch-invariant mode"): on by default where it costs at

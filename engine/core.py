@@ -179,6 +179,7 @@ class EngineCore:
         # A served core leaves what only speeds up prefill steps for its idle moments (ModelRunner.capture_deferred).
         self.runner = ModelRunner(config, progress=on_status, defer_capture=defer_capture)
         self.scheduler = Scheduler(config, self.runner.num_blocks)
+        self.scheduler.chunk_cap = self.runner.chunk_cap
         spec = config.speculative
         self.draft_policy = (DraftPolicy(spec.num_speculative_tokens, spec.adaptive, self.runner.decode_costs,
                                          spec.acceptance_window) if spec else None)
@@ -344,6 +345,7 @@ class EngineCore:
         a capture needs the device to itself. Its time is no step's (the pipeline's timing skips it)."""
         outputs = self._receive(self.pipeline.take()) if self.pipeline.in_flight is not None else []
         self.runner.capture_deferred()
+        self.scheduler.chunk_cap = self.runner.chunk_cap
         self.pipeline.steady = None
         return outputs
 
@@ -530,9 +532,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
             if not core.has_work() and not inbox.poll(0 if core.runner.deferred else IDLE_TICK * 1000):
                 if os.getppid() != parent:
                     return
-                if core.runner.deferred:
-                    core.runner.capture_deferred()
-                send(Outputs([], core.stats()))  # the heartbeat
+                send(Outputs(core.capture_deferred() if core.runner.deferred else [], core.stats()))  # the heartbeat
                 continue
             outputs: list[CoreOutput] = []
             while True:

@@ -353,7 +353,7 @@ class MixedStepGraphs:
 
     def __init__(self, model, kv_cache: torch.Tensor, sizes: tuple[int, ...], max_seqs: int, width: int,
                  block_size: int, scratch_block: int, num_warmup: int, split_items: int = 1,
-                 mtp_pass: bool = False):
+                 mtp_pass: bool = False, first_up_to: int | None = None):
         self.model, self.kv_cache, self.sizes, self.num_warmup = model, kv_cache, sorted(sizes), num_warmup
         self.split_items = split_items
         self.max_seqs, self.width, self.block_size = max_seqs, width, block_size
@@ -373,7 +373,10 @@ class MixedStepGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.greedy: dict[int, torch.Tensor] = {}
         self.mtp_graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.pending = sorted(self.sizes, reverse=True)  # buckets not yet captured, largest first
+        # Buckets not yet captured, in capture order: largest first (a chunked prompt's steps fill the
+        # largest), those up to `first_up_to` tokens before the others (the token budget's, which a
+        # step latency target's schedule uses while the others are pending: ModelRunner.chunk_cap).
+        self.pending = self.capture_order(self.sizes, first_up_to)
         self._captured_s = self._captured_mib = 0.0
 
     def max_items(self, tokens: int) -> int:
@@ -399,6 +402,12 @@ class MixedStepGraphs:
         bucket = next((s for s in self.sizes if s >= num_tokens), None)
         ok = bucket in self.graphs and num_seqs <= self.max_seqs and width <= self.width
         return bucket if ok else None
+
+    @staticmethod
+    def capture_order(sizes, first_up_to: int | None) -> list[int]:
+        """Largest first, those up to `first_up_to` tokens (None: all) before the others."""
+        first = [s for s in sizes if first_up_to is None or s <= first_up_to]
+        return sorted(first, reverse=True) + sorted(set(sizes) - set(first), reverse=True)
 
     def awaits(self, num_tokens: int) -> bool:
         """Whether the bucket of a step of `num_tokens` tokens is one still to be captured."""
@@ -439,7 +448,7 @@ class MixedStepGraphs:
 
     @torch.inference_mode()
     def capture(self, pool, progress: Callable[[str], None] | None = None, count: int | None = None) -> bool:
-        """Capture the `count` largest buckets not yet captured (all by default), each with its
+        """Capture the next `count` buckets not yet captured (all by default), each with its
         MTP pass; True while some remain. Each bucket's static inputs are an empty step of its
         size first, so the runs of a capture made while serving write the scratch slot, not a
         live sequence's KV from the last step staged."""

@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from jetserve.engine import compile_watch
-from jetserve.engine.config import EngineConfig, cpu_capture_sizes
+from jetserve.engine.config import DEFAULT_CHUNK_BUDGET, EngineConfig, cpu_capture_sizes
 from jetserve.engine.cpu_graphs import CPUGraphs
 from jetserve.engine.cuda_graphs import CUDAGraphs, MixedStepGraphs
 from jetserve.engine.model.attention import MAX_UNIFORM_Q, AttentionMetadata, prefill_split_items, to_device
@@ -240,7 +240,8 @@ class ModelRunner:
             self.mixed = MixedStepGraphs(self.model, self.kv_cache, config.cuda_graphs.token_sizes,
                                          config.max_num_seqs, self.graphs.width, self.block_size,
                                          scratch_block=self.num_blocks, num_warmup=config.cuda_graphs.num_warmup,
-                                         split_items=self.split_items, mtp_pass=self.proposer is not None)
+                                         split_items=self.split_items, mtp_pass=self.proposer is not None,
+                                         first_up_to=DEFAULT_CHUNK_BUDGET)
         if self.kernels is not None and not self.kernels.tile_timing and self.device.type == "cuda":
             # What only the captured steps launch, compiled side by side first (a tuning engine's
             # compiles came with its timing).
@@ -263,14 +264,23 @@ class ModelRunner:
         return self.mixed is not None and bool(self.mixed.pending)
 
     def capture_deferred(self) -> bool:
-        """One piece of the work `defer_capture` left: the largest mixed-step graph not yet
+        """One piece of the work `defer_capture` left: the next mixed-step graph not yet
         captured, with its MTP pass; True while more remain. A served engine calls it in its idle
         moments, and under load now and then with no step in flight (core.BUSY_CAPTURE_EVERY_S),
-        so a capture delays the requests by its own length at most. Why defer: those graphs only make prefill steps cheaper, and capturing them is the longest
-        part of a warm start; every kernel they launch was compiled before SERVING (the dry
-        pass), so a capture here compiles nothing."""
+        so a capture delays the requests by its own length at most. Why defer: those graphs only
+        make prefill steps cheaper, and capturing them is the longest part of a warm start; every
+        kernel they launch was compiled before SERVING (the dry pass), so a capture here compiles
+        nothing."""
         with torch.inference_mode():
             return self.mixed.capture(self._pool, lambda _: None, count=1)
+
+    @property
+    def chunk_cap(self) -> int | None:
+        """DEFAULT_CHUNK_BUDGET while mixed-step graphs above it are still deferred (they come
+        after the budget's own): the most tokens a step with a timed chunk may bring until they
+        exist, so it replays a graph; None once they are all captured, or where none wait."""
+        waiting = self.deferred and any(size > DEFAULT_CHUNK_BUDGET for size in self.mixed.pending)
+        return DEFAULT_CHUNK_BUDGET if waiting else None
 
     def _row_counts(self) -> list[int]:
         """The skinny-matmul row counts (powers of two) this engine's steps bring: with every

@@ -65,6 +65,11 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order: the last is preempted first
         self.num_preemptions = 0
         self.step_cost = None
+        # While a served engine's mixed-step graphs for steps past the token budget are still being
+        # captured (ModelRunner.chunk_cap; the core keeps it current): the most tokens a step with a
+        # timed chunk may bring. A server loaded from its first second then chunks as the budget
+        # would, on graphs, and takes the target's schedule once its graphs exist.
+        self.chunk_cap: int | None = None
         self.in_flight: deque[ScheduledBatch] = deque(maxlen=4)  # launched, tokens unread (step_done), with a target
         if config.max_step_latency_ms:
             graphed = config.cuda_graphs.token_sizes if config.cuda_graphs else ()
@@ -173,7 +178,10 @@ class Scheduler:
         """The largest chunk the step's predicted time allows; when none fits and the step has no
         other prefill chunk, MIN_CHUNK anyway, so prompts progress under any target."""
         q_lens, ctx_lens = self._shape(batch)
-        n = self.step_cost.largest_chunk(q_lens, ctx_lens, seq.num_computed_tokens, need, budget)
+        limit = budget
+        if self.chunk_cap is not None:
+            limit = max(0, min(budget, self.chunk_cap - sum(q_lens)))
+        n = self.step_cost.largest_chunk(q_lens, ctx_lens, seq.num_computed_tokens, need, limit)
         if n == 0 and not any(map(self._is_prefilling, batch.seqs)):
             n = min(need, budget, MIN_CHUNK)
         return n

@@ -13,6 +13,7 @@ from transformers import Qwen3Config
 from jetserve.engine import LLM, EngineArgs, SamplingParams
 from jetserve.engine.config import (DEFAULT_CHUNK_BUDGET, DEFAULT_TARGET_BUDGET, FINE_TOKEN_STEP, ModelConfig,
                                     token_sizes)
+from jetserve.engine.cuda_graphs import MixedStepGraphs
 from jetserve.engine.model.attention import PREFILL_BLOCK_M, prefill_plan
 from jetserve.engine.scheduler import Scheduler
 from jetserve.engine.sequence import Sequence, SequenceStatus
@@ -160,6 +161,31 @@ def test_a_step_run_before_its_graph_exists_does_not_teach_the_model(long_model)
         counts.append(len(observed))
     base = counts[0]
     assert counts == [base, base, base + 1, base + 2, base + 2, base + 3], counts
+
+
+@pytest.mark.parametrize("cap", [DEFAULT_CHUNK_BUDGET, None])
+def test_chunks_stay_within_the_graphs_a_served_engine_has(long_model, cap):
+    """A served engine captures its mixed-step graphs after start-up, the token budget's first;
+    until those past it exist (`chunk_cap`), a timed chunk brings its step to at most the budget,
+    so a server loaded early chunks as the budget would, on graphs, not eagerly."""
+    sched = scheduler(long_model, max_step_latency_ms=7.0)
+    sched.step_cost.coef = H200.copy()
+    sched.step_cost.observe = lambda features, ms: None
+    sched.chunk_cap = cap
+    chunks, steps = prompt_chunks(sched)
+    assert sum(chunks) == 8192
+    largest = max(sum(q_lens) for q_lens, _ in steps)
+    assert largest == DEFAULT_CHUNK_BUDGET if cap else largest > 1024, chunks
+
+
+def test_deferred_graphs_come_the_budgets_first_largest_first():
+    """The capture order of a served engine's mixed-step graphs (no GPU needed to build the list)."""
+    sizes = token_sizes(2048, FINE_TOKEN_STEP)
+    order = MixedStepGraphs.capture_order(sizes, DEFAULT_CHUNK_BUDGET)
+    assert sorted(order) == sorted(sizes)
+    budgets = [s for s in sizes if s <= DEFAULT_CHUNK_BUDGET]
+    assert order[:len(budgets)] == sorted(budgets, reverse=True)
+    assert order[len(budgets):] == sorted(set(sizes) - set(budgets), reverse=True)
 
 
 def test_a_prompt_progresses_under_any_target(long_model):
