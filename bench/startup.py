@@ -9,7 +9,8 @@ token of a short fresh prompt and to that request's end, each start-up phase the
 capture or CPU programs) and every kernel the server compiled after it started serving (the
 engine logs each: a request waited for it). With --long-prompt N, two fresh N-token prompts
 follow (max_tokens 1, beside --beside streams decoding): the first one's TTFT against the
-second's shows what a request pays for anything first used at that length.
+second's shows what a request pays for anything first used at that length. With --settle S they
+come S seconds after the first answer, once the server has done what it defers past SERVING.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ def add_arguments(p):
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--long-prompt", type=int, default=0, help="tokens of the two long prompts (0: none)")
     p.add_argument("--beside", type=int, default=0, help="streams decoding while the long prompts run")
+    p.add_argument("--settle", type=float, default=0.0,
+                   help="seconds the server idles after its first answer, before the long prompts (its work "
+                        "deferred past SERVING done): their TTFT in steady state rather than in its first seconds")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds a run may take to serve")
     p.add_argument("--work", help="folder for the random checkpoint and the caches (default: a temporary one)")
 
@@ -93,6 +97,7 @@ def _one(args, model: str, caches: Path, name: str) -> dict:
             first, done = _generate(target, args.prompt_len, 8, seed=1)
             out["first_token_s"], out["first_answer_s"] = round(first - launched, 2), round(done - launched, 2)
             if args.long_prompt:
+                time.sleep(args.settle)
                 out["long_prompt_ttft_s"] = _long_prompts(target, args.long_prompt, args.beside)
         finally:
             stop_server(server)
