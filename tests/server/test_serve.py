@@ -60,6 +60,9 @@ def notify_socket(tmp_path):
     sock.sock.close()
 
 
+OPEN_TOKENS = 448  # the tiny model's 512 positions, less room for the prompts
+
+
 def test_systemd_sees_ready_watchdog_stopping_and_sigterm_drains(tiny_model, tmp_path, notify_socket):
     """SIGTERM drains gRPC and the OpenAI API alike: open streams finish, new ones are refused."""
     config = tmp_path / "jetserve.toml"
@@ -83,12 +86,14 @@ def test_systemd_sees_ready_watchdog_stopping_and_sigterm_drains(tiny_model, tmp
         assert (stats.max_num_seqs, stats.kv_blocks_total) == (3, 256)  # flag over file, file over default
 
         # No deadline: on a loaded machine the stream may take long; pytest's timeout bounds the test.
-        open_stream = inference.Generate(pb.GenerateRequest(text="robot", sampling=greedy(200, ignore_eos=True)))
+        # Long enough (near max_model_len) that on a fast machine the streams outlive the probes
+        # below: the drain ends, and the port closes, when the last open stream does.
+        open_stream = inference.Generate(pb.GenerateRequest(text="robot", sampling=greedy(OPEN_TOKENS, ignore_eos=True)))
         first = next(open_stream)
         sdk = openai.OpenAI(base_url="http://127.0.0.1:%d/v1" % openai_port, api_key="-", max_retries=0)
         model = sdk.models.list().data[0].id
         assert model == "kiosk-llm"
-        open_http = iter(sdk.completions.create(model=model, prompt="kiosk", max_tokens=20, temperature=0,
+        open_http = iter(sdk.completions.create(model=model, prompt="kiosk", max_tokens=OPEN_TOKENS, temperature=0,
                                                 stream=True, extra_body={"ignore_eos": True}))
         first_http = next(open_http)
         server.send_signal(signal.SIGTERM)
@@ -108,7 +113,7 @@ def test_systemd_sees_ready_watchdog_stopping_and_sigterm_drains(tiny_model, tmp
         assert refused_http.value.status_code == 503
 
         rest = list(open_stream)  # the open streams still run to their end
-        assert len(first.token_ids) + sum(len(m.token_ids) for m in rest) == 200
+        assert len(first.token_ids) + sum(len(m.token_ids) for m in rest) == OPEN_TOKENS
         assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH
         rest_http = [first_http] + list(open_http)
         assert rest_http[-1].choices[0].finish_reason == "length"
