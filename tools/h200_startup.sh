@@ -11,6 +11,7 @@
 #   ratio06 — `bench mtp --shape qwen3-0.6b`: the k=3 step against the plain step, batch 1 ($DVS: a draft vocabulary)
 #   prefill — `bench prefill`: an 8k prompt beside 8 streams, by token budget ($BUDGETS) and step latency target ($TARGETS)
 #   quant, profile — `bench quant` (TPOT and kernels), `bench profile` (the 0.6B's step by kernel)
+#   baseline — `bench decode` against transformers, same run: 0.6B batch 1 and 32, 4B batch 1
 #   decode  — `bench decode` batch 1: shipped table vs tuned tiles, interleaved, same run
 #   gputests — the GPU tests named in $TESTS
 #   spy     — after start: a warm 4B INT4 start under py-spy
@@ -138,6 +139,15 @@ tune)  # $TUNE: "shape|flags;shape|flags" (default: both shapes in bf16, INT8 an
       2>&1 | grep -E 'tuned in|tile table|Error' ; echo "[tune] $shape $flags: $(( $(date +%s) - began )) s"
   done
   cp "$JETSERVE_CACHE_DIR"/tiles/*.json "$OUT/" 2>/dev/null
+  ;;
+baseline)  # `bench decode` against transformers in the same run (issue 30): 0.6B at batch 1 and 32, 4B at batch 1; $RUNS runs
+  checkpoints
+  for run in $(seq 1 "${RUNS:-2}"); do
+    timeout 280 $J bench decode --shapes qwen3-0.6b --batch-sizes 1,32 --hf-compile-batch-sizes 1,32 --steps 64 \
+      --only ours_graphs_async --out "$OUT/decode-0.6b-r$run" 2>&1 | grep -E 'Error|error|tok/s|ms' | tail -8
+    timeout 200 $J bench decode --shapes qwen3-4b --batch-sizes 1 --hf-compile-batch-sizes 1 --hf-compile-shapes qwen3-4b --steps 64 \
+      --only ours_graphs_async --out "$OUT/decode-4b-r$run" 2>&1 | grep -E 'Error|error|tok/s|ms' | tail -6
+  done
   ;;
 decode)  # after tune: its tile cache is what "tuned" reads
   checkpoints
