@@ -60,14 +60,36 @@ class RMSNorm(KernelUser):
         return y if residual is None else (y, x)
 
 
+INVARIANT_ROWS = 16  # batch-invariant mode on the torch path: rows a product call, whatever the row count
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight^T with a row's bits independent of the other rows and of their count. torch's
+    CPU matmul picks its kernel by the row count (on AMX CPUs a one-row bf16 product rounds
+    differently from the same row among many), so every call here is one block of
+    INVARIANT_ROWS rows, the last padded with zeros: each row meets the same kernel."""
+    rows = x.reshape(-1, x.shape[-1])
+    pad = -rows.shape[0] % INVARIANT_ROWS
+    if pad:
+        rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])
+    out = torch.cat([F.linear(block, weight) for block in rows.split(INVARIANT_ROWS)])
+    return out[:out.shape[0] - pad].reshape(*x.shape[:-1], weight.shape[0])
+
+
 class Linear(nn.Linear, KernelUser):
     """nn.Linear without bias; a few rows on CUDA take the skinny Triton matmul."""
+
+    invariant = False  # batch-invariant mode on the torch path (Qwen3ForCausalLM.set_batch_invariant)
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__(in_features, out_features, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.linear(x, self.weight) if self.skinny(x) else super().forward(x)
+        return self.kernels.linear(x, self.weight) if self.skinny(x) else self.product(x, self.weight)
+
+    def product(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x @ weight^T on the torch path (the weight, or rows of it: a draft vocabulary)."""
+        return invariant_linear(x, weight) if self.invariant else F.linear(x, weight)
 
 
 def norm_linear(norm: RMSNorm, linear: Linear, x: torch.Tensor, residual: torch.Tensor | None):
@@ -250,11 +272,10 @@ class Qwen3ForCausalLM(nn.Module):
 
     def set_batch_invariant(self, on: bool) -> None:
         """Batch-invariant mode on the plain torch path: attention row by row (attention.py's
-        `invariant_attention`). Its products need nothing: torch's CPU matmul gives a row the same
-        bits whatever the row count (tests/engine/test_batch_invariant.py checks it), and the norms
+        `invariant_attention`), products in fixed blocks of rows (`invariant_linear`); the norms
         reduce each row alone. The fused kernels take the mode from `FusedKernels`."""
         for module in self.modules():
-            if isinstance(module, Attention):
+            if isinstance(module, (Attention, Linear)):
                 module.invariant = on
 
     @property
@@ -308,7 +329,7 @@ class Qwen3ForCausalLM(nn.Module):
         if self.lm_head.skinny(x):
             return self.lm_head.kernels.norm_linear(x, residual, norm.weight, norm.eps, weight)
         h, total = norm(x, residual)
-        return F.linear(h, weight), total
+        return self.lm_head.product(h, weight), total
 
     def compute_logits(self, hidden):
         return self.lm_head(hidden)
@@ -321,5 +342,5 @@ class Qwen3ForCausalLM(nn.Module):
         tokens (FR-Spec's frequency-ranked drafting). Verification still uses every id: lossless."""
         weight = self.lm_head.weight[:self.draft_vocab_size]  # leading rows: a contiguous view
         logits = (self.lm_head.kernels.linear(hidden, weight) if self.lm_head.skinny(hidden)
-                  else F.linear(hidden, weight))
+                  else self.lm_head.product(hidden, weight))
         return logits.argmax(dim=-1)
