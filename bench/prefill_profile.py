@@ -73,7 +73,8 @@ def _engine(args, model_dir, device, name):
     engine_args = EngineArgs(model=model_dir, device=str(device), max_model_len=length,
                              max_num_seqs=args.streams + 1, max_num_batched_tokens=args.budget, max_step_latency_ms=0,
                              num_kv_blocks=(args.streams + 1) * -(-length // 16) + 1,
-                             cudagraph_capture_sizes=[args.streams], cudagraph_mode=mode)
+                             cudagraph_capture_sizes=[max(1, args.streams)],  # none: one unused
+                             cudagraph_mode=mode)
     if pieces:
         return LLMEngine(engine_args.resolve())
     with mock.patch("jetserve.engine.runner.prefill_split_items", lambda device, heads: 1):  # never cut

@@ -36,6 +36,9 @@ MAX_STEP_LATENCY_MS = 1000.0  # a target beyond a second paces nothing a user wo
 # off until then; on a CPU it costs the compiled decode steps (they reduce in their own order), far
 # more than 5%, so off.
 DEFAULT_BATCH_INVARIANT_GPU = False
+# The mode's products run in blocks of this many rows whatever the row count, on both paths (the
+# Triton skinny matmul's program, the CPU's torch call): tl.dot's smallest tile.
+INVARIANT_ROWS = 16
 FINE_TOKEN_STEP = 128  # mixed-step buckets with a latency target: every flash prefill tile (PREFILL_BLOCK_M)
 HAS_TRITON = importlib.util.find_spec("triton") is not None  # the fused CUDA kernels and the graphs need it
 # Triton's interpreter runs the kernels on CPU tensors (the tests without a GPU). Read once, at import, as
@@ -383,8 +386,8 @@ class EngineArgs:
         None, "size each prefill chunk so the step's predicted time (a model fitted to the steps observed) stays "
               "under this, so streams decoding beside a long prompt keep their pace (not a vLLM flag); "
               f"--max-num-batched-tokens stays the hard cap (default {DEFAULT_TARGET_BUDGET} with a target). 0: "
-              "off, chunks by the token budget alone; default: off (a discrete GPU's default awaits its "
-              "measurement; CPUs and Jetsons keep it off)", type=float)
+              "off, chunks by the token budget alone; default: "
+              f"{DEFAULT_STEP_LATENCY_MS:g} on a discrete GPU, off on a CPU or a Jetson", type=float)
     # Reuse the KV of prompt prefixes seen before.
     enable_prefix_caching: bool = setting(True, action=argparse.BooleanOptionalAction)
     gpu_memory_utilization: float = setting(0.9, type=float)

@@ -50,7 +50,7 @@ from tqdm import tqdm
 
 from jetserve.engine.config import CUDAGraphConfig
 from jetserve.engine.model.attention import (PREFILL_BLOCK_M, AttentionMetadata, PrefillWork, aligned_bounds,
-                                             prefill_plan, slot_mapping, to_device)
+                                             prefill_plan, slot_mapping, to_device, token_rows)
 from jetserve.engine.spec_decode import Acceptance, device_acceptance, speculative_step
 
 log = logging.getLogger(__name__)
@@ -340,7 +340,8 @@ class MixedStepGraphs:
     `max_seqs` sequences plus one empty one, index `max_seqs`, that padding points at — padded
     tokens are no sequence's (their KV goes to the scratch slot, their rows are never read),
     padded work items and merges of the flash kernel belong to the empty sequence and return at
-    once; the kernel's plan cuts a step's keys into `split_items` pieces (attention.prefill_plan),
+    once, and so do the padded decode rows (one a sequence at most) of the paged decode kernel; the
+    flash kernel's plan cuts a step's keys into `split_items` pieces (attention.prefill_plan),
     so its work list and partial results have static bounds. The graph ends in the
     vocab projection of the step's sampled rows (one a sequence at most; padded: row 0) and their
     argmax, into a logits buffer outside the pool. Only those leave the graph, so the graphs'
@@ -360,11 +361,11 @@ class MixedStepGraphs:
         self.scratch_block, self.scratch_slot = scratch_block, scratch_block * block_size
         self.max_tokens = max(self.sizes)
         n, b = self.max_tokens, max_seqs
-        self._bounds = aligned_bounds((n, n, n, b + 1, b + 2, b, 5 * self.max_items(n), 4 * split_items,
+        self._bounds = aligned_bounds((n, n, n, b + 1, b + 2, b, 5 * self.max_items(n), 4 * split_items, 3 * b,
                                        (b + 1) * width))
         self.staged = StagedInputs(self._bounds[-1][1], kv_cache.device, self._split, self._pad)
         self.ids, self.positions, self.slots, self.context_lens, self.starts, self.sample_rows, self.items, \
-            self.merges, self.block_tables = self.staged.views
+            self.merges, self.decodes, self.block_tables = self.staged.views
         self.logits = torch.zeros(max_seqs, model.config.vocab_size, dtype=torch.float32, device=kv_cache.device)
         # The MTP pass's inputs, outside the pool: every row's final hidden state and the token after it.
         self.hidden = torch.zeros(self.max_tokens, model.config.hidden_size, dtype=model.embed_tokens.weight.dtype,
@@ -386,13 +387,14 @@ class MixedStepGraphs:
 
     def _split(self, flat):
         """Views of one buffer: [ids n | positions n | slots n | context_lens b+1 | query starts b+2 |
-        sampled rows b | work items 5×K | merges 4×M | block_tables (b+1)×W] (n: the largest bucket,
-        b: max_seqs, K: its most work items, M: split_items; the empty sequence is row b), each
-        16-byte aligned (aligned_bounds)."""
+        sampled rows b | work items 5×K | merges 4×M | decodes b×3 | block_tables (b+1)×W] (n: the
+        largest bucket, b: max_seqs, K: its most work items, M: split_items; the empty sequence is
+        row b), each 16-byte aligned (aligned_bounds)."""
         *views, tables = (flat[lo:hi] for lo, hi in self._bounds)
         return (*views, tables.reshape(self.max_seqs + 1, self.width))
 
-    def _pad(self, ids, positions, slots, context_lens, starts, sample_rows, items, merges, block_tables) -> None:
+    def _pad(self, ids, positions, slots, context_lens, starts, sample_rows, items, merges, decodes,
+             block_tables) -> None:
         slots.fill(self.scratch_slot)
         block_tables.fill(self.scratch_block)  # the empty sequence's context length stays 0
 
@@ -419,7 +421,7 @@ class MixedStepGraphs:
         work = PrefillWork(items=self.items[:5 * k].view(5, k), merges=self.merges.view(4, m), num_parts=2 * m)
         return AttentionMetadata(slot_mapping=self.slots[:tokens], context_lens=self.context_lens,
                                  query_start_loc=self.starts, prefill=work, block_tables=self.block_tables,
-                                 block_size=self.block_size)
+                                 block_size=self.block_size, token_rows=self.decodes.view(self.max_seqs, 3))
 
     def step(self, tokens: int) -> torch.Tensor:
         """The captured work of a bucket: the forward (its hidden states into `self.hidden`
@@ -484,7 +486,7 @@ class MixedStepGraphs:
         sequence: new tokens, context length after the step, block table; the rows to sample, one
         a sequence at most), into the static inputs, padded to `bucket` tokens: one copy."""
         n, b = len(ids), len(q_lens)
-        host_ids, host_positions, slots, context_lens, starts, sample_rows, items, merges, block_tables = \
+        host_ids, host_positions, slots, context_lens, starts, sample_rows, items, merges, decodes, block_tables = \
             self.staged.host()
         host_ids[:n] = ids
         host_positions[:n] = positions
@@ -500,6 +502,10 @@ class MixedStepGraphs:
         # Padding: the empty sequence's, with no keys and no partial slot (items), no pieces (merges).
         _fill_columns(items, self.max_items(bucket), item_columns, (self.max_seqs, 0, 0, 0, -1))
         _fill_columns(merges, self.split_items, merge_columns, (self.max_seqs, 0, 0, 0))
+        # The decodes (paged decode kernel), padded with rows of the empty sequence that write nothing.
+        rows = token_rows(q_lens, ctx_lens, decodes_only=True)
+        decodes[:len(rows)] = rows
+        decodes[len(rows):] = [-1, self.max_seqs, 0] * (self.max_seqs - len(rows) // 3)
         for row, table in zip(block_tables, tables):
             row[:len(table)] = table
         self.staged.send(self.staged.device.shape[0])

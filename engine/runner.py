@@ -63,8 +63,8 @@ def tune_kernels(model, kv_cache: torch.Tensor, block_size: int, scratch_block: 
                  split_items: int = 1, label: str = "warming up kernels") -> None:
     """The start-up warm-up (and a tuning engine's timing), so that no request pays for a kernel's
     compile or timing: a dry step of each row count a skinny product may see (`skinny_row_counts`: decode batches, verifies, drafts, small
-    mixed steps), with the vocab projection and the MTP layers, then a `prefill`-token prefill
-    (the flash kernel's autotuning). Their KV goes to the scratch block, the prefill's to the
+    mixed steps), with the vocab projection and the MTP layers, then a `prefill`-token mixed step,
+    a chunk and a decode (the flash kernel's autotuning, the decode kernel's per-token form). Their KV goes to the scratch block, the prefill's to the
     first blocks (no sequence holds any yet)."""
     device = kv_cache.device
     todo = (row_counts or skinny_row_counts()) + [prefill]
@@ -74,9 +74,13 @@ def tune_kernels(model, kv_cache: torch.Tensor, block_size: int, scratch_block: 
         if progress:
             progress(f"{label} {i + 1}/{len(todo)}")
         rows = i < len(todo) - 1  # n sequences of one token each
-        meta = (AttentionMetadata.build([1] * n, [1] * n, [[scratch_block]] * n, block_size, device, True) if rows
-                else AttentionMetadata.build([n], [n], [list(range(-(-n // block_size)))], block_size, device, True,
-                                             split_items))
+        if rows:
+            meta = AttentionMetadata.build([1] * n, [1] * n, [[scratch_block]] * n, block_size, device, True)
+        else:  # a chunk beside a decode, whose row the paged decode kernel takes in its per-token form
+            chunk = max(1, n - 1)
+            meta = AttentionMetadata.build([chunk, 1], [chunk, 1], [list(range(-(-chunk // block_size))),
+                                                                    [scratch_block]], block_size, device, True,
+                                           split_items)
         ids = torch.zeros(n, dtype=torch.long, device=device)
         hidden = model(ids, ids, kv_cache, meta)  # position 0 for all: only the shapes matter
         if rows:

@@ -12,7 +12,8 @@ latency target (`--max-step-latency-ms`): early chunks come out large, late ones
 A step's time is modelled as  t = a + b * tokens + c * tile_keys:
 tokens, the rows its matmuls compute (padded up to its CUDA graph's token bucket); tile_keys,
 the flash prefill kernel's work: for every query tile of `PREFILL_BLOCK_M` rows, the keys it
-walks (a decode row is a tile of its own). The coefficients are fitted online from the times
+walks (a decode beside the chunks is the paged decode kernel's, no tile: its cost, nearly the
+same at every step of a prompt, falls to the other terms). The coefficients are fitted online from the times
 the engine observes, by least squares over the last `WINDOW` steps with prefill chunks,
 Huber-weighted (a step slowed by a compile or a collector pause counts little), and pulled
 towards a prior worth a tenth of an observation, which predicts the target for a chunk of
@@ -50,7 +51,10 @@ HOST_SAMPLES = 15  # a (k, bucket)'s host time: the median of its last this many
 
 def tile_keys(q: int, ctx: int, block_m: int = PREFILL_BLOCK_M) -> int:
     """Keys the flash kernel's query tiles walk for a sequence with `q` new tokens ending a
-    context of `ctx` (theirs included): each tile attends up to its last row (prefill_plan)."""
+    context of `ctx` (theirs included): each tile attends up to its last row; a decode (q == 1)
+    has no tile (prefill_plan)."""
+    if q <= 1:
+        return 0
     tiles = -(-q // block_m)
     return tiles * (ctx - q) + block_m * tiles * (tiles - 1) // 2 + q
 

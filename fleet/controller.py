@@ -8,8 +8,9 @@ is `Type=notify` and pings the watchdog only while ingestion is healthy.
 
 The MQTT thread only queues what it receives; one writer checks the queued messages, stores them
 a batch per transaction and acknowledges them after the commit (`ingest.GroupCommit`: at least
-once, bounded in messages and bytes, with back-pressure). It keeps a persistent MQTT session (clean_start off, a session expiry) so
-messages published while it reconnects, or not yet acknowledged when it died, wait at the broker. With `--share GROUP` several replicas split the
+once, bounded in messages and bytes, with back-pressure). It keeps a persistent MQTT session
+(clean_start off, a session expiry) so messages published while it reconnects, or not yet
+acknowledged when it died, wait at the broker. With `--share GROUP` several replicas split the
 fleet's stream (`$share/GROUP/...`). A device heard from without a known session (births are not
 retained, as in Sparkplug) is asked for a rebirth, at most once per `REBIRTH_EVERY_S`.
 """

@@ -9,7 +9,9 @@ through block tables instead: a step where every sequence has the same few new t
 MTP verifies and drafts) takes the uniform form, read by a paged decode kernel whose shapes
 depend only on (B, q_len), so the step can be replayed from a CUDA graph (engine/cuda_graphs.py);
 any other step (prefill chunks, alone or with decodes) the varlen form, read by the flash
-prefill kernel in one launch (model/flash_prefill.py).
+prefill kernel in one launch (model/flash_prefill.py), and its single-token sequences (decodes
+beside a chunk) by the paged decode kernel in a second: a flash tile is 128 query rows, so a
+decode there would walk its context with one row of 128 in use.
 """
 
 from __future__ import annotations
@@ -119,8 +121,9 @@ class AttentionMetadata:
     # Varlen form (any other step): the flash prefill kernel (model/flash_prefill.py).
     query_start_loc: torch.Tensor | None = None  # [B + 1] int32: where each sequence's tokens start
     prefill: PrefillWork | None = None  # its work list
-    # Batch-invariant form of any other step: the decode kernel, a token a program.
-    token_rows: torch.Tensor | None = None  # [T, 2] int32: each token's sequence and the keys it sees
+    # Tokens the paged decode kernel attends one by one, each as (row, sequence, keys it sees), [n, 3]
+    # int32: a varlen step's decodes, or every token of any step but a uniform one in batch-invariant mode.
+    token_rows: torch.Tensor | None = None
 
     @staticmethod
     def build(q_lens: list[int], ctx_lens: list[int], block_tables: list[list[int]], block_size: int,
@@ -136,8 +139,8 @@ class AttentionMetadata:
             return AttentionMetadata._uniform(q_lens[0], ctx_lens, block_tables, block_size, device)
         if fused and invariant:
             meta = AttentionMetadata._uniform(1, ctx_lens, block_tables, block_size, device, q_lens)
-            rows = [(b, c - q + j + 1) for b, (q, c) in enumerate(zip(q_lens, ctx_lens)) for j in range(q)]
-            meta.token_rows = to_device(torch.tensor(rows, dtype=torch.int32), device)
+            rows = token_rows(q_lens, ctx_lens)
+            meta.token_rows = to_device(torch.tensor(rows, dtype=torch.int32).view(-1, 3), device)
             return meta
         if fused:
             return AttentionMetadata._varlen(q_lens, ctx_lens, block_tables, block_size, device, split_items)
@@ -177,13 +180,15 @@ class AttentionMetadata:
         slots = slot_mapping(block_tables, ctx_lens, q_lens, block_size)
         starts = [0, *accumulate(q_lens)]
         items, merges = prefill_plan(q_lens, ctx_lens, split_items)
+        decodes = token_rows(q_lens, ctx_lens, decodes_only=True)
         tables = [x for t in block_tables for x in t + [0] * (width - len(t))]
-        slots_t, ctx_t, starts_t, items_t, merges_t, tables_t = pack_int32(
-            [slots, ctx_lens, starts, sum(items, []), sum(merges, []), tables], device)
+        slots_t, ctx_t, starts_t, items_t, merges_t, decodes_t, tables_t = pack_int32(
+            [slots, ctx_lens, starts, sum(items, []), sum(merges, []), decodes, tables], device)
         work = PrefillWork(items=items_t.view(5, len(items[0])), merges=merges_t.view(4, len(merges[0])),
                            num_parts=sum(merges[3]))
         return AttentionMetadata(slot_mapping=slots_t, context_lens=ctx_t, query_start_loc=starts_t, prefill=work,
-                                 block_tables=tables_t.view(len(ctx_lens), width), block_size=block_size)
+                                 block_tables=tables_t.view(len(ctx_lens), width), block_size=block_size,
+                                 token_rows=decodes_t.view(-1, 3) if decodes else None)
 
 
 @dataclass
@@ -200,7 +205,8 @@ def prefill_plan(q_lens: list[int], ctx_lens: list[int], split_items: int = 1,
     """The flash prefill kernel's work for a step: (items, merges), each as columns of ints.
 
     The queries are cut into tiles of `block_m` rows of one sequence; a tile attends to the keys
-    up to its last row. A 512-token chunk is 4 tiles: one program each per head would leave most
+    up to its last row. A single-token sequence (a decode) has no tile: the paged decode kernel
+    takes it (`token_rows`). A 512-token chunk is 4 tiles: one program each per head would leave most
     of the GPU idle while they walk a long context, so a tile whose keys pass the piece size is
     cut along its context into pieces (flash-decoding, for prefill): each piece is an item of its
     own that writes a partial result and its log-sum-exp into a slot, and a merge combines a
@@ -211,7 +217,7 @@ def prefill_plan(q_lens: list[int], ctx_lens: list[int], split_items: int = 1,
     only piece); a merge: (sequence, first row, first slot, pieces). Bounds (static buffers of
     a graph): items <= tiles + split_items, merges <= split_items, slots <= 2 * split_items."""
     tiles = [(b, m0, ctx - q + min(m0 + block_m, q))  # the keys the tile's last row sees
-             for b, (q, ctx) in enumerate(zip(q_lens, ctx_lens)) for m0 in range(0, q, block_m)]
+             for b, (q, ctx) in enumerate(zip(q_lens, ctx_lens)) if q > 1 for m0 in range(0, q, block_m)]
     total = sum(keys for *_, keys in tiles)
     piece = -(-max(PREFILL_MIN_PIECE, -(-total // split_items)) // PREFILL_MIN_PIECE) * PREFILL_MIN_PIECE
     items, merges, slot = [], [], 0
@@ -225,6 +231,17 @@ def prefill_plan(q_lens: list[int], ctx_lens: list[int], split_items: int = 1,
         slot += n
     items.sort(key=lambda item: item[2] - item[3])  # stable: longest first, then in order
     return [list(col) for col in zip(*items)] or [[]] * 5, [list(col) for col in zip(*merges)] or [[]] * 4
+
+
+def token_rows(q_lens: list[int], ctx_lens: list[int], decodes_only: bool = False) -> list[int]:
+    """(row, sequence, keys it sees) of each token of a step, flat, for the paged decode kernel's
+    per-token form; `decodes_only`: those of its single-token sequences alone."""
+    rows, start = [], 0
+    for b, (q, ctx) in enumerate(zip(q_lens, ctx_lens)):
+        if q == 1 or not decodes_only:
+            rows += [v for j in range(q) for v in (start + j, b, ctx - q + j + 1)]
+        start += q
+    return rows
 
 
 def prefill_split_items(device: torch.device, num_heads: int) -> int:

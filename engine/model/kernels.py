@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from jetserve.engine.config import INVARIANT_ROWS
 from jetserve.engine.model import parallel_compile
 from jetserve.engine.model.flash_prefill import prefill_attention
 
@@ -169,9 +170,11 @@ def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, ctx_ptr
     t = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    if PER_TOKEN:  # any mix of new tokens: each token's (sequence, keys it sees)
-        b = tl.load(rows_ptr + 2 * t)
-        limit = tl.maximum(tl.load(rows_ptr + 2 * t + 1), 1)
+    token = t
+    if PER_TOKEN:  # listed tokens of any mix: each one's (row in q, sequence, keys it sees); row -1: padding
+        token = tl.load(rows_ptr + 3 * t)
+        b = tl.load(rows_ptr + 3 * t + 1)
+        limit = tl.where(token < 0, 0, tl.maximum(tl.load(rows_ptr + 3 * t + 2), 1))  # padding walks no key
     else:
         b = t // q_len
         # Query j of a q_len-token step sits at position ctx - q_len + j; padded rows still see one key.
@@ -182,7 +185,7 @@ def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, ctx_ptr
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_PAD)
     heads = kvh * GROUP + g
-    row = t.to(tl.int64) * NUM_KV_HEADS * GROUP * HEAD_DIM
+    row = tl.maximum(token, 0).to(tl.int64) * NUM_KV_HEADS * GROUP * HEAD_DIM
     q_mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
     q = tl.load(q_ptr + row + heads[:, None] * HEAD_DIM + d[None, :], mask=q_mask, other=0.0)
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -211,7 +214,8 @@ def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, ctx_ptr
         l = l * alpha + tl.sum(p, axis=1)
         m = m_new
     if SPLITS == 1:
-        tl.store(out_ptr + row + heads[:, None] * HEAD_DIM + d[None, :], (acc / l[:, None]).to(q.dtype), mask=q_mask)
+        live = (g < tl.where(token >= 0, GROUP, 0))[:, None] & (d < HEAD_DIM)[None, :]  # padding writes nothing
+        tl.store(out_ptr + row + heads[:, None] * HEAD_DIM + d[None, :], (acc / l[:, None]).to(q.dtype), mask=live)
     else:  # this split's share, normalized, and its log-sum-exp; an empty split weighs nothing
         at = (t.to(tl.int64) * NUM_KV_HEADS * GROUP + heads) * SPLITS + split
         l = tl.maximum(l, 1e-30)  # empty: m = -inf, acc = 0
@@ -220,9 +224,13 @@ def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, ctx_ptr
 
 
 @triton.jit
-def _combine_splits_kernel(part_ptr, lse_ptr, out_ptr, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                           HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
-    th = tl.program_id(0).to(tl.int64)  # token * heads + head
+def _combine_splits_kernel(part_ptr, lse_ptr, out_ptr, rows_ptr, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                           NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+                           PER_TOKEN: tl.constexpr):
+    th = tl.program_id(0).to(tl.int64)  # program's token * heads + head
+    out_th = th
+    if PER_TOKEN:  # the listed token's row in the output
+        out_th = tl.load(rows_ptr + 3 * (th // NUM_HEADS)).to(tl.int64) * NUM_HEADS + th % NUM_HEADS
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, HEAD_PAD)
     lse = tl.load(lse_ptr + th * SPLITS + s, mask=s < SPLITS, other=float("-inf"))
@@ -231,7 +239,7 @@ def _combine_splits_kernel(part_ptr, lse_ptr, out_ptr, SPLITS: tl.constexpr, SPL
     mask = (s < SPLITS)[:, None] & (d < HEAD_DIM)[None, :]
     parts = tl.load(part_ptr + (th * SPLITS + s[:, None]) * HEAD_DIM + d[None, :], mask=mask, other=0.0)
     out = tl.sum(parts * w[:, None], axis=0)
-    tl.store(out_ptr + th * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+    tl.store(out_ptr + out_th * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty), mask=d < tl.where(out_th >= 0, HEAD_DIM, 0))
 
 
 MAX_SPLITS = 16
@@ -246,7 +254,8 @@ def _num_splits(programs: int, device: torch.device) -> int:
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, context_lens, q_len: int, block_size: int,
-                    scale: float, num_splits: int | None = None, token_rows: torch.Tensor | None = None) -> torch.Tensor:
+                    scale: float, num_splits: int | None = None, token_rows: torch.Tensor | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention for steps where every sequence has `q_len` new tokens (decode: 1, verify: 1+k).
     q: [B * q_len, H, D]; caches: [slots, KVH, D]; block_tables: [B, W]; context_lens: [B]
     (after this step's tokens). Each program walks only its own sequence's blocks, up to its own
@@ -254,34 +263,39 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, q_len: int,
     slices' results are combined by their log-sum-exp). No gathered copy of the batch's context,
     and fixed launch shapes whatever the lengths, so the step can live in a CUDA graph.
     `num_splits` overrides the split count (benchmarks compare against one split; batch-invariant
-    mode fixes it). `token_rows` [T, 2] int32: each token's (sequence, keys it sees), for a step of
-    any mix (batch-invariant mode's prefill chunks); then q_len is unused."""
-    t, num_heads, head_dim = q.shape
+    mode fixes it). `token_rows` [n, 3] int32 lists the tokens to attend, each as (row in q, its
+    sequence, keys it sees; row -1: padding, nothing written), for steps of any mix: every token
+    (batch-invariant mode's prefill chunks) or a mixed step's decodes (attention.decode_rows);
+    then q_len is unused and only the listed rows of `out` (given, or new) are written."""
+    num_heads, head_dim = q.shape[1:]
+    t = q.shape[0] if token_rows is None else token_rows.shape[0]
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
+    out = torch.empty_like(q) if out is None else out
+    if t == 0:
+        return out
     splits = num_splits or _num_splits(t * num_kv_heads, q.device)
-    out = torch.empty_like(q)
     part = torch.empty(t, num_heads, splits, head_dim, dtype=torch.float32, device=q.device) if splits > 1 else out
     lse = torch.empty(t, num_heads, splits, dtype=torch.float32, device=q.device) if splits > 1 else out
     head_pad = max(16, triton.next_power_of_2(head_dim))
+    rows = context_lens if token_rows is None else token_rows
     _paged_attention_kernel[(t, num_kv_heads, splits)](
-        q, k_cache, v_cache, block_tables, context_lens, context_lens if token_rows is None else token_rows, out,
-        part, lse, scale, block_tables.stride(0), max(q_len, 1), GROUP=group,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)), NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        HEAD_PAD=head_pad, BLOCK_SIZE=block_size, BLOCK_N=32, SPLITS=splits, IEEE=q.dtype == torch.float32,
-        PER_TOKEN=token_rows is not None, num_warps=4)
+        q, k_cache, v_cache, block_tables, context_lens, rows, out, part, lse, scale, block_tables.stride(0),
+        max(q_len, 1), GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_SIZE=block_size, BLOCK_N=32, SPLITS=splits,
+        IEEE=q.dtype == torch.float32, PER_TOKEN=token_rows is not None, num_warps=4)
     if splits > 1:
-        _combine_splits_kernel[(t * num_heads,)](part, lse, out, SPLITS=splits,
-                                                  SPLITS_PAD=triton.next_power_of_2(splits), HEAD_DIM=head_dim,
-                                                  HEAD_PAD=head_pad)
+        _combine_splits_kernel[(t * num_heads,)](part, lse, out, rows, SPLITS=splits,
+                                                  SPLITS_PAD=triton.next_power_of_2(splits), NUM_HEADS=num_heads,
+                                                  HEAD_DIM=head_dim, HEAD_PAD=head_pad,
+                                                  PER_TOKEN=token_rows is not None)
     return out
 
 
 # What the skinny matmul computes from its input rows before the product.
 PLAIN, NORM, ADD_NORM, SILU_MUL = 0, 1, 2, 3
 SKINNY_MAX_ROWS = 64  # decode batches and MTP verifies (batch x (k+1)); above, cuBLAS GEMMs with the elementwise kernels
-INVARIANT_ROWS = 16  # batch-invariant mode: rows a program, whatever the row count (tl.dot's smallest tile)
-INVARIANT_MAX_ROWS = 65535 * INVARIANT_ROWS  # ... up to the grid's limit (a step's token budget stays far below)
+INVARIANT_MAX_ROWS = 65535 * INVARIANT_ROWS  # batch-invariant rows a product takes: the grid's limit (a step's budget stays far below)
 DOT_MIN_ROWS = 16  # tl.dot's smallest tile: from here every product runs on tensor cores; below, rows are padded to it
 
 
@@ -660,10 +674,14 @@ class FusedKernels:
         self.tuning_times: dict[tuple, dict[tuple[int, int, int] | None, float]] = {}  # ms per candidate tile
 
     def paged_attention(self, q, k_cache, v_cache, block_tables, context_lens, q_len: int, block_size: int,
-                        scale: float, token_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """The paged decode kernel (`paged_attention`); batch-invariant: MAX_SPLITS splits for any batch."""
-        return paged_attention(q, k_cache, v_cache, block_tables, context_lens, q_len, block_size, scale,
-                               MAX_SPLITS if self.batch_invariant else None, token_rows)
+                        scale: float, token_rows: torch.Tensor | None = None,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+        """The paged decode kernel (`paged_attention`). MAX_SPLITS splits in batch-invariant mode
+        (any batch alike) and for listed tokens (`token_rows`: one kernel variant whatever their
+        count, so a mixed step of a new shape compiles nothing)."""
+        splits = MAX_SPLITS if self.batch_invariant or token_rows is not None else None
+        return paged_attention(q, k_cache, v_cache, block_tables, context_lens, q_len, block_size, scale, splits,
+                               token_rows, out)
 
     def prefill_attention(self, *args, **kwargs):
         """The flash prefill kernel in the table's configuration; a tuning engine autotunes it."""

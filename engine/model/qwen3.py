@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from jetserve.engine.config import TRITON_INTERPRET, ModelConfig
+from jetserve.engine.config import INVARIANT_ROWS, TRITON_INTERPRET, ModelConfig
 from jetserve.engine.model.attention import AttentionMetadata, causal_attention, paged_attention
 
 
@@ -58,9 +58,6 @@ class RMSNorm(KernelUser):
         y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
         y = self.weight * y.to(dtype)
         return y if residual is None else (y, x)
-
-
-INVARIANT_ROWS = 16  # batch-invariant mode on the torch path: rows a product call, whatever the row count
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -165,13 +162,14 @@ class Attention(KernelUser):
             q = kernels.qk_norm_rope_store(qkv, self.q_norm.weight, self.k_norm.weight, *rope,
                                            meta.slot_mapping, kv_cache[0], kv_cache[1], self.q_norm.eps,
                                            self.num_heads, self.num_kv_heads, self.head_dim)
-            if meta.prefill is not None:  # prefill chunks, alone or with decodes
+            out = None
+            if meta.prefill is not None:  # prefill chunks, alone or with decodes (those are token_rows)
                 out = kernels.prefill_attention(q, kv_cache[0], kv_cache[1], meta.block_tables, meta.query_start_loc,
                                                 meta.context_lens, meta.prefill, self.scale, meta.block_size)
-            else:
-                rows = {} if meta.token_rows is None else {"token_rows": meta.token_rows}  # batch-invariant prefill
+            if meta.prefill is None or meta.token_rows is not None:
                 out = kernels.paged_attention(q, kv_cache[0], kv_cache[1], meta.block_tables, meta.context_lens,
-                                              meta.q_len, meta.block_size, self.scale, **rows)
+                                              meta.q_len, meta.block_size, self.scale, token_rows=meta.token_rows,
+                                              out=out)
             return self.o_proj(out.flatten(1))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))

@@ -1,5 +1,6 @@
 """The flash prefill kernel against plain attention over the same paged cache: a mixed step of
-chunks and decodes in one launch — odd lengths, chunks starting mid-block, a prefix-cache hit
+chunks and decodes (the chunks' tiles in one launch, the decodes' rows in the paged decode
+kernel's per-token form, as the model runs them) — odd lengths, chunks starting mid-block, a prefix-cache hit
 (blocks shared with another sequence), GQA, head_dim 64 and 128, several tiles a sequence, and
 tiles whose context is cut into pieces (merged by the second kernel). On a GPU it runs
 compiled; without one in Triton's interpreter (tests/conftest.py). End to end on the GPU: greedy
@@ -15,6 +16,7 @@ require_module("triton")
 from jetserve.engine.model import attention  # noqa: E402
 from jetserve.engine.model.attention import AttentionMetadata, PrefillWork, prefill_plan  # noqa: E402
 from jetserve.engine.model.flash_prefill import prefill_attention  # noqa: E402
+from jetserve.engine.model.kernels import MAX_SPLITS, paged_attention  # noqa: E402
 
 from tests.engine.builders import build_qwen3, hf_greedy  # noqa: E402
 
@@ -80,13 +82,19 @@ def test_mixed_step(monkeypatch, dtype, tol, heads, kv_heads, head_dim, split_it
     scale = head_dim ** -0.5
     got = prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens, work,
                             scale, BLOCK_SIZE, block_m)
+    decode = sum(q_lens[:2])  # the step's one single-token sequence: no flash tile, a row of the decode kernel
+    assert meta.token_rows.tolist() == [[decode, 2, ctx_lens[2]]] and 2 not in work.items[0].tolist()
+    got[decode] = float("nan")  # whatever the flash kernel left there, the decode kernel must overwrite
+    paged_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, 0, BLOCK_SIZE, scale, MAX_SPLITS,
+                    meta.token_rows, out=got)
     want = reference(q, k_cache, v_cache, tables, q_lens, ctx_lens, scale)
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("split_items", [1, 3, 17, 64])
 def test_plan_covers_every_key_once(monkeypatch, split_items):
-    """Every (query row, key it sees) pair is in exactly one item, pieces start at multiples of
+    """Every (query row, key it sees) pair of a sequence with more than one new token is in
+    exactly one item (a decode is the decode kernel's: in no item), pieces start at multiples of
     the piece size, items go longest first, and the plan stays within the bounds a graph's
     static buffers are sized by; one item a tile when split_items is 1."""
     monkeypatch.setattr(attention, "PREFILL_MIN_PIECE", 16)
@@ -99,10 +107,11 @@ def test_plan_covers_every_key_once(monkeypatch, split_items):
             for key in range(lo, min(hi, ctx_lens[b] - q_lens[b] + r + 1)):
                 seen[b, r, key] = seen.get((b, r, key), 0) + 1
     assert set(seen.values()) == {1}
-    assert len(seen) == sum((c - q + r + 1) for q, c in zip(q_lens, ctx_lens) for r in range(q))
+    assert len(seen) == sum((c - q + r + 1) for q, c in zip(q_lens, ctx_lens) if q > 1 for r in range(q))
+    assert 2 not in items[0]  # the decode
     sizes = [hi - lo for lo, hi in zip(items[2], items[3])]
     assert sizes == sorted(sizes, reverse=True)
-    tiles = sum(-(-q // block_m) for q in q_lens)
+    tiles = sum(-(-q // block_m) for q in q_lens if q > 1)
     assert len(items[0]) <= tiles + split_items and len(merges[0]) <= split_items
     assert sum(merges[3]) <= 2 * split_items
     # Each merge names its tile's pieces: consecutive slots, one per item of that tile.

@@ -33,7 +33,7 @@ def truth(features):
 
 
 def test_tile_keys_count_the_flash_kernels_work():
-    """The keys the flash kernel's tiles walk, as prefill_plan lays them out (odd lengths, a decode)."""
+    """The keys the flash kernel's tiles walk, as prefill_plan lays them out (odd lengths; a decode: none)."""
     for q, ctx in [(1, 300), (128, 128), (129, 1000), (504, 7500), (2040, 2040), (77, 77)]:
         items, _ = prefill_plan([q], [ctx], split_items=1)
         assert tile_keys(q, ctx) == sum(end - first for first, end in zip(items[2], items[3]))
