@@ -140,7 +140,7 @@ def _weight_bytes(weight) -> int:
 
     if isinstance(weight, torch.Tensor):
         return weight.numel() * weight.element_size()
-    return sum(t.numel() * t.element_size() for t in (weight.qweight, weight.scales, weight.zeros) if t is not None)
+    return sum(t.numel() * t.element_size() for t in weight if isinstance(t, torch.Tensor))
 
 
 def _relative_error(product, prologue, x, weight, residual, norm) -> float:
@@ -173,6 +173,7 @@ def kernel_table(shapes, methods, bandwidth: float) -> dict:
     (`bandwidth` the tensor-sum read rate, GB/s)."""
     import torch
 
+    from jetserve.engine.model import int4pack
     from jetserve.engine.model.quant_kernels import QuantFusedKernels, quant_matmul
 
     device = torch.device("cuda")
@@ -182,6 +183,10 @@ def kernel_table(shapes, methods, bandwidth: float) -> dict:
         for name, (prologue, n, k) in shape_projections(shape).items():
             for method in _methods(name, methods):
                 x, weight, residual, norm = operands(prologue, n, k, method, device)
+                if method == "int4" and int4pack.applies(4, weight.group_size, n, k, x.dtype, device):
+                    rows[f"{name} {method}"] = _tinygemm_row(prologue, x, weight, residual, norm, bandwidth)
+                    print(f"[quant] kernel {shape} {name} {method}: {rows[f'{name} {method}']}", flush=True)
+                    continue
                 fused = QuantFusedKernels(tile_timing=True)
                 fused.skinny_matmul(prologue, x, weight, residual, norm, 1e-6)
                 (key, tile), = fused.chosen.items()
@@ -211,6 +216,26 @@ def kernel_table(shapes, methods, bandwidth: float) -> dict:
                       flush=True)
                 del x, weight, residual, norm, fused
     return table
+
+
+def _tinygemm_row(prologue, x, weight, residual, norm, bandwidth: float) -> dict:
+    """A kernel-table row for an INT4 product the engine runs through torch's W4A16 kernel
+    (model/int4pack.py), its prologue apart, timed as the tiles are (a CUDA graph over cold copies)."""
+    from jetserve.engine.model import int4pack, quant
+    from jetserve.engine.model.kernels import cold_copies, graph_time
+    from jetserve.engine.model.quant_kernels import QuantFusedKernels
+
+    packed = int4pack.pack(quant.integers(weight), quant.zero_points(weight), weight.scales, weight.group_size)
+    fused = QuantFusedKernels()
+    ms = graph_time([lambda w=packed._replace(packed=c): fused.skinny_matmul(prologue, x, w, residual, norm, 1e-6)
+                     for c in cold_copies(packed.packed)])
+    size = _weight_bytes(packed)
+    error = _relative_error(lambda p, a, _w, r, nw, eps: fused.skinny_matmul(p, a, packed, r, nw, eps), prologue, x,
+                            weight, residual, norm)
+    n, k = weight.shape
+    return {"shape_nk": [n, k], "weight_bytes": size, "us": round(ms * 1e3, 2), "GBps": round(size / ms / 1e6, 1),
+            "Gweights_per_s": round(n * k / ms / 1e6), "share_of_read_bandwidth": round(size / ms / 1e6 / bandwidth, 3),
+            "tile": "tinygemm", "relative_error": error}
 
 
 def _time_decode(engine, args, rng) -> tuple[float, float | None]:
@@ -254,7 +279,11 @@ def run(args) -> dict:
 
     device = torch.device("cuda")
     # the table's, then the engines' start-up tuning's (16-64 rows: the mixed-step buckets)
-    variants = projection_variants(args.shapes, args.methods, 1)
+    from jetserve.engine.model import int4pack
+
+    # INT4 takes torch's W4A16 kernel where it runs (model/int4pack.py): no Triton INT4 tiles to compile
+    tinygemm = int4pack.applies(4, 128, 8, 128, torch.bfloat16, device)
+    variants = projection_variants(args.shapes, [m for m in args.methods if not (m == "int4" and tinygemm)], 1)
     for rows in ([] if args.skip_engine else [16, 32, 64]):
         variants += projection_variants(args.shapes, ["bf16"], rows)
     precompile(variants, "[quant] compiling kernel variants")

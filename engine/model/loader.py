@@ -20,7 +20,7 @@ from tqdm import tqdm
 from jetserve.engine.model.checkpoint import Checkpoint, CheckpointError
 from jetserve.engine.config import ON_THE_FLY, ModelConfig, QuantizationConfig
 from jetserve.engine.model.qwen3 import Linear, Qwen3ForCausalLM, RotaryEmbedding
-from jetserve.engine.model import quant
+from jetserve.engine.model import int4pack, quant
 
 # Tensors read and copied to the device at once: a copy out of the page cache is the host's
 # memcpy, which one thread does not keep the bus busy with.
@@ -78,10 +78,10 @@ def parameter_sources(ckpt: Checkpoint, cfg: ModelConfig) -> dict[str, list[str]
 
 
 def build_meta_model(ckpt: Checkpoint, dtype: torch.dtype, max_positions: int,
-                     quantization: QuantizationConfig | None = None):
-    """The model as it will be, on the meta device (no memory), checked against the checkpoint's
-    metadata: (model, parameter → checkpoint tensors, projection → quantization mode). The
-    memory plan sizes the weights from it, the loader fills it."""
+                     quantization: QuantizationConfig | None = None, device: torch.device | None = None):
+    """The model as it will be on `device`, on the meta device (no memory), checked against the
+    checkpoint's metadata: (model, parameter → checkpoint tensors, projection → quantization
+    mode). The memory plan sizes the weights from it, the loader fills it."""
     cfg = ModelConfig.from_dict(ckpt.config)
     with torch.device("meta"):
         model = Qwen3ForCausalLM(cfg, max_positions).to(dtype)
@@ -91,7 +91,7 @@ def build_meta_model(ckpt: Checkpoint, dtype: torch.dtype, max_positions: int,
             if mode != "dequantize":
                 module = name.removesuffix(".weight")
                 linear = model.get_submodule(module)
-                model.set_submodule(module, _quant_linear(linear, quantization, mode))
+                model.set_submodule(module, _quant_linear(linear, quantization, mode, dtype, device))
     _check(ckpt, cfg, {name: p for name, p in model.named_parameters() if name not in modes},
            {name: names for name, names in sources.items() if name not in modes})  # quantized: read_quantized checks
     return model, sources, modes
@@ -102,7 +102,7 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_pos
                quantization: QuantizationConfig | None = None) -> Qwen3ForCausalLM:
     ckpt = Checkpoint(model_dir)
     cfg = ModelConfig.from_dict(ckpt.config)
-    model, sources, modes = build_meta_model(ckpt, dtype, max_positions, quantization)
+    model, sources, modes = build_meta_model(ckpt, dtype, max_positions, quantization, device)
 
     # nn.Module.to_empty, less its torch.empty_like on meta tensors: that one's meta kernel is
     # Python which imports torch's symbolic-shape machinery (sympy), seconds of every start.
@@ -168,13 +168,14 @@ def quantization_modes(ckpt: Checkpoint, model: Qwen3ForCausalLM, sources: dict[
     return modes
 
 
-def _quant_linear(linear: Linear, config: QuantizationConfig, mode: str) -> quant.QuantLinear:
-    """The (meta) module a projection becomes, shaped from metadata alone."""
+def _quant_linear(linear: Linear, config: QuantizationConfig, mode: str, dtype: torch.dtype,
+                  device: torch.device | None) -> quant.QuantLinear:
+    """The (meta) module a projection becomes, shaped from metadata alone; in tinygemm's layout
+    where its kernel runs on `device` (model/int4pack.py; None: the device is not known)."""
     k, n = linear.in_features, linear.out_features
-    if mode == "packed":
-        return quant.QuantLinear(k, n, config.bits, config.group_size, has_zeros=True)
-    bits, group, sym = ON_THE_FLY[mode]
-    return quant.QuantLinear(k, n, bits, group, has_zeros=not sym)
+    bits, group, sym = (config.bits, config.group_size, False) if mode == "packed" else ON_THE_FLY[mode]
+    tinygemm = device is not None and int4pack.applies(bits, k if group == -1 else group, n, k, dtype, device)
+    return quant.QuantLinear(k, n, bits, group, has_zeros=not sym, tinygemm=tinygemm)
 
 
 def _quantized_weight(ckpt: Checkpoint, names: list[str], config: QuantizationConfig, mode: str,

@@ -21,7 +21,9 @@ cast to the activation dtype.
 
 Decode steps (a few rows on CUDA) run the fused W8A16/W4A16 kernels of quant_kernels.py, which
 dequantize in registers; other shapes (prefill, the CPU) dequantize into the activation dtype
-and run the float product.
+and run the float product. The exception is a large INT4 projection on an sm80+ GPU with bf16
+activations: it loads into tinygemm's layout instead and takes torch's W4A16 kernel
+(model/int4pack.py).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from jetserve.engine.config import QuantizationConfig
+from jetserve.engine.model import int4pack
 from jetserve.engine.model.checkpoint import Checkpoint, CheckpointError
 from jetserve.engine.model.qwen3 import KernelUser
 
@@ -178,38 +181,63 @@ def _check_g_idx(ckpt: Checkpoint, prefix: str, part: QuantizedWeight) -> None:
 
 
 class QuantLinear(KernelUser):
-    """A bias-free projection with quantized weights. A few rows on CUDA take the fused kernel
-    (through the model's kernels, like `Linear`); anything else dequantizes and multiplies."""
+    """A bias-free projection with quantized weights. In quant.py's layout a few rows on CUDA
+    take the fused kernel (through the model's kernels, like `Linear`) and anything else
+    dequantizes and multiplies; in tinygemm's (`tinygemm`, model/int4pack.py) every product
+    takes torch's W4A16 kernel, the prologues of a few rows run apart first."""
 
-    def __init__(self, in_features: int, out_features: int, bits: int, group_size: int, has_zeros: bool):
+    def __init__(self, in_features: int, out_features: int, bits: int, group_size: int, has_zeros: bool,
+                 tinygemm: bool = False):
         super().__init__()
         if in_features % span(bits):
             raise CheckpointError(f"{bits}-bit weights need input dims in multiples of {span(bits)}: "
                                   f"a projection has {in_features}")
         self.in_features, self.out_features, self.bits = in_features, out_features, bits
         self.group_size = in_features if group_size == -1 else group_size
+        self.tinygemm = tinygemm
+        if tinygemm:
+            packed, scales_zeros, _ = int4pack.empty(out_features, in_features, self.group_size, device=None)
+            self.register_buffer("packed", packed)
+            self.register_buffer("scales_zeros", scales_zeros)
+            return
         groups = in_features // self.group_size
         self.register_buffer("qweight", torch.empty(out_features, in_features * bits // 32, dtype=torch.int32))
         self.register_buffer("scales", torch.empty(out_features, groups, dtype=torch.float32))
         self.register_buffer("zeros", torch.empty(out_features, groups, dtype=torch.uint8) if has_zeros else None)
 
     @property
-    def weight(self) -> QuantizedWeight:
+    def weight(self) -> QuantizedWeight | int4pack.Int4PackedWeight:
+        if self.tinygemm:
+            return int4pack.Int4PackedWeight(self.packed, self.scales_zeros, self.group_size)
         return QuantizedWeight(self.qweight, self.scales, self.zeros, self.bits, self.group_size)
 
     def load(self, w: QuantizedWeight) -> None:
         if w.shape != (self.out_features, self.in_features) or w.bits != self.bits:
             raise CheckpointError(f"quantized weight {w.shape} ({w.bits} bits) does not fit "
                                   f"[{self.out_features}, {self.in_features}] ({self.bits} bits)")
+        if self.tinygemm:
+            device = self.packed.device
+            packed = int4pack.pack(integers(w).to(device), zero_points(w).to(device), w.scales.to(device),
+                                   self.group_size)
+            self.packed.copy_(packed.packed)
+            self.scales_zeros.copy_(packed.scales_zeros)
+            return
         self.qweight.copy_(w.qweight)
         self.scales.copy_(w.scales)
         if self.zeros is not None:
             self.zeros.copy_(w.zeros)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tinygemm:
+            if x.reshape(-1, x.shape[-1]).shape[0] <= int4pack.MAX_ROWS or not self._fused(x):
+                return int4pack.matmul(x, self.weight)
+            from jetserve.engine.model.quant_kernels import dequantize_int4pack  # needs Triton, as a GPU has
+
+            return F.linear(x, dequantize_int4pack(self.weight, x.dtype))
         if self.skinny(x):
             return self.kernels.linear(x, self.weight)
         return F.linear(x, dequantize(self.weight, x.dtype))
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, bits={self.bits}, group={self.group_size}"
+        layout = ", tinygemm" if self.tinygemm else ""
+        return f"in={self.in_features}, out={self.out_features}, bits={self.bits}, group={self.group_size}{layout}"

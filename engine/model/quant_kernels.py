@@ -21,7 +21,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from jetserve.engine.model import parallel_compile
+from jetserve.engine.model import int4pack, parallel_compile
+from jetserve.engine.model.int4pack import Int4PackedWeight
 from jetserve.engine.model.kernels import (ADD_NORM, DOT_MIN_ROWS, INTERPRETED, NORM, PLAIN, SILU_MUL, FusedKernels,
                                            Tile, cold_copies, input_chunk, launch, normalized, pdl_supported,
                                            row_inv_rms, run_apart, split_k, sum_splits, torch_variant, with_pdl)
@@ -521,12 +522,60 @@ def quant_matmul(tile, prologue, x, weight: QuantizedWeight, residual=None, norm
     return (out, res_out) if prologue == ADD_NORM else out
 
 
+@triton.jit
+def _dequantize_int4pack_kernel(packed_ptr, sz_ptr, out_ptr, N, K, GROUP: tl.constexpr, INNER: tl.constexpr):
+    """One (8 rows, 16 INNER columns) tile of tinygemm's layout → its weights, (q - 8) * s + m.
+
+    Word j of lane t of the tile holds, in nibble p = 4 low + i, weight (n, k) with
+    n = 8 tile_n + t // 4 and k = 16 INNER tile_k + 32 j + 8 i + 2 (t % 4) + low (torch's
+    matrix_to_m16n8k16_Bint4_layout, CUDA: the m16n8k16 B fragment of each lane, two k-tiles a word)."""
+    tile_n = tl.program_id(0)
+    tile_k = tl.program_id(1)
+    J: tl.constexpr = INNER // 2
+    e = tl.arange(0, 256 * J)  # one weight each: (lane, word, nibble)
+    t = e // (8 * J)
+    j = (e // 8) % J
+    p = e % 8
+    word = tl.load(packed_ptr + ((tile_n * tl.num_programs(1) + tile_k) * 32 + t) * J + j)
+    q = (word >> (4 * p)) & 0xF
+    n = tile_n * 8 + t // 4
+    k = tile_k * 16 * INNER + 32 * j + 8 * (p % 4) + 2 * (t % 4) + p // 4
+    at = ((k // GROUP) * N + n) * 2
+    scale = tl.load(sz_ptr + at).to(tl.float32)
+    offset = tl.load(sz_ptr + at + 1).to(tl.float32)
+    tl.store(out_ptr + n.to(tl.int64) * K + k, ((q - 8).to(tl.float32) * scale + offset).to(out_ptr.dtype.element_ty))
+
+
+def dequantize_int4pack(w: Int4PackedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """A weight in tinygemm's layout (model/int4pack.py) as a [N, K] `dtype` matrix, for the
+    products of many rows (prefill), where cuBLAS over it beats the W4A16 kernel: one pass that
+    reads the packed words and writes the weights."""
+    n, k = w.shape
+    out = torch.empty(n, k, dtype=dtype, device=w.packed.device)
+    grid = (w.packed.shape[0], w.packed.shape[1])
+    _dequantize_int4pack_kernel[grid](w.packed, w.scales_zeros, out, n, k, GROUP=w.group_size,
+                                      INNER=w.packed.shape[3] * 2, num_warps=4)
+    return out
+
+
+def int4pack_matmul(prologue, x, weight: Int4PackedWeight, residual=None, norm_weight=None, eps=0.0, pdl=False):
+    """A product over a weight in tinygemm's layout, the prologue as its own kernel first: the W4A16
+    kernel up to int4pack.MAX_ROWS rows, beyond them cuBLAS over the dequantized weight."""
+    if x.shape[0] > int4pack.MAX_ROWS:
+        return torch_variant(prologue, x, dequantize_int4pack(weight, x.dtype), residual, norm_weight, eps)
+    if prologue == PLAIN:
+        return int4pack.matmul(x, weight)
+    return run_apart(lambda y: int4pack.matmul(y, weight), prologue, x, residual, norm_weight, eps, pdl)
+
+
 class QuantFusedKernels(FusedKernels):
     """`FusedKernels` that also multiply by quantized weights (a `QuantizedWeight` where a float
     weight would be), each shape in the tile timed fastest, kept per engine like the float tiles.
     Dequantize-then-cuBLAS is no candidate: it reads the weights twice and writes them once."""
 
     def skinny_matmul(self, prologue, x, weight, residual=None, norm_weight=None, eps=0.0):
+        if isinstance(weight, Int4PackedWeight):
+            return int4pack_matmul(prologue, x.contiguous(), weight, residual, norm_weight, eps, pdl_supported(x.device))
         if not isinstance(weight, QuantizedWeight):
             return super().skinny_matmul(prologue, x, weight, residual, norm_weight, eps)
         x, residual = x.contiguous(), residual if residual is None else residual.contiguous()

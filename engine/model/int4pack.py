@@ -1,0 +1,104 @@
+"""INT4 products through torch's own W4A16 kernel: ATen's `_weight_int4pack_mm` (tinygemm).
+
+On a CUDA GPU of compute capability 8.0 or more (the H200, Orin, Thor) with bf16 activations, a
+large INT4 projection is stored in tinygemm's layout instead of quant.py's span layout. The
+kernel's weights arrive in registers already laid out as the tensor cores' m16n8k16 B fragments,
+two 4-bit values converted per logic instruction, which is what a bandwidth-bound decode needs
+and what the Triton W4A16 kernels do not reach. It is a well-kept library kernel in every CUDA
+build of torch, NVIDIA's Jetson wheels included: nothing compiles at start, nothing is tuned.
+
+Two rules, both measured (bench/results/int4-tinygemm-h200):
+- up to MAX_ROWS rows (decode, MTP verify) a product takes tinygemm; more (prefill) dequantize
+  the packed words in one pass (quant_kernels.dequantize_int4pack) and take cuBLAS;
+- projections under MIN_WEIGHTS keep the span layout and the fused Triton kernels.
+
+The same integers as every other INT4 format (AWQ, GPTQ, on the fly): tinygemm computes
+w = (q - 8) * s + m per group, so the zero point becomes the offset m = (8 - z) * s. Its scales
+and offsets are bf16 where ours are fp32, so a group's scale is rounded to bf16 as a bf16 weight
+would be. The fused prologues (RMSNorm, residual add, SiLU·up) run as their own kernels before
+it (quant_kernels.int4pack_matmul).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+
+GROUP_SIZES = (32, 64, 128, 256)  # what the kernel takes
+# Products of more rows dequantize the weight and take cuBLAS (quant_kernels.dequantize_int4pack):
+# the W4A16 kernel's time grows with the rows' tiles of 16, while cuBLAS's is flat here.
+MAX_ROWS = 16
+# Smaller projections keep quant.py's layout and the fused Triton kernels: there a product is short
+# enough that the prologue's own launch (RMSNorm or SiLU·up, apart before tinygemm) costs more
+# than the faster weight stream saves (Qwen3-0.6B's projections, against Qwen3-4B's).
+MIN_WEIGHTS = 1 << 23
+K_TILE = 16  # input columns of one MMA step
+INNER_K_TILES = (8, 4, 2)  # K steps a thread holds at once: the first that divides K (more is faster)
+
+
+class Int4PackedWeight(NamedTuple):
+    """One projection in tinygemm's layout."""
+
+    packed: torch.Tensor  # int32 [N/8, K/(16 inner), 32, inner/2]: the kernel's tiles
+    scales_zeros: torch.Tensor  # bf16 [K/group, N, 2]: (s, (8 - z) * s) per group
+    group_size: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(out, in), as a float weight's."""
+        return self.packed.shape[0] * 8, self.packed.shape[1] * K_TILE * self.packed.shape[3] * 2
+
+
+def inner_k_tiles(k: int) -> int | None:
+    return next((t for t in INNER_K_TILES if k % (t * K_TILE) == 0), None)
+
+
+@functools.cache
+def _runs_on(device: torch.device) -> bool:
+    """Whether this device's torch has the kernel: sm80+ (its CUDA source needs it), the op built."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 0):
+        return False
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm") and hasattr(torch.ops.aten, "_convert_weight_to_int4pack")
+
+
+def applies(bits: int, group_size: int, out_features: int, in_features: int, dtype: torch.dtype,
+            device: torch.device) -> bool:
+    """Whether a projection of this format and shape takes tinygemm on `device`."""
+    return (bits == 4 and group_size in GROUP_SIZES and out_features % 8 == 0 and dtype == torch.bfloat16
+            and out_features * in_features >= MIN_WEIGHTS and inner_k_tiles(in_features) is not None
+            and _runs_on(torch.device(device)))
+
+
+def empty(out_features: int, in_features: int, group_size: int, device) -> Int4PackedWeight:
+    """The buffers a projection loads into (shaped as the kernel's layout)."""
+    inner = inner_k_tiles(in_features)
+    return Int4PackedWeight(
+        torch.empty(out_features // 8, in_features // (K_TILE * inner), 32, inner // 2, dtype=torch.int32,
+                    device=device),
+        torch.empty(in_features // group_size, out_features, 2, dtype=torch.bfloat16, device=device), group_size)
+
+
+def pack(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_size: int) -> Int4PackedWeight:
+    """tinygemm's layout of unsigned 4-bit integers q (int32 [N, K]) with their groups' zero
+    points (int [N, K/group]) and scales (fp32 [N, K/group]), on q's device (the packing is a
+    CUDA kernel there)."""
+    pairs = ((q[:, ::2] << 4) | q[:, 1::2]).to(torch.uint8)  # [N, K/2]: the even column in the high nibble
+    packed = torch.ops.aten._convert_weight_to_int4pack(pairs.contiguous(), inner_k_tiles(q.shape[1]))
+    return Int4PackedWeight(packed, scales_zeros(zeros, scales), group_size)
+
+
+def scales_zeros(zeros: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """bf16 [K/group, N, 2]: each group's scale s and offset (8 - z) * s, computed in fp32."""
+    s = scales.float()
+    return torch.stack([s, (8 - zeros.float()) * s], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+
+
+def matmul(x: torch.Tensor, w: Int4PackedWeight) -> torch.Tensor:
+    """x [..., K] (bf16) @ dequantized(w)^T → [..., N]."""
+    rows = x.reshape(-1, x.shape[-1])
+    if not rows.is_contiguous():
+        rows = rows.contiguous()
+    out = torch.ops.aten._weight_int4pack_mm(rows, w.packed, w.group_size, w.scales_zeros)
+    return out.view(*x.shape[:-1], out.shape[-1])
