@@ -236,6 +236,10 @@ class QuantLinear(KernelUser):
             return F.linear(x, dequantize_int4pack(self.weight, x.dtype))
         if self.skinny(x):
             return self.kernels.linear(x, self.weight)
+        if self._fused(x):
+            from jetserve.engine.model.quant_kernels import dequantized  # needs Triton, as a GPU has
+
+            return F.linear(x, dequantized(self.weight, x.dtype))
         return F.linear(x, dequantize(self.weight, x.dtype))
 
     def extra_repr(self) -> str:

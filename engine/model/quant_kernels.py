@@ -488,7 +488,7 @@ def quant_matmul(tile, prologue, x, weight: QuantizedWeight, residual=None, norm
     """The fused kernel in `tile` (with the partial sums' addition where it splits K, after the
     prologue's own kernel where it runs apart); None: dequantize and take the float path."""
     if tile is None:
-        return torch_variant(prologue, x, dequantize(weight, x.dtype), residual, norm_weight, eps)
+        return torch_variant(prologue, x, dequantized(weight, x.dtype), residual, norm_weight, eps)
     if tile.apart and prologue != PLAIN:
         return run_apart(lambda y: quant_matmul(tile, PLAIN, y, weight), prologue, x, residual, norm_weight, eps,
                          tile.pdl)
@@ -520,6 +520,45 @@ def quant_matmul(tile, prologue, x, weight: QuantizedWeight, residual=None, norm
     if prologue == NORM:
         return out, x
     return (out, res_out) if prologue == ADD_NORM else out
+
+
+@triton.jit
+def _dequantize_span_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, BITS: tl.constexpr, GROUP: tl.constexpr,
+                            HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """BLOCK_N rows of one span of words (quant.py's layout) → their weights, (q - z) * s in fp32,
+    cast once: the same bits as quant.dequantize."""
+    FIELDS: tl.constexpr = 32 // BITS
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    c = tl.program_id(1)
+    e = tl.arange(0, 16 * FIELDS)  # column within the span: field e // 16 of word e % 16
+    mask = (rows < N)[:, None]
+    words = tl.load(qw_ptr + rows.to(tl.int64)[:, None] * (K * BITS // 32) + c * 16 + (e % 16)[None, :], mask=mask,
+                    other=0)
+    q = (words >> (BITS * (e // 16))[None, :]) & ((1 << BITS) - 1)
+    k = c * 16 * FIELDS + e
+    g = rows.to(tl.int64)[:, None] * (K // GROUP) + (k // GROUP)[None, :]
+    scale = tl.load(s_ptr + g, mask=mask, other=0.0)
+    if HAS_ZEROS:
+        zero = tl.load(z_ptr + g, mask=mask, other=0).to(tl.int32)
+    else:
+        zero = 1 << (BITS - 1)
+    w = (q - zero).to(tl.float32) * scale
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * K + k[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def dequantized(w: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """quant.dequantize, in one Triton pass on a GPU (prefill's products of many rows, where the
+    torch version's temporaries make it several times the product's own time)."""
+    if not (w.qweight.is_cuda or INTERPRETED):
+        return dequantize(w, dtype)
+    n, k = w.shape
+    out = torch.empty(n, k, dtype=dtype, device=w.qweight.device)
+    block_n = 16
+    grid = (triton.cdiv(n, block_n), k // span(w.bits))
+    _dequantize_span_kernel[grid](w.qweight, w.scales, w.zeros if w.zeros is not None else w.scales, out, n, k,
+                                  BITS=w.bits, GROUP=w.group_size, HAS_ZEROS=w.zeros is not None, BLOCK_N=block_n,
+                                  num_warps=4)
+    return out
 
 
 @triton.jit

@@ -387,6 +387,21 @@ def plan_sass_path():
     return plan.SASS_COUNTS
 
 
+@pytest.mark.parametrize("bits,group,sym", FORMATS)
+def test_prefill_dequantizes_in_one_pass(bits, group, sym):
+    """Products of many rows take cuBLAS over the weight dequantized by one Triton pass (its
+    interpreter without a GPU): the same bits as quant.dequantize, odd row counts included
+    (on a GPU in bf16 too; the interpreter rounds bf16 toward zero)."""
+    require_module("triton")
+    from jetserve.engine.model.quant_kernels import dequantized
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(bits + group)
+    w = quant.quantize(torch.randn(37, 512, device=device), bits, group, sym)
+    for dtype in [torch.float32] + [torch.bfloat16] * (device == "cuda"):
+        assert torch.equal(dequantized(w, dtype), quant.dequantize(w, dtype)), dtype
+
+
 def test_fused_kernels_route_quantized_weights():
     """The engine's kernels object takes a `QuantizedWeight` where a float weight would be, any
     group size; scales not in fp32 (not the loader's) fall back to dequantize + torch."""
