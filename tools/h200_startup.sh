@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The H200 measurements of issue 26 (serve in seconds), through the device tool: `bash
 # tools/h200_startup.sh STAGE` in the repository root there, the wheels the image lacks carried in
-# .whl/ (pyzmq, msgspec, paho-mqtt, grpcio-health-checking, grpcio-reflection). Results under $OUT.
+# .whl/ (pyzmq, msgspec, paho-mqtt, grpcio-health-checking, grpcio-reflection; for gputests also the
+# test extras the suite's conftest checks for: openai, grpcio-tools, psycopg, aiomqtt). Results under $OUT.
 #   probe   — the image's versions, and Triton compiles serial vs in compile_only()'s threads
 #   start   — `bench startup` fresh + warm: 0.6B bf16 (8k prompt beside 8 streams), 4B bf16, 4B INT4 ($START: others)
 #   tune    — `jetserve tune` for each shape and weight format: tables to ship, and the tuned cache
@@ -13,7 +14,7 @@
 #   quant, profile — `bench quant` (TPOT and kernels), `bench profile` (the 0.6B's step by kernel)
 #   baseline — `bench decode` against transformers, same run: 0.6B batch 1 and 32, 4B batch 1
 #   decode  — `bench decode` batch 1: shipped table vs tuned tiles, interleaved, same run
-#   gputests — the GPU tests named in $TESTS
+#   gputests — the GPU tests named in $TESTS (those matching $TEST_K, when set)
 #   spy     — after start: a warm 4B INT4 start under py-spy
 set -uo pipefail
 # Stages write under /tmp/res; after each one, everything so far is packed into $OUT/results.tgz
@@ -104,7 +105,7 @@ gputests)  # the GPU-marked tests of $TESTS (default: the CUDA graph tests), the
   # --import-mode=append: the repository root (whose jetserve/ is the top package alone) after the link farm
   # the repository root after the link farm too: tests that start `python -m tests.…`
   PYTHONPATH=$PYTHONPATH:$PWD timeout 300 python3 -m pytest -q -p no:cacheprovider --import-mode=append \
-    ${TESTS:-tests/engine/test_cuda_graphs.py} > "$OUT/gpu-tests.log" 2>&1
+    ${TESTS:-tests/engine/test_cuda_graphs.py} ${TEST_K:+-k "$TEST_K"} > "$OUT/gpu-tests.log" 2>&1
   grep -E "passed|failed|Error" "$OUT/gpu-tests.log" | tail -8
   ;;
 pack)  # every stage packs (below); kept so older command lines still run

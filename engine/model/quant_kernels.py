@@ -12,6 +12,10 @@ One input row also has its own kernel, `_quant_gemv_kernel`, timed among the sam
 up to 16 rows of 16-bit activations, so does a tensor-core kernel, `_quant_dot_kernel`, whose
 conversion costs about one instruction a weight and no FMA (the dot does the products). The
 instructions a weight of each: tools/sass_count.py.
+
+Also here, as they need Triton: the products of many rows (prefill) dequantize a weight in one
+pass before cuBLAS, from the span layout (`dequantized`) or from tinygemm's
+(`dequantize_int4pack`, model/int4pack.py), whose few-row products `int4pack_matmul` routes.
 """
 
 from __future__ import annotations
