@@ -154,9 +154,12 @@ class CPUKernels:
         return q
 
     def paged_attention(self, q, k_cache, v_cache, block_tables, context_lens, q_len: int, block_size: int,
-                        scale: float) -> torch.Tensor:
+                        scale: float, token_rows=None, out=None) -> torch.Tensor:
         """A decode step's attention (q_len 1) through block tables: each block's slots are
-        block * block_size + 0..block_size-1 (a broadcast, no division)."""
+        block * block_size + 0..block_size-1 (a broadcast, no division). The steps compiled here
+        are uniform decodes: no token rows (a mixed step's decodes), no output given to write into."""
+        if token_rows is not None or out is not None:
+            raise ValueError("the CPU programs compile uniform decode steps only")
         batch, blocks = block_tables.shape
         offsets = torch.arange(block_size, device=block_tables.device)
         context_slots = (block_tables.long()[:, :, None] * block_size + offsets).view(batch, blocks * block_size)
