@@ -373,7 +373,7 @@ class EngineArgs:
     backend: str = setting("torch", "torch runs everywhere; tensorrt-llm where NVIDIA ships it",
                            choices=["torch", "tensorrt-llm"])
     dtype: str = setting("auto", "half = float16, float = float32; auto: the checkpoint's dtype on a GPU, float32 on "
-                                 "the CPU", choices=DTYPES)
+                                 "the CPU (bfloat16 with INT4 weights: torch's INT4 kernel takes it)", choices=DTYPES)
     device: str = setting("auto", "auto (cuda when available, else cpu), cpu, cuda or cuda:N")
     # Default: the model's max_position_embeddings, capped at DEFAULT_MAX_MODEL_LEN.
     max_model_len: int | None = setting(None, "e.g. 4096, 4k or 4K", type=human_int)
@@ -531,7 +531,7 @@ class EngineArgs:
         return EngineConfig(
             model=model, served_model_name=self.served_model_name or str(self.model),  # as given: "demo", not its path
             model_config=model_config, backend=self.backend, device=device,
-            dtype=self._dtype(model_config, device), max_model_len=max_model_len, max_num_seqs=self.max_num_seqs,
+            dtype=self._dtype(model_config, device, quantization), max_model_len=max_model_len, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=budget, enable_chunked_prefill=self.enable_chunked_prefill,
             enable_prefix_caching=self.enable_prefix_caching, gpu_memory_utilization=self.gpu_memory_utilization,
             block_size=self.block_size, num_kv_blocks=self.num_kv_blocks, max_waiting=self.max_waiting,
@@ -587,13 +587,17 @@ class EngineArgs:
     def _device(self) -> str:
         return "cuda" if self.backend == "tensorrt-llm" else resolve_device(self.device)
 
-    def _dtype(self, model_config: ModelConfig, device: str) -> str:
+    def _dtype(self, model_config: ModelConfig, device: str, quantization: QuantizationConfig | None) -> str:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.dtype != "auto":
             return DTYPE_ALIASES.get(self.dtype, self.dtype)
-        # CPUs rarely do half precision fast; GPUs run the checkpoint's own dtype.
-        return "float32" if device == "cpu" else model_config.dtype
+        # CPUs rarely do half precision fast; GPUs run the checkpoint's own dtype. INT4 weights on a
+        # CPU are the exception: torch's INT4 kernel there (model/int4pack.py) takes bf16 activations,
+        # and its fp32 path is many times slower than the float product it replaces.
+        if device == "cpu":
+            return "bfloat16" if quantization and quantization.bits == 4 else "float32"
+        return model_config.dtype
 
 
 def cache_root() -> Path:

@@ -175,7 +175,8 @@ def _quant_linear(linear: Linear, config: QuantizationConfig, mode: str, dtype: 
     k, n = linear.in_features, linear.out_features
     bits, group, sym = (config.bits, config.group_size, False) if mode == "packed" else ON_THE_FLY[mode]
     tinygemm = device is not None and int4pack.applies(bits, k if group == -1 else group, n, k, dtype, device)
-    return quant.QuantLinear(k, n, bits, group, has_zeros=not sym, tinygemm=tinygemm)
+    return quant.QuantLinear(k, n, bits, group, has_zeros=not sym,
+                             tinygemm=torch.device(device).type if tinygemm else None)
 
 
 def _quantized_weight(ckpt: Checkpoint, names: list[str], config: QuantizationConfig, mode: str,

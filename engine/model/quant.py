@@ -21,9 +21,9 @@ cast to the activation dtype.
 
 Decode steps (a few rows on CUDA) run the fused W8A16/W4A16 kernels of quant_kernels.py, which
 dequantize in registers; other shapes (prefill, the CPU) dequantize into the activation dtype
-and run the float product. The exception is a large INT4 projection on an sm80+ GPU with bf16
-activations: it loads into tinygemm's layout instead and takes torch's W4A16 kernel
-(model/int4pack.py).
+and run the float product. The exceptions are INT4 projections with bf16 activations, large ones
+on an sm80+ GPU and all of them on a CPU: they load into tinygemm's layout instead and take
+torch's W4A16 kernel (model/int4pack.py).
 """
 
 from __future__ import annotations
@@ -183,11 +183,12 @@ def _check_g_idx(ckpt: Checkpoint, prefix: str, part: QuantizedWeight) -> None:
 class QuantLinear(KernelUser):
     """A bias-free projection with quantized weights. In quant.py's layout a few rows on CUDA
     take the fused kernel (through the model's kernels, like `Linear`) and anything else
-    dequantizes and multiplies; in tinygemm's (`tinygemm`, model/int4pack.py) every product
-    takes torch's W4A16 kernel, the prologues of a few rows run apart first."""
+    dequantizes and multiplies; in tinygemm's (`tinygemm`: the device type whose layout,
+    model/int4pack.py) every product takes torch's W4A16 kernel (on CUDA up to int4pack.MAX_ROWS
+    rows, the prologues apart first; more dequantize)."""
 
     def __init__(self, in_features: int, out_features: int, bits: int, group_size: int, has_zeros: bool,
-                 tinygemm: bool = False):
+                 tinygemm: str | None = None):
         super().__init__()
         if in_features % span(bits):
             raise CheckpointError(f"{bits}-bit weights need input dims in multiples of {span(bits)}: "
@@ -196,7 +197,7 @@ class QuantLinear(KernelUser):
         self.group_size = in_features if group_size == -1 else group_size
         self.tinygemm = tinygemm
         if tinygemm:
-            packed, scales_zeros, _ = int4pack.empty(out_features, in_features, self.group_size, device=None)
+            packed, scales_zeros, _ = int4pack.empty(out_features, in_features, self.group_size, tinygemm)
             self.register_buffer("packed", packed)
             self.register_buffer("scales_zeros", scales_zeros)
             return
@@ -229,7 +230,7 @@ class QuantLinear(KernelUser):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tinygemm:
-            if x.reshape(-1, x.shape[-1]).shape[0] <= int4pack.MAX_ROWS or not self._fused(x):
+            if x.reshape(-1, x.shape[-1]).shape[0] <= int4pack.MAX_ROWS or not x.is_cuda or not self._fused(x):
                 return int4pack.matmul(x, self.weight)
             from jetserve.engine.model.quant_kernels import dequantize_int4pack  # needs Triton, as a GPU has
 
@@ -243,5 +244,5 @@ class QuantLinear(KernelUser):
         return F.linear(x, dequantize(self.weight, x.dtype))
 
     def extra_repr(self) -> str:
-        layout = ", tinygemm" if self.tinygemm else ""
+        layout = f", tinygemm ({self.tinygemm})" if self.tinygemm else ""
         return f"in={self.in_features}, out={self.out_features}, bits={self.bits}, group={self.group_size}{layout}"

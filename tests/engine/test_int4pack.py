@@ -3,7 +3,8 @@ conversion. Its table of scales and offsets is the same on the CPU and on CUDA (
 packing of the integers differs), so torch's CPU build of the kernel checks in CI that every
 INT4 format's zero points become the right offsets; on a GPU, a projection in tinygemm's layout
 against its dequantized weight at 1 to 300 rows (the prologues run apart), and an INT4 engine's
-prompt logprobs against the same checkpoint through the Triton INT4 kernels."""
+prompt logprobs against the same checkpoint through the Triton INT4 kernels. On the CPU the
+kernel's own CPU build: a projection and the demo engine."""
 
 import pytest
 import torch
@@ -72,20 +73,68 @@ def test_prefill_dequantizes_the_tinygemm_layout(inner, group):
 
 
 def test_where_it_applies():
-    """INT4 in groups the kernel takes, N a multiple of 8, K of 32, bf16, projections of
-    MIN_WEIGHTS or more, on a CUDA sm80+ GPU; never on the CPU (the engine's CPU path keeps its
-    own layout)."""
-    big = int4pack.MIN_WEIGHTS // 256
-    assert not int4pack.applies(4, 128, big, 256, torch.bfloat16, torch.device("cpu"))
+    """INT4 in groups the kernel takes, K a multiple of 32, bf16 activations: on the CPU, N a
+    multiple of 16 and any size (the CPU has no fused kernels to keep); on a CUDA sm80+ GPU, N a
+    multiple of 8 and projections of MIN_WEIGHTS or more."""
+    cpu = torch.device("cpu")
+    assert int4pack.applies(4, 128, 48, 256, torch.bfloat16, cpu)
+    for bits, group, n, k, dtype in [(8, 128, 48, 256, torch.bfloat16), (4, 96, 48, 384, torch.bfloat16),
+                                     (4, 128, 40, 256, torch.bfloat16), (4, 128, 48, 256, torch.float32)]:
+        assert not int4pack.applies(bits, group, n, k, dtype, cpu), (bits, group, n, k, dtype)
     assert [int4pack.inner_k_tiles(k) for k in (256, 192, 96, 48)] == [8, 4, 2, None]
     if not GPU:
         return
     cuda = torch.device("cuda")
+    big = int4pack.MIN_WEIGHTS // 256
     assert int4pack.applies(4, 128, big, 256, torch.bfloat16, cuda)
     for bits, group, n, k, dtype in [(8, 128, big, 256, torch.bfloat16), (4, 96, big, 384, torch.bfloat16),
                                      (4, 128, big - 4, 256, torch.bfloat16), (4, 128, big, 256, torch.float16),
                                      (4, 128, big, 256, torch.float32), (4, 128, big // 2, 256, torch.bfloat16)]:
         assert not int4pack.applies(bits, group, n, k, dtype, cuda), (bits, group, n, k, dtype)
+
+
+def test_a_cpu_projection_in_tinygemm_layout_is_its_dequantized_weight():
+    """On the CPU every INT4 projection of a bf16 engine takes torch's CPU kernel, at any row count."""
+    torch.manual_seed(0)
+    n, k = 96, 512
+    w = quant.quantize(torch.randn(n, k) / k**0.5, 4, 128, sym=False)
+    layer = quant.QuantLinear(k, n, 4, 128, has_zeros=True, tinygemm="cpu")
+    layer.load(w)
+    assert layer.weight.shape == (n, k) and layer.packed.dtype == torch.uint8
+    dense = quant.dequantize(w, torch.float32)
+    for m in (1, 5, 70):
+        x = torch.randn(m, k, dtype=torch.bfloat16)
+        assert _relative(layer(x), x.float() @ dense.t()) < 6e-3, m
+
+
+def _prompt_scores(llm, prompts) -> list[float]:
+    from jetserve.engine import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [lp[t].logprob for o, p in zip(outs, prompts) for lp, t in zip(o.prompt_logprobs[1:], p[1:])]
+
+
+def test_an_int4_cpu_engine_runs_bf16_through_the_kernel(monkeypatch):
+    """--quantization int4 on the CPU: bf16 by default (the kernel's dtype), every projection in
+    the CPU kernel's layout, scoring the demo's prompts as the same weights dequantized do."""
+    import jetserve
+    from jetserve.engine import LLM
+
+    demo = str(__import__("pathlib").Path(jetserve.__file__).parent / "models" / "demo")
+    prompts = [list(range(300, 340)), [5, 17, 2, 99, 31, 8, 64, 3, 1000, 77]]
+    args = dict(device="cpu", max_num_seqs=2, max_model_len=128, quantization="int4", enforce_eager=True)
+    llm = LLM(demo, **args)
+    assert llm.engine.config.dtype == "bfloat16"
+    layers = llm.engine.runner.model.layers
+    assert all(m.tinygemm == "cpu" for layer in layers for m in (layer.self_attn.qkv_proj, layer.mlp.down_proj))
+    ours = _prompt_scores(llm, prompts)
+    del llm
+    monkeypatch.setattr(int4pack, "applies", lambda *args: False)  # quant.py's layout: dequantize, then multiply
+    llm = LLM(demo, **args)
+    assert not llm.engine.runner.model.layers[0].mlp.down_proj.tinygemm
+    theirs = _prompt_scores(llm, prompts)
+    assert max(abs(a - b) for a, b in zip(ours, theirs)) < 0.1
 
 
 @pytest.mark.skipif(not GPU, reason="tinygemm's CUDA kernel needs an sm80+ GPU")
@@ -97,7 +146,7 @@ def test_a_projection_in_tinygemm_layout_is_its_dequantized_weight(m):
     torch.manual_seed(m)
     n, k = 384, 1024
     w = quant.quantize(torch.randn(n, k, device="cuda") / k**0.5, 4, 128, sym=False)
-    layer = quant.QuantLinear(k, n, 4, 128, has_zeros=True, tinygemm=True).cuda()
+    layer = quant.QuantLinear(k, n, 4, 128, has_zeros=True, tinygemm="cuda").cuda()
     layer.load(w)
     layer.kernels = QuantFusedKernels()  # more than MAX_ROWS rows: cuBLAS over the dequantized weight
     assert layer.weight.shape == (n, k)
@@ -118,26 +167,21 @@ def test_a_projection_in_tinygemm_layout_is_its_dequantized_weight(m):
 def test_an_int4_engine_scores_prompts_as_the_triton_kernels_do(tmp_path, monkeypatch):
     """Prompt logprobs (prefill: the dequantized weight) and the first token (decode: tinygemm)
     of an INT4 engine in tinygemm's layout against the same checkpoint in quant.py's."""
-    from jetserve.engine import LLM, SamplingParams
+    from jetserve.engine import LLM
 
     from tests.engine.builders import build_qwen3
 
     build_qwen3(tmp_path, seed=7, vocab_size=320, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=256)
     prompts = [[5, 17, 2, 99, 31, 8, 64, 3], list(range(40, 90))]
-    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
-
-    def scores(llm) -> list[float]:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        return [lp[t].logprob for o, p in zip(outs, prompts) for lp, t in zip(o.prompt_logprobs[1:], p[1:])]
 
     with monkeypatch.context() as patch:
         patch.setattr(int4pack, "MIN_WEIGHTS", 0)  # this model's projections are small
         llm = LLM(str(tmp_path), dtype="bfloat16", quantization="int4", max_num_seqs=2, max_model_len=128)
     assert llm.engine.runner.model.layers[0].mlp.down_proj.tinygemm
-    ours = scores(llm)
+    ours = _prompt_scores(llm, prompts)
     del llm
     llm = LLM(str(tmp_path), dtype="bfloat16", quantization="int4", max_num_seqs=2, max_model_len=128)
     assert not llm.engine.runner.model.layers[0].mlp.down_proj.tinygemm
-    theirs = scores(llm)
+    theirs = _prompt_scores(llm, prompts)
     assert max(abs(a - b) for a, b in zip(ours, theirs)) < 0.1
