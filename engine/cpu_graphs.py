@@ -314,11 +314,15 @@ class CPUGraphs:
         return hidden[:n], logits, logits.argmax(-1)
 
     @torch.inference_mode()
-    def capture(self, progress: Callable[[str], None] | None = None, background: bool = True) -> None:
+    def capture(self, progress: Callable[[str], None] | None = None, background: bool = True,
+                keys: dict[int, str] | None = None) -> None:
         """Load the programs from the on-disk cache, checking each against the eager step and
         running each bucket once. A program the cache lacks is compiled (and cached) by a process
         of its own while the engine serves, eagerly meanwhile (`background`, where the model's
-        directory is known: the compiler loads the same weights again), else here and now."""
+        directory is known: the compiler loads the same weights again), else here and now.
+        `keys`: the background compiler's, the entries the engine that started it will look for
+        (a key it worked out itself could differ, and the engine would never find the program;
+        what the entry holds is checked against the engine's eager step when it loads)."""
         root = Path(self.config.cache_dir)
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "torchinductor"))  # inductor's build files
         self.kernels = CPUKernels()
@@ -331,8 +335,8 @@ class CPUGraphs:
             source=compile_cache.source_digest([__file__, inspect.getfile(qwen3), inspect.getfile(attention)]),
             cache=[c.shape[0], c.shape[1], c.shape[3], c.shape[4], str(c.dtype)], block_size=self.block_size)
         missing = {}
-        for program in sorted({min(s, 2) for s in self.sizes}):  # 1: batch 1; 2: batch 2 or more
-            key = compile_cache.program_key(program=program, **described)
+        for program in sorted(keys or {min(s, 2) for s in self.sizes}):  # 1: batch 1; 2: batch 2 or more
+            key = keys[program] if keys else compile_cache.program_key(program=program, **described)
             if not self._load(program, key):
                 missing[program] = key
         if missing and background and self.model_dir:
@@ -518,7 +522,8 @@ class BackgroundCompile:
         spec = {"model": graphs.model_dir, "dtype": str(c.dtype).removeprefix("torch."),
                 "max_model_len": graphs.max_model_len, "block_size": graphs.block_size,
                 "sizes": list(graphs.sizes), "cache_dir": graphs.config.cache_dir, "programs": programs,
-                "threads": torch.get_num_threads(), "parent": os.getpid()}
+                "threads": torch.get_num_threads(), "parent": os.getpid(),
+                "keys": {str(program): graphs._pending[program] for program in programs}}
         self.began = time.perf_counter()
         self.error = ""
         self.log = tempfile.TemporaryFile()  # the compiler's stderr: a pipe nobody drains could stall it
@@ -573,7 +578,7 @@ def _compile_main(spec: dict) -> int:
     graphs = CPUGraphs(model, kv, CPUCompileConfig(tuple(spec["sizes"]), spec["cache_dir"]), spec["max_model_len"],
                        spec["block_size"], scratch_block=blocks)
     with torch.inference_mode():
-        graphs.capture(background=False)
+        graphs.capture(background=False, keys={int(program): key for program, key in spec["keys"].items()})
     return 0 if set(graphs.entries) >= set(spec["programs"]) else 1
 
 

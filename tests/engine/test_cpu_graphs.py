@@ -238,14 +238,17 @@ def test_cpu_default_and_switches(tiny, monkeypatch):
     assert EngineArgs(model=str(tiny[0]), device="cpu").resolve().cpu_compile is None
 
 
-def test_the_default_drafting_config_decodes_at_plain_speed(compile_env, tmp_path):
+def test_the_default_drafting_config_decodes_at_plain_speed(compile_env, tmp_path, monkeypatch):
     """The default drafting config (adaptive, 3 drafts) against no drafting, both compiled, on the
     CPU: an eager drafting step cannot pay beside the compiled plain step, so the policy keeps
     drafting off (no draft; every decode step is the compiled program, as without drafting) and
     the engine decodes at >= 0.95x plain's tokens a second. Timed in interleaved rounds (each on
     fresh prompts, the same for both engines), the median of the rounds' ratios; on one thread, by
     its CPU time, so that a neighbour taking a core away does not weigh on one engine's rounds more
-    than on the other's (with two threads, each round waits for the slower)."""
+    than on the other's (with two threads, each round waits for the slower). A program cache of its
+    own: what it times are the programs its two engines compile and load, never entries the
+    module's other engines wrote, pruned or are still writing."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     path = build_drafting_model(tmp_path / "drafting", mtp_layers=1)
     common = dict(max_num_seqs=4, cudagraph_capture_sizes=[1, 4], enable_prefix_caching=False)
     engines = {"plain": _compiled(LLM(path, **common)),
