@@ -71,7 +71,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--batch-sizes", default="1,8", help="batch sizes of the step-time measurement")
     parser.add_argument("--streams", default="1", help="concurrent requests of the generation runs, e.g. 1,4,8,32")
     parser.add_argument("--steps", type=int, default=48, help="decode steps timed per repeat")
-    parser.add_argument("--draft-vocab-size", type=int, help="drafts from the first N token ids only (default: all)")
+    parser.add_argument("--draft-vocab-size", type=int, help="draft heads over the N token ids the engine emits "
+                        "most (default: the engine's, at most 32768; the vocabulary's size or more: every id)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
@@ -109,6 +110,15 @@ def _generation_entry(runs: list[dict], k: int | None, temperature: float, adapt
 def _summary(values: list[float], digits: int = 6) -> dict:
     return {"median": round(statistics.median(values), digits), "min": round(min(values), digits),
             "runs": [round(v, digits) for v in values]}
+
+
+def _draft_vocab_size(model: str, asked: int | None) -> int:
+    """The draft vocabulary the drafting engines ran with (speculative_config's resolution)."""
+    from jetserve.engine.config import DRAFT_VOCAB_SIZE
+
+    directory = jetserve.demo_model_dir() if model == jetserve.DEMO_MODEL and not Path(model).is_dir() else model
+    vocab = json.loads((Path(directory) / "config.json").read_text())["vocab_size"]
+    return min(asked or DRAFT_VOCAB_SIZE, vocab)
 
 
 def _engine(model: str, k: int | None, args, sizes: list[int], adaptive: bool = False, invariant: bool = True):
@@ -466,7 +476,8 @@ def run(args) -> dict:
     for entry in generation.values():
         del entry["outputs"]
     result = {"benchmark": "mtp", "model": args.shape or args.model, "random_weights": bool(args.shape),
-              "dtype": args.dtype, "draft_vocab_size": args.draft_vocab_size, "max_tokens": args.max_tokens, "repeats": args.repeats,
+              "dtype": args.dtype, "draft_vocab_size": _draft_vocab_size(model, args.draft_vocab_size),
+              "max_tokens": args.max_tokens, "repeats": args.repeats,
               "prompts_per_repeat": n, "prompts": None if args.shape else held_out["about"], "streams": streams,
               "prompts_reused_across_repeats": reused,
               "enforce_eager": args.enforce_eager, "batch_invariant": args.batch_invariant,

@@ -34,6 +34,7 @@ import msgspec
 from jetserve.engine import lifeline
 from jetserve.engine.config import EngineConfig
 from jetserve.engine.draft_policy import DraftPolicy
+from jetserve.engine.draft_vocab import DraftVocabulary
 from jetserve.engine.plan import refuse_if_it_cannot_fit
 from jetserve.engine.outputs import LogprobsLists
 from jetserve.engine.pipeline import Pipeline
@@ -184,6 +185,9 @@ class EngineCore:
         self.draft_policy = (DraftPolicy(spec.num_speculative_tokens, spec.adaptive, self.runner.decode_costs,
                                          spec.acceptance_window) if spec else None)
         self.spec_counters = SpecCounters()
+        # Which ids the draft heads project onto, ranked from what this engine emits.
+        self.draft_vocab = (DraftVocabulary(config.model_config.vocab_size, spec.draft_vocab_size)
+                            if self.runner.model.draft_ids is not None else None)
         self._draft_view, self._draft_view_at = ([], [], [], []), -math.inf  # see stats()
         self.pipeline = Pipeline()
         self.requests: dict[str, Request] = {}  # by request id (a completion's, see child_request_id)
@@ -257,6 +261,10 @@ class EngineCore:
           reach) first catches up, then runs as one at a time."""
         pipe = self.pipeline
         pipe.tick(self.draft_policy.costs if self.draft_policy is not None else None)
+        if self.draft_vocab is not None and self.draft_vocab.due():
+            ids = self.draft_vocab.rank()
+            if ids is not None:
+                self.runner.rank_draft_vocabulary(ids)
         overlap = self.config.async_scheduling and not self.num_reading_host
         if pipe.in_flight is not None and not overlap:  # a sequence reads the host's tokens: catch up
             return self._receive(pipe.take())
@@ -390,6 +398,8 @@ class EngineCore:
         exactly where it ends without drafting. Stop strings are the front end's, which aborts
         the request here when it finds one."""
         seq, params = request.seq, request.seq.params
+        if self.draft_vocab is not None:
+            self.draft_vocab.observe(new)
         base = seq.num_output_tokens - len(new)  # output tokens before this step's
         reason, stop_reason, kept = None, None, 0
         for token in new:
@@ -464,6 +474,7 @@ class EngineCore:
                                 [round(a, 4) for a in self.draft_policy.alphas])
             self._draft_view_at = now
         buckets, lengths, costs, alphas = self._draft_view
+        spec_config = self.config.speculative
         return EngineStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             max_num_seqs=self.scheduler.max_num_seqs, kv_blocks_total=total, kv_blocks_used=used,
@@ -476,6 +487,8 @@ class EngineCore:
             acceptance_rate=spec.acceptance_rate, mean_accepted_length=spec.mean_accepted_length,
             num_speculative_tokens=self.draft_policy.k if self.draft_policy else 0,
             draft_buckets=buckets, draft_lengths=lengths, draft_step_costs_s=costs, acceptance_estimates=alphas,
+            draft_vocab_size=spec_config.draft_vocab_size if spec_config else 0,
+            draft_vocab_coverage=(self.draft_vocab.coverage if self.draft_vocab else 1.0) if spec_config else 0.0,
             iteration_tokens=list(self.iteration_tokens), iteration_tokens_sum=self.iteration_tokens_sum)
 
     @property

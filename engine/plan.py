@@ -155,6 +155,9 @@ def memory_plan(config: EngineConfig, device: str) -> MemoryPlan:
     dtype = torch_dtype(config.dtype)
     model, _, _ = build_meta_model(Checkpoint(config.model), dtype, config.max_model_len, config.quantization)
     weights = _bytes(model)
+    spec, c = config.speculative, config.model_config
+    if spec and spec.draft_vocab_size < c.vocab_size:  # the draft vocabulary's rows, gathered (the runner's)
+        weights += spec.draft_vocab_size * c.hidden_size * dtype.itemsize
     read = _bytes(model.layers) + _bytes(model.norm) + _bytes(model.lm_head)
     dequantized = max((m.in_features * m.out_features * dtype.itemsize for m in model.modules()
                        if isinstance(m, QuantLinear)), default=0)

@@ -49,6 +49,10 @@ class EngineStats:
     draft_lengths: list[int] = field(default_factory=list)
     draft_step_costs_s: list[list[float]] = field(default_factory=list)
     acceptance_estimates: list[float] = field(default_factory=list)
+    # The draft heads' vocabulary (engine/draft_vocab.py): its size, and the share of the tokens
+    # emitted before its last ranking that it held (1.0 until then; acceptance cannot pass it).
+    draft_vocab_size: int = 0
+    draft_vocab_coverage: float = 0.0
     # Steps by the tokens they computed: a count per ITERATION_TOKENS_BUCKETS bound (+Inf last), and their sum.
     iteration_tokens: list[int] = field(default_factory=list)
     iteration_tokens_sum: int = 0

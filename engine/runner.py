@@ -194,8 +194,12 @@ class ModelRunner:
                                              batch_invariant=config.batch_invariant)
             self.model.use_kernels(self.kernels)
         self.model.set_batch_invariant(config.batch_invariant)
-        if config.speculative and config.speculative.draft_vocab_size:
-            self.model.draft_vocab_size = min(config.speculative.draft_vocab_size, self.model.config.vocab_size)
+        if config.speculative:  # before the KV plan: the draft vocabulary's rows are memory too
+            self.model.use_draft_vocabulary(config.speculative.draft_vocab_size)
+
+    def rank_draft_vocabulary(self, ids) -> None:
+        """The draft heads' rows from now on: token ids (ascending, numpy), from DraftVocabulary.rank."""
+        self.model.rank_draft_vocabulary(torch.from_numpy(ids).to(self.device))
 
     def _plan_kv(self) -> None:
         """Size the KV cache (on a GPU, from a dry run of the largest step, its kernels compiled

@@ -123,9 +123,9 @@ def speculative_step(model, kv_cache: torch.Tensor, ids: torch.Tensor, positions
             if model.lm_head.skinny(total) and runs_triton(total):
                 from jetserve.engine.model.spec_kernels import argmax_into  # needs Triton
 
-                argmax_into(logits, column)
+                argmax_into(logits, column, model.draft_ids)
             else:
-                column.copy_(logits.argmax(dim=-1))
+                column.copy_(model.draft_token_ids(logits.argmax(dim=-1)))
             break
         step_rope, step_meta = chain[step]
         inputs = model.draft_input(step + 1, logits, total, model.mtp[step % len(model.mtp)].norm, column)

@@ -188,6 +188,10 @@ _ENGINE_METRICS = (
     (CounterMetricFamily, "spec_decode_num_drafts", "Speculative drafting steps.", "num_drafts"),
     (CounterMetricFamily, "spec_decode_num_draft_tokens", "Draft tokens proposed.", "num_draft_tokens"),
     (CounterMetricFamily, "spec_decode_num_accepted_tokens", "Draft tokens accepted.", "num_accepted_tokens"),
+    (GaugeMetricFamily, "spec_decode_draft_vocab_size", "Token ids the draft heads project onto (the engine's "
+     "most emitted; 0: no drafting).", "draft_vocab_size"),
+    (GaugeMetricFamily, "spec_decode_draft_vocab_coverage", "Share of recently emitted tokens inside the draft "
+     "vocabulary (0..1): acceptance cannot pass it.", "draft_vocab_coverage"),
 )
 
 

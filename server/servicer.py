@@ -173,7 +173,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 num_speculative_tokens=s.num_speculative_tokens,
                 buckets=[pb.DraftBucket(batch_size=b, draft_length=k, step_cost_s=costs)
                          for b, k, costs in zip(s.draft_buckets, s.draft_lengths, s.draft_step_costs_s)],
-                acceptance_estimate=s.acceptance_estimates),
+                acceptance_estimate=s.acceptance_estimates, draft_vocab_size=s.draft_vocab_size,
+                draft_vocab_coverage=s.draft_vocab_coverage),
             draining=self._server.draining, num_requests_finished=s.num_requests_finished,
             num_preemptions=s.num_preemptions)
 

@@ -260,7 +260,10 @@ class Qwen3ForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.mtp = nn.ModuleList(MTPLayer(cfg) for _ in range(cfg.num_mtp_layers))
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, max_positions)
-        self.draft_vocab_size = cfg.vocab_size  # drafts are the argmax over ids below this (see draft_tokens)
+        # The draft vocabulary (see draft_tokens): its rows of the vocab projection, gathered, and
+        # the token id of each; None: the whole vocabulary, the projection itself.
+        self._draft_rows: torch.Tensor | None = None
+        self.draft_ids: torch.Tensor | None = None
 
     def use_kernels(self, kernels) -> None:
         """Run on these fused kernels (a `FusedKernels`), or on plain torch (None)."""
@@ -275,6 +278,33 @@ class Qwen3ForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (Attention, Linear)):
                 module.invariant = on
+
+    def use_draft_vocabulary(self, size: int) -> None:
+        """Draft heads over `size` rows of the vocabulary projection, gathered into a buffer of
+        their own (graphs keep its address): the first `size` ids until `rank_draft_vocabulary`
+        names others. The whole vocabulary: the projection itself."""
+        if size >= self.config.vocab_size:
+            self._draft_rows = self.draft_ids = None
+            return
+        weight = self.lm_head.weight
+        self.draft_ids = torch.arange(size, device=weight.device)
+        self._draft_rows = weight[:size].detach().clone()
+
+    @property
+    def draft_head(self) -> torch.Tensor:
+        """The weight the draft heads project with: [draft vocabulary, hidden]."""
+        return self.lm_head.weight if self._draft_rows is None else self._draft_rows
+
+    def rank_draft_vocabulary(self, ids: torch.Tensor) -> None:
+        """Make `ids` (as many as the draft vocabulary holds, ascending) the draft heads' rows:
+        written in place, in stream order, so a step in flight drafts from the old rows or the new."""
+        with torch.no_grad():
+            self.draft_ids.copy_(ids, non_blocking=True)
+            torch.index_select(self.lm_head.weight, 0, self.draft_ids, out=self._draft_rows)
+
+    def draft_token_ids(self, argmax: torch.Tensor) -> torch.Tensor:
+        """Token ids of draft-head rows (their logits' argmax)."""
+        return argmax if self.draft_ids is None else self.draft_ids[argmax]
 
     @property
     def num_kv_layers(self) -> int:
@@ -309,9 +339,9 @@ class Qwen3ForCausalLM(nn.Module):
             from jetserve.engine.model.spec_kernels import draft_input  # needs Triton
 
             return draft_input(tokens, hidden, self.embed_tokens.weight, layer.pre_fc_norm_embedding,
-                               layer.pre_fc_norm_hidden, hidden_norm, tokens_out)
+                               layer.pre_fc_norm_hidden, hidden_norm, tokens_out, self.draft_ids)
         if tokens.is_floating_point():
-            tokens = tokens.argmax(dim=-1)
+            tokens = self.draft_token_ids(tokens.argmax(dim=-1))
             tokens_out.copy_(tokens)
         return layer.inputs(self.embed_tokens(tokens), hidden if hidden_norm is None else hidden_norm(hidden))
 
@@ -321,9 +351,9 @@ class Qwen3ForCausalLM(nn.Module):
         return self.mtp[index].layer(inputs, rope, kv_caches[len(self.layers) + index], meta)
 
     def draft_logits(self, step: int, x, residual):
-        """(logits over the first draft_vocab_size ids, x + residual) from MTP layer step % n's
+        """(logits over the draft vocabulary's rows, x + residual) from MTP layer step % n's
         output: its final norm fused into the draft head's projection (see draft_tokens)."""
-        norm, weight = self.mtp[step % len(self.mtp)].norm, self.lm_head.weight[:self.draft_vocab_size]
+        norm, weight = self.mtp[step % len(self.mtp)].norm, self.draft_head
         if self.lm_head.skinny(x):
             return self.lm_head.kernels.norm_linear(x, residual, norm.weight, norm.eps, weight)
         h, total = norm(x, residual)
@@ -333,12 +363,12 @@ class Qwen3ForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def draft_tokens(self, hidden):
-        """Greedy drafts from MTP hidden states: the argmax over the first `draft_vocab_size` ids
-        (speculative_config's draft_vocab_size). A draft needs only its argmax, and with a big
-        vocabulary the vocab projection is most of a drafting step's weight reads; in a byte-level
-        BPE vocabulary ids follow merge order, roughly frequency, so the first ids hold most
-        tokens (FR-Spec's frequency-ranked drafting). Verification still uses every id: lossless."""
-        weight = self.lm_head.weight[:self.draft_vocab_size]  # leading rows: a contiguous view
+        """Greedy drafts from MTP hidden states: the argmax over the draft vocabulary's rows
+        (speculative_config's draft_vocab_size; engine/draft_vocab.py ranks which ids they are).
+        A draft needs only its argmax, and with a big vocabulary the vocab projection is most of
+        a drafting step's weight reads, while a few thousand ids hold most of what a workload
+        emits (FR-Spec's frequency-ranked drafting). Verification still uses every id: lossless."""
+        weight = self.draft_head
         logits = (self.lm_head.kernels.linear(hidden, weight) if self.lm_head.skinny(hidden)
                   else self.lm_head.product(hidden, weight))
-        return logits.argmax(dim=-1)
+        return self.draft_token_ids(logits.argmax(dim=-1))

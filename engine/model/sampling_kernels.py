@@ -46,6 +46,40 @@ def _keep_best(score, v, vocab, best_score, best_index):
     return tl.where(take, value, best_score), tl.where(take, index, best_index)
 
 
+@triton.jit
+def chunk_argmax(row, s, vocab, V_BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+    """(largest logit, its first index) over a row's entries [s·CHUNK, (s+1)·CHUNK)."""
+    best_score = tl.full([], float("-inf"), tl.float32)
+    best_index = tl.full([], 0, tl.int32)
+    for offset in range(0, CHUNK, V_BLOCK):
+        v = s * CHUNK + offset + tl.arange(0, V_BLOCK)
+        x = tl.load(row + v, mask=v < vocab, other=float("-inf"))
+        best_score, best_index = _keep_best(x, v, vocab, best_score, best_index)
+    return best_score, best_index
+
+
+@triton.jit
+def best_split(score_ptr, index_ptr, r, splits, S_BLOCK: tl.constexpr):
+    """Row r's pick among its splits' (score, index): the index of the first split with the best
+    score, so the first argmax overall, as torch.argmax."""
+    i = tl.arange(0, S_BLOCK)
+    score = tl.load(score_ptr + r * splits + i, mask=i < splits, other=float("-inf"))
+    index = tl.load(index_ptr + r * splits + i, mask=i < splits, other=0)
+    first = tl.min(tl.where(score == tl.max(score, axis=0), i, S_BLOCK), axis=0)
+    return tl.sum(tl.where(i == first, index, 0), axis=0).to(tl.int64)
+
+
+@triton.jit
+def _argmax_splits_kernel(logits_ptr, score_ptr, index_ptr, vocab, splits, V_BLOCK: tl.constexpr,
+                          CHUNK: tl.constexpr):
+    """Program (row r, split s): the largest logit of chunk s and its first index into score/index[r, s]."""
+    r = tl.program_id(0)
+    s = tl.program_id(1)
+    best_score, best_index = chunk_argmax(logits_ptr + r.to(tl.int64) * vocab, s, vocab, V_BLOCK, CHUNK)
+    tl.store(score_ptr + r * splits + s, best_score)
+    tl.store(index_ptr + r * splits + s, best_index)
+
+
 # Not specialized on the values of what varies step to step: each (== 1, divisible by 16) class would
 # be a compile of its own, first met on a request's path.
 @triton.jit(do_not_specialize=["position_offset", "rows_per_param"])
@@ -63,10 +97,7 @@ def _race_kernel(logits_ptr, temperature_ptr, min_p_ptr, floor_ptr, seed_ptr, po
     best_score = tl.full([], float("-inf"), tl.float32)
     best_index = tl.full([], 0, tl.int32)
     if temperature == 0:
-        for offset in range(0, CHUNK, V_BLOCK):
-            v = s * CHUNK + offset + tl.arange(0, V_BLOCK)
-            x = tl.load(row + v, mask=v < vocab, other=float("-inf"))
-            best_score, best_index = _keep_best(x, v, vocab, best_score, best_index)
+        best_score, best_index = chunk_argmax(row, s, vocab, V_BLOCK, CHUNK)
     else:
         cut = tl.full([], float("-inf"), tl.float32)
         min_p = tl.load(min_p_ptr + p)
@@ -97,14 +128,30 @@ def _race_kernel(logits_ptr, temperature_ptr, min_p_ptr, floor_ptr, seed_ptr, po
 def _race_final_kernel(score_ptr, index_ptr, out_ptr, splits, S_BLOCK: tl.constexpr):
     """A row's token: the index of its first split with the best score (the first argmax overall)."""
     r = tl.program_id(0)
-    i = tl.arange(0, S_BLOCK)
-    score = tl.load(score_ptr + r * splits + i, mask=i < splits, other=float("-inf"))
-    index = tl.load(index_ptr + r * splits + i, mask=i < splits, other=0)
-    first = tl.min(tl.where(score == tl.max(score, axis=0), i, S_BLOCK), axis=0)
-    tl.store(out_ptr + r, tl.sum(tl.where(i == first, index, 0), axis=0).to(tl.int64))
+    tl.store(out_ptr + r, best_split(score_ptr, index_ptr, r, splits, S_BLOCK))
 
 
 CHUNK = 4096  # vocabulary entries one program races: a row of 151,936 (Qwen3) over 38 programs, not one
+
+
+def _splits(vocab: int) -> tuple[int, int, int]:
+    """(V_BLOCK, CHUNK, splits) for rows of `vocab` entries."""
+    v_block = min(2048, triton.next_power_of_2(vocab))
+    chunk = max(v_block, min(CHUNK, triton.next_power_of_2(vocab)))
+    return v_block, chunk, triton.cdiv(vocab, chunk)
+
+
+def argmax_splits(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's largest logit and its first index per chunk of the vocabulary, (score fp32,
+    index int32) [rows, splits], for `best_split` in the kernel that consumes the argmax (see
+    the module docstring: one program a row is too few)."""
+    logits = logits.contiguous()
+    rows, vocab = logits.shape
+    v_block, chunk, splits = _splits(vocab)
+    score = torch.empty(rows, splits, dtype=torch.float32, device=logits.device)
+    index = torch.empty(rows, splits, dtype=torch.int32, device=logits.device)
+    _argmax_splits_kernel[(rows, splits)](logits, score, index, vocab, splits, V_BLOCK=v_block, CHUNK=chunk)
+    return score, index
 
 
 def race(logits: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor, floor: torch.Tensor | None,
@@ -121,9 +168,7 @@ def race(logits: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor, f
     # Positions as int32 whoever built them: a second dtype would be a second variant, compiled
     # on the first request that brings it.
     positions = positions.to(torch.int32)
-    v_block = min(2048, triton.next_power_of_2(vocab))
-    chunk = max(v_block, min(CHUNK, triton.next_power_of_2(vocab)))
-    splits = triton.cdiv(vocab, chunk)
+    v_block, chunk, splits = _splits(vocab)
     score = torch.empty(rows, splits, dtype=torch.float32, device=logits.device)
     index = torch.empty(rows, splits, dtype=torch.int32, device=logits.device)
     _race_kernel[(rows, splits)](logits, temperature, min_p, floor if floor is not None else logits,

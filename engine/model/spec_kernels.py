@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from jetserve.engine.model.sampling_kernels import argmax_splits, best_split, chunk_argmax
+
 
 # Not specialized on the values of what varies step to step: each (== 1, divisible by 16) class would
 # be a compile of its own, first met on a request's path.
@@ -91,20 +93,37 @@ def accept_and_chain(ids: torch.Tensor, target: torch.Tensor, positions: torch.T
     return x_out, res_out, chain_slot[:steps], chain_ctx[:steps], chain_cos[:steps], chain_sin[:steps]
 
 
+SCAN_MAX = 16384  # draft logits a row one program scans alone; past it the argmax is split over programs first
+
+
 @triton.jit
-def _row_argmax(logits_ptr, vocab, V_BLOCK: tl.constexpr):
-    """The first index of a row's largest value, as torch.argmax."""
-    best_value = tl.full([], float("-inf"), tl.float32)
-    best_index = tl.full([], 0, tl.int64)
-    for start in range(0, vocab, V_BLOCK):
-        v = start + tl.arange(0, V_BLOCK)
-        x = tl.load(logits_ptr + v, mask=v < vocab, other=float("-inf")).to(tl.float32)
-        value = tl.max(x, axis=0)
-        index = tl.min(tl.where(x == value, v, vocab), axis=0).to(tl.int64)
-        take = value > best_value
-        best_index = tl.where(take, index, best_index)
-        best_value = tl.where(take, value, best_value)
-    return best_index
+def _draft_token(score_ptr, index_ptr, ids_ptr, r, width, SPLIT: tl.constexpr, MAP: tl.constexpr,
+                 S_BLOCK: tl.constexpr, V_BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+    """Row r's draft, the first argmax of its draft logits, as a token id (MAP: through the draft
+    vocabulary's ids): SPLIT, from the (score, index) of the `width` splits of its row
+    (sampling_kernels.argmax_splits); else scanned here, score_ptr the logits [rows, width]."""
+    if SPLIT:
+        index = best_split(score_ptr, index_ptr, r, width, S_BLOCK)
+    else:
+        index = chunk_argmax(score_ptr + r * width, 0, width, V_BLOCK, CHUNK)[1].to(tl.int64)
+    if MAP:
+        index = tl.load(ids_ptr + index).to(tl.int64)
+    return index
+
+
+def _argmax_source(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, dict]:
+    """What `_draft_token` reads for these draft logits: (score, index, width, constexprs). One
+    program scanning a big vocabulary's row alone would stall the step on one SM, so past SCAN_MAX
+    ids the argmax is split over programs first (one launch more)."""
+    logits = logits.contiguous()
+    vocab = logits.shape[1]
+    if vocab <= SCAN_MAX:
+        v_block = min(4096, triton.next_power_of_2(vocab))
+        return logits, logits, vocab, dict(SPLIT=False, S_BLOCK=2, V_BLOCK=v_block,
+                                           CHUNK=max(v_block, triton.next_power_of_2(vocab)))
+    score, index = argmax_splits(logits)
+    return score, index, score.shape[1], dict(SPLIT=True, S_BLOCK=max(2, triton.next_power_of_2(score.shape[1])),
+                                              V_BLOCK=16, CHUNK=16)
 
 
 @triton.jit
@@ -116,13 +135,14 @@ def _rms(x, w_ptr, cols, mask, n, eps, dtype: tl.constexpr):
 
 
 @triton.jit
-def _draft_input_kernel(tokens_ptr, hidden_ptr, embed_ptr, enorm_ptr, hnorm_ptr, prev_norm_ptr, out_ptr,
-                        tokens_out_ptr, tokens_out_stride, vocab, eps_e, eps_h, eps_prev,
+def _draft_input_kernel(tokens_ptr, index_ptr, ids_ptr, hidden_ptr, embed_ptr, enorm_ptr, hnorm_ptr, prev_norm_ptr,
+                        out_ptr, tokens_out_ptr, tokens_out_stride, width, eps_e, eps_h, eps_prev,
                         HIDDEN: tl.constexpr, HIDDEN_PAD: tl.constexpr, FROM_LOGITS: tl.constexpr,
-                        NORM_HIDDEN: tl.constexpr, V_BLOCK: tl.constexpr):
+                        NORM_HIDDEN: tl.constexpr, SPLIT: tl.constexpr, MAP: tl.constexpr, S_BLOCK: tl.constexpr,
+                        V_BLOCK: tl.constexpr, CHUNK: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     if FROM_LOGITS:
-        token = _row_argmax(tokens_ptr + r * vocab, vocab, V_BLOCK)
+        token = _draft_token(tokens_ptr, index_ptr, ids_ptr, r, width, SPLIT, MAP, S_BLOCK, V_BLOCK, CHUNK)
         tl.store(tokens_out_ptr + r * tokens_out_stride, token)
     else:
         token = tl.load(tokens_ptr + r).to(tl.int64)
@@ -138,35 +158,45 @@ def _draft_input_kernel(tokens_ptr, hidden_ptr, embed_ptr, enorm_ptr, hnorm_ptr,
 
 
 def draft_input(tokens: torch.Tensor, hidden: torch.Tensor, embed: torch.Tensor, enorm, hnorm, hidden_norm=None,
-                tokens_out: torch.Tensor | None = None) -> torch.Tensor:
+                tokens_out: torch.Tensor | None = None, draft_ids: torch.Tensor | None = None) -> torch.Tensor:
     """An MTP layer's fc input [rows, 2H]: enorm(embed[token]) beside hnorm(hidden). `tokens`:
     ids [rows], or draft logits [rows, V] whose argmax is the token (written into `tokens_out`,
-    a column view); `hidden_norm`: hidden is un-normed (the previous MTP layer's x + residual)
-    and takes that RMSNorm first. enorm, hnorm, hidden_norm: RMSNorm modules."""
+    a column view; `draft_ids`: the token id of each logit's row, where the draft head projects
+    onto a draft vocabulary); `hidden_norm`: hidden is un-normed (the previous MTP layer's x +
+    residual) and takes that RMSNorm first. enorm, hnorm, hidden_norm: RMSNorm modules."""
     rows, size = hidden.shape
     out = torch.empty(rows, 2 * size, dtype=hidden.dtype, device=hidden.device)
     from_logits = tokens.is_floating_point()
     prev = hidden_norm if hidden_norm is not None else hnorm
-    _draft_input_kernel[(rows,)](tokens.contiguous(), hidden.contiguous(), embed, enorm.weight, hnorm.weight,
-                                 prev.weight, out, tokens_out if from_logits else out,
-                                 tokens_out.stride(0) if from_logits else 0, tokens.shape[-1] if from_logits else 0,
-                                 enorm.eps, hnorm.eps, prev.eps, HIDDEN=size, HIDDEN_PAD=triton.next_power_of_2(size),
-                                 FROM_LOGITS=from_logits, NORM_HIDDEN=hidden_norm is not None,
-                                 V_BLOCK=min(4096, triton.next_power_of_2(tokens.shape[-1])) if from_logits else 16)
+    if from_logits:
+        score, index, width, meta = _argmax_source(tokens)
+    else:
+        score = index = tokens.contiguous()
+        width, meta = 0, dict(SPLIT=False, S_BLOCK=2, V_BLOCK=16, CHUNK=16)
+    _draft_input_kernel[(rows,)](score, index, draft_ids if draft_ids is not None else index, hidden.contiguous(),
+                                 embed, enorm.weight, hnorm.weight, prev.weight, out,
+                                 tokens_out if from_logits else out, tokens_out.stride(0) if from_logits else 0,
+                                 width, enorm.eps, hnorm.eps, prev.eps, HIDDEN=size,
+                                 HIDDEN_PAD=triton.next_power_of_2(size), FROM_LOGITS=from_logits,
+                                 NORM_HIDDEN=hidden_norm is not None, MAP=from_logits and draft_ids is not None,
+                                 **meta)
     return out
 
 
 @triton.jit
-def _argmax_into_kernel(logits_ptr, out_ptr, out_stride, vocab, V_BLOCK: tl.constexpr):
+def _argmax_into_kernel(score_ptr, index_ptr, ids_ptr, out_ptr, out_stride, width, SPLIT: tl.constexpr,
+                        MAP: tl.constexpr, S_BLOCK: tl.constexpr, V_BLOCK: tl.constexpr, CHUNK: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
-    tl.store(out_ptr + r * out_stride, _row_argmax(logits_ptr + r * vocab, vocab, V_BLOCK))
+    tl.store(out_ptr + r * out_stride,
+             _draft_token(score_ptr, index_ptr, ids_ptr, r, width, SPLIT, MAP, S_BLOCK, V_BLOCK, CHUNK))
 
 
-def argmax_into(logits: torch.Tensor, out: torch.Tensor) -> None:
-    """out[r] = argmax of logits row r (the first, as torch.argmax); out: an int64 column view."""
-    logits = logits.contiguous()
-    _argmax_into_kernel[(logits.shape[0],)](logits, out, out.stride(0), logits.shape[1],
-                                            V_BLOCK=min(4096, triton.next_power_of_2(logits.shape[1])))
+def argmax_into(logits: torch.Tensor, out: torch.Tensor, draft_ids: torch.Tensor | None = None) -> None:
+    """out[r] = argmax of logits row r (the first, as torch.argmax), through `draft_ids` where
+    given; out: an int64 column view."""
+    score, index, width, meta = _argmax_source(logits)
+    _argmax_into_kernel[(logits.shape[0],)](score, index, draft_ids if draft_ids is not None else index, out,
+                                            out.stride(0), width, MAP=draft_ids is not None, **meta)
 
 
 # Not specialized on the values of what varies step to step: each (== 1, divisible by 16) class would

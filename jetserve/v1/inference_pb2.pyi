@@ -241,7 +241,7 @@ class LatencyPercentiles(_message.Message):
     def __init__(self, p50_s: _Optional[float] = ..., p90_s: _Optional[float] = ..., p99_s: _Optional[float] = ..., count: _Optional[int] = ...) -> None: ...
 
 class SpeculativeStats(_message.Message):
-    __slots__ = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_position", "acceptance_rate", "mean_accepted_length", "num_speculative_tokens", "buckets", "acceptance_estimate")
+    __slots__ = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_position", "acceptance_rate", "mean_accepted_length", "num_speculative_tokens", "buckets", "acceptance_estimate", "draft_vocab_size", "draft_vocab_coverage")
     NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -251,6 +251,8 @@ class SpeculativeStats(_message.Message):
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BUCKETS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTANCE_ESTIMATE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_VOCAB_COVERAGE_FIELD_NUMBER: _ClassVar[int]
     num_drafts: int
     num_draft_tokens: int
     num_accepted_tokens: int
@@ -260,7 +262,9 @@ class SpeculativeStats(_message.Message):
     num_speculative_tokens: int
     buckets: _containers.RepeatedCompositeFieldContainer[DraftBucket]
     acceptance_estimate: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, num_drafts: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., num_speculative_tokens: _Optional[int] = ..., buckets: _Optional[_Iterable[_Union[DraftBucket, _Mapping]]] = ..., acceptance_estimate: _Optional[_Iterable[float]] = ...) -> None: ...
+    draft_vocab_size: int
+    draft_vocab_coverage: float
+    def __init__(self, num_drafts: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., num_speculative_tokens: _Optional[int] = ..., buckets: _Optional[_Iterable[_Union[DraftBucket, _Mapping]]] = ..., acceptance_estimate: _Optional[_Iterable[float]] = ..., draft_vocab_size: _Optional[int] = ..., draft_vocab_coverage: _Optional[float] = ...) -> None: ...
 
 class DraftBucket(_message.Message):
     __slots__ = ("batch_size", "draft_length", "step_cost_s")

@@ -44,15 +44,28 @@ def main() -> None:
                                 packed_ptr="*i64", x_out_ptr="*bf16", res_out_ptr="*bf16", chain_slot_ptr="*i32",
                                 chain_ctx_ptr="*i32", chain_cos_ptr="*bf16", chain_sin_ptr="*bf16"),
                            dict(Q=q, Q_PAD=q, STEPS=steps, HIDDEN=256, HIDDEN_PAD=256, HEAD_DIM=64, HEAD_PAD=64))
-    for from_logits in (True, False):
+    for logits in ("*fp32", "*bf16"):
+        compile_for_hopper(sampling_kernels._argmax_splits_kernel,
+                           dict(logits_ptr=logits, score_ptr="*fp32", index_ptr="*i32"), dict(V_BLOCK=2048, CHUNK=4096))
+    # Draft tokens from logits scanned in the kernel (bf16) or from split argmaxes (fp32 scores), mapped
+    # through a draft vocabulary's ids or not; and from ids.
+    for from_logits, split, mapped in ((True, True, True), (True, False, False), (True, False, True),
+                                       (False, False, False)):
+        scan = dict(SPLIT=split, S_BLOCK=64 if split else 2, V_BLOCK=16 if split else 4096,
+                    CHUNK=16 if split else 8192)
+        score = "*fp32" if split else "*bf16"
         compile_for_hopper(spec_kernels._draft_input_kernel,
-                           dict(tokens_ptr="*bf16" if from_logits else "*i64", hidden_ptr="*bf16", embed_ptr="*bf16",
-                                enorm_ptr="*bf16", hnorm_ptr="*bf16", prev_norm_ptr="*bf16", out_ptr="*bf16",
+                           dict(tokens_ptr=score if from_logits else "*i64", index_ptr="*i32" if split else score,
+                                ids_ptr="*i64", hidden_ptr="*bf16", embed_ptr="*bf16", enorm_ptr="*bf16",
+                                hnorm_ptr="*bf16", prev_norm_ptr="*bf16", out_ptr="*bf16",
                                 tokens_out_ptr="*i64" if from_logits else "*bf16", eps_e="fp32", eps_h="fp32",
                                 eps_prev="fp32"),
                            dict(HIDDEN=256, HIDDEN_PAD=256, FROM_LOGITS=from_logits, NORM_HIDDEN=from_logits,
-                                V_BLOCK=4096 if from_logits else 16))
-    compile_for_hopper(spec_kernels._argmax_into_kernel, dict(logits_ptr="*bf16", out_ptr="*i64"), dict(V_BLOCK=4096))
+                                MAP=mapped, **scan))
+        if from_logits:
+            compile_for_hopper(spec_kernels._argmax_into_kernel,
+                               dict(score_ptr=score, index_ptr="*i32" if split else score, ids_ptr="*i64",
+                                    out_ptr="*i64"), dict(MAP=mapped, **scan))
     for q in (1, 4):
         compile_for_hopper(spec_kernels._chain_inputs_kernel,
                            dict(flags_ptr="*i32", packed_ptr="*i64", ids_ptr="*i32", positions_ptr="*i32",

@@ -305,14 +305,18 @@ def test_acceptance_kernel_matches_torch(q, steps):
                    for (cos, _), m in chain)
 
 
-def test_draft_input_and_argmax_kernels_match_torch():
+@pytest.mark.parametrize("vocab", [300, 20000])
+def test_draft_input_and_argmax_kernels_match_torch(vocab):
     """An MTP layer's fused input (embedding, both norms, the previous head's argmax and final
-    norm) and the last draft's argmax (Triton's interpreter on CPU) against the torch modules."""
+    norm) and the last draft's argmax (Triton's interpreter on CPU) against the torch modules:
+    logits a kernel scans itself (300 ids) and logits past SCAN_MAX, whose argmax is split over
+    programs first (20,000 ids, a tie across two splits); the argmax the first index of the
+    largest logit, as torch's; and through a draft vocabulary's ids."""
     from jetserve.engine.model.qwen3 import RMSNorm
     from jetserve.engine.model.spec_kernels import argmax_into, draft_input
 
     gen = torch.Generator().manual_seed(3)
-    rows, hidden, vocab = 6, 48, 300
+    rows, hidden = 6, 48
     on = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     embed = torch.randn(vocab, hidden, generator=gen).to(torch.bfloat16).to(on)
     enorm, hnorm, prev = (RMSNorm(hidden, 1e-6).to(torch.bfloat16).to(on) for _ in range(3))
@@ -321,16 +325,24 @@ def test_draft_input_and_argmax_kernels_match_torch():
     h = torch.randn(rows, hidden, generator=gen).to(torch.bfloat16).to(on)
     logits = torch.randn(rows, vocab, generator=gen).to(torch.bfloat16).to(on)
     logits[2, 7] = logits[2, 9] = logits[2].max() + 1  # a tie: the first index, as torch.argmax
+    logits[4, vocab - 2] = logits[4, vocab // 2] = logits[4].max() + 1  # across splits where there are several
     tokens = logits.argmax(-1)
+    assert tokens[2] == 7 and tokens[4] == vocab // 2
     out = torch.full((rows, 3), -1, device=on)
     got = draft_input(logits, h, embed, enorm, hnorm, prev, out[:, 1])
     want = torch.cat([enorm(embed[tokens]), hnorm(prev(h))], dim=-1)
-    assert torch.equal(out[:, 1], tokens) and tokens[2] == 7
+    assert torch.equal(out[:, 1], tokens)
     torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-2)  # bf16: a rounding step or two apart
     torch.testing.assert_close(draft_input(tokens, h, embed, enorm, hnorm), torch.cat([enorm(embed[tokens]), hnorm(h)], -1),
                                rtol=2e-2, atol=1e-2)
     argmax_into(logits, out[:, 2])
     assert torch.equal(out[:, 2], tokens)
+    # Draft logits over a draft vocabulary: row i of the head is token ids[i].
+    ids = torch.randperm(4 * vocab, generator=gen)[:vocab].sort().values.to(on)
+    out.fill_(-1)
+    draft_input(logits, h, embed.repeat(4, 1), enorm, hnorm, prev, out[:, 1], draft_ids=ids)
+    argmax_into(logits, out[:, 2], draft_ids=ids)
+    assert torch.equal(out[:, 1], ids[tokens]) and torch.equal(out[:, 2], ids[tokens])
 
 
 def test_speculative_and_sampling_kernels_compile_for_hopper():

@@ -216,10 +216,11 @@ def test_speculative_counters_move_per_position():
 def test_the_draft_policy_shows_why_drafting_is_on_or_off():
     """GetStats and the metrics carry the adaptive policy's view: per batch bucket the draft
     length it would choose now and the measured step costs it chooses from, and its acceptance
-    estimate per draft position. A bucket drafts only where some k could pay."""
+    estimate per draft position. A bucket drafts only where some k could pay. Beside it the draft
+    vocabulary's size and coverage (half the demo's ids here; nothing ranked yet: all covered)."""
     from jetserve.server.cli import demo_model_dir
 
-    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "draft_vocab_size": 4096}
     server = LiveServer(engine_factory(demo_model_dir(), max_model_len=512, speculative_config=spec),
                         metrics_port=free_port())
     server.wait_loaded()
@@ -240,5 +241,8 @@ def test_the_draft_policy_shows_why_drafting_is_on_or_off():
                  if name == "jetserve_spec_decode_step_cost_seconds" and dict(labels)["k"] == "0"}
         assert lengths == plain == {str(b.batch_size) for b in buckets}
         assert len(stats.acceptance_estimate) == 2 and all(0 <= a <= 1 for a in stats.acceptance_estimate)
+        assert (stats.draft_vocab_size, stats.draft_vocab_coverage) == (4096, 1.0)
+        assert (metrics[("jetserve_spec_decode_draft_vocab_size", ())],
+                metrics[("jetserve_spec_decode_draft_vocab_coverage", ())]) == (4096, 1.0)
     finally:
         server.stop()
