@@ -56,16 +56,18 @@ SASS_COUNTS = Path(__file__).parent / "model" / "tiles" / "sass.json"
 
 
 def instructions_per_weight(family: str, method: str) -> tuple[float, str, str]:
-    """(instructions a weight, kernel, family counted) of a format's fastest-issuing batch-1
-    kernel on a GPU family (bf16 / int8 / int4), from tiles/sass.json; a family not counted
-    takes the nearest counted one's (by compute capability), as the tile tables do."""
+    """(instructions a weight, kernel, family counted) of the batch-1 kernel a format's weights
+    mostly take on a GPU family (bf16 / int8 / int4), from tiles/sass.json: for INT4 torch's
+    W4A16 kernel where it is counted (the big projections, which hold nearly all the weights,
+    take it: model/int4pack.py), else the fastest-issuing of ours; a family not counted takes the
+    nearest counted one's (by compute capability), as the tile tables do."""
     families = json.loads(SASS_COUNTS.read_text())["families"]
     number = int(family[2:])
     name = family if family in families else min(families, key=lambda f: abs(int(f[2:]) - number))
     counts = families[name].get(method, families[name]["bf16"])
     if isinstance(counts, float):
         return counts, "fma", name
-    kernel = min(counts, key=counts.get)
+    kernel = "tinygemm" if "tinygemm" in counts else min(counts, key=counts.get)
     return counts[kernel], kernel, name
 
 RUNTIME_BYTES = int(0.6 * GiB)  # CUDA context, torch and the compiled kernels, on a GPU

@@ -8,11 +8,18 @@ instructions spent on them, whichever is slower; this is the second number.
 
     python tools/sass_count.py [--arch 90 87]     # a table of the kernels' counts
     python tools/sass_count.py --write            # engine/model/tiles/sass.json, for `jetserve plan`
+    python tools/sass_count.py --torch-lib DIR/torch/lib/libtorch_cuda.so [--write]
+
+With --torch-lib (a CUDA build's, unpacked from its wheel), also the loop of torch's W4A16 kernel
+(`_weight_int4pack_mm`, tinygemm), which the engine's big INT4 projections take (model/int4pack.py):
+its SASS as shipped in that library, read with the cuobjdump Triton bundles. The x86 wheels carry
+sm_86 but no sm_87 code; sm_86's stands for Orin's (one Ampere instruction set).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 from collections import Counter
 from typing import NamedTuple
@@ -112,6 +119,55 @@ def bf16_loop(tile, k: int, rows: int = 1, arch: int = 90) -> LoopCount:
     return LoopCount(len(body), tile.block_n * tile.block_k // (32 * tile.warps), Counter(o.split(".")[0] for o in body))
 
 
+_ADDRESSED = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*?);")
+TINYGEMM = "tinygemm_m16n8k16_chunk_kernel"
+TINYGEMM_VARIANT = "BLayout_TC_int4ILi8ELi128EE"  # inner k-tiles 8, groups of 128: what int4pack packs
+
+
+def addressed_loop(sass: str) -> list[str]:
+    """inner_loop for a library's listing, whose branches name addresses: the opcodes between a
+    backward branch's target and the branch, the longest such run."""
+    code = [(int(m.group(1), 16), m.group(2), m.group(3)) for m in map(_ADDRESSED.match, sass.splitlines()) if m]
+    best: list[str] = []
+    for at, op, rest in code:
+        target = re.search(r"0x([0-9a-f]+)", rest) if op.startswith("BRA") else None
+        if target and int(target.group(1), 16) < at:
+            body = [o for a, o, _ in code if int(target.group(1), 16) <= a <= at and o != "NOP"]
+            best = body if len(body) > len(best) else best
+    return best
+
+
+def tinygemm_counts(torch_lib: str, archs=(90, 86)) -> dict[int, LoopCount]:
+    """The main loop of torch's W4A16 kernel for each arch in a CUDA build's libtorch_cuda.so. A
+    thread's weights an iteration: 4 for each HMMA.16816 it issues (a B fragment is 8 x 16
+    weights over a warp's 32 threads)."""
+    import subprocess
+    import tempfile
+
+    import triton
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    counts = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([cuobjdump, "-xelf", "all", os.path.abspath(torch_lib)], cwd=tmp, check=True,
+                       capture_output=True)
+        for name in sorted(os.listdir(tmp)):
+            arch = int(re.search(r"sm_(\d+)", name).group(1)) if "sm_" in name else None
+            if arch not in archs or arch in counts:
+                continue
+            path = os.path.join(tmp, name)
+            with open(path, "rb") as f:
+                if TINYGEMM.encode() not in f.read():
+                    continue
+            sass = subprocess.run([cuobjdump, "-sass", path], check=True, capture_output=True, text=True).stdout
+            for function in re.split(r"\n\s*Function : ", sass)[1:]:
+                if TINYGEMM in function.split("\n", 1)[0] and TINYGEMM_VARIANT in function.split("\n", 1)[0]:
+                    body = addressed_loop(function)
+                    ops = Counter(o.split(".")[0] for o in body)
+                    counts[arch] = LoopCount(len(body), 4 * ops["HMMA"], ops)
+    return counts
+
+
 def kernel_counts(arch: int) -> dict:
     """Instructions a weight at batch 1 of each weight format's kernels for sm_`arch` (plain
     products, K = 2560): what engine/plan.py projects a board's decode from (tiles/sass.json)."""
@@ -137,12 +193,32 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--arch", nargs="+", type=int, default=[90, 87])
     p.add_argument("--write", action="store_true", help=f"write {SASS_TABLE} (every family) instead")
+    p.add_argument("--torch-lib", help="a CUDA build's libtorch_cuda.so: count torch's W4A16 kernel too")
     args = p.parse_args()
+    tinygemm = tinygemm_counts(args.torch_lib) if args.torch_lib else {}
+    for arch, c in sorted(tinygemm.items()):
+        top = ", ".join(f"{op} {n}" for op, n in c.ops.most_common(6))
+        print(f"sm_{arch} int4 g128, torch's W4A16 kernel (tinygemm): {c.instructions} instructions / {c.weights} "
+              f"weights a thread = {c.per_weight:.2f} a weight ({top})", flush=True)
     if args.write:
         import triton
 
+        with open(SASS_TABLE) as f:
+            old = json.load(f)
         doc = {"source": f"tools/sass_count.py --write, Triton {triton.__version__}",
                "families": {name: kernel_counts(arch) for name, arch in FAMILIES.items()}}
+        for name, arch in FAMILIES.items():  # tinygemm: counted now, else as counted before
+            counted = tinygemm.get(arch if arch != 87 else 86)
+            before = old["families"].get(name, {}).get("int4", {}).get("tinygemm")
+            if counted or before:
+                doc["families"][name]["int4"]["tinygemm"] = round(counted.per_weight, 2) if counted else before
+        if args.torch_lib:
+            version = re.search(r"__version__ = '([^']+)'", open(os.path.join(os.path.dirname(args.torch_lib), "..",
+                                                                           "version.py")).read())
+            doc["source"] += (f"; tinygemm from torch {version.group(1) if version else '?'}'s libtorch_cuda.so "
+                              "(sm_86's for sm87)")
+        else:
+            doc["source"] = old["source"] if "tinygemm" in old["source"] else doc["source"]
         with open(SASS_TABLE, "w") as f:
             f.write(json.dumps(doc, indent=1) + "\n")
         print(json.dumps(doc))
