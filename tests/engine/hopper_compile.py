@@ -1,10 +1,11 @@
-"""Compile the speculative step's and the draw's Triton kernels for Hopper (sm_90) with Triton's
-own compiler and ptxas, no GPU needed: Triton's interpreter (the CPU tests) accepts code the
-compiler refuses, e.g. a plain global read inside a kernel. Run as a script (the interpreter
+"""Compile the speculative step's and the draw's Triton kernels for Hopper (sm_90) and Jetson Orin
+(sm_87) with Triton's own compiler and ptxas, no GPU needed: Triton's interpreter (the CPU tests)
+accepts code the compiler refuses, e.g. a plain global read inside a kernel. Run as a script (the interpreter
 must be off): python -m tests.engine.hopper_compile; with the argument `quant`, the one-row
 W4A16/W8A16 kernel's variants instead; with `quant_dot`, the tensor-core one's for sm_90 and for
 Jetson Orin (sm_87), with its instructions a weight in the inner loop (tools/sass_count.py)."""
 
+import functools
 import inspect
 import sys
 
@@ -26,27 +27,34 @@ def compile_for_hopper(fn, types: dict, constants: dict, arch: int = 90):
 
 
 def main() -> None:
+    for arch in (90, 87):  # Hopper, and Jetson Orin
+        speculative(functools.partial(compile_for_hopper, arch=arch))
+    print("compiled")
+
+
+def speculative(compile_for) -> None:
+    """Every kernel a speculative or decode graph adds, compiled by `compile_for`."""
     for logits in ("*fp32", "*bf16"):  # decode graphs draw from fp32 logits, speculative ones from bf16
         for positions in ("*i32", "*i64"):  # a graph's static positions, an eager step's
             for floor in (False, True):
-                compile_for_hopper(sampling_kernels._race_kernel,
-                                   dict(logits_ptr=logits, top_ptr=logits, greedy_ptr="*i64",
-                                        temperature_ptr="*fp32", min_p_ptr="*fp32", floor_ptr="*fp32",
-                                        seed_ptr="*i32", position_ptr=positions, score_ptr="*fp32",
-                                        index_ptr="*i32"),
-                                   dict(HAS_FLOOR=floor, V_BLOCK=2048, CHUNK=4096))
-    compile_for_hopper(sampling_kernels._race_final_kernel, dict(score_ptr="*fp32", index_ptr="*i32", out_ptr="*i64"),
-                       dict(S_BLOCK=64))
+                compile_for(sampling_kernels._race_kernel,
+                            dict(logits_ptr=logits, top_ptr=logits, greedy_ptr="*i64",
+                                 temperature_ptr="*fp32", min_p_ptr="*fp32", floor_ptr="*fp32",
+                                 seed_ptr="*i32", position_ptr=positions, score_ptr="*fp32",
+                                 index_ptr="*i32"),
+                            dict(HAS_FLOOR=floor, V_BLOCK=2048, CHUNK=4096))
+    compile_for(sampling_kernels._race_final_kernel, dict(score_ptr="*fp32", index_ptr="*i32", out_ptr="*i64"),
+                dict(S_BLOCK=64))
     for q, steps in ((4, 2), (2, 0)):
-        compile_for_hopper(spec_kernels._accept_chain_kernel,
-                           dict(ids_ptr="*i32", target_ptr="*i64", positions_ptr="*i32", tables_ptr="*i32",
-                                ctx_ptr="*i32", x_ptr="*bf16", res_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16",
-                                packed_ptr="*i64", x_out_ptr="*bf16", res_out_ptr="*bf16", chain_slot_ptr="*i32",
-                                chain_ctx_ptr="*i32", chain_cos_ptr="*bf16", chain_sin_ptr="*bf16"),
-                           dict(Q=q, Q_PAD=q, STEPS=steps, HIDDEN=256, HIDDEN_PAD=256, HEAD_DIM=64, HEAD_PAD=64))
+        compile_for(spec_kernels._accept_chain_kernel,
+                    dict(ids_ptr="*i32", target_ptr="*i64", positions_ptr="*i32", tables_ptr="*i32",
+                         ctx_ptr="*i32", x_ptr="*bf16", res_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16",
+                         packed_ptr="*i64", x_out_ptr="*bf16", res_out_ptr="*bf16", chain_slot_ptr="*i32",
+                         chain_ctx_ptr="*i32", chain_cos_ptr="*bf16", chain_sin_ptr="*bf16"),
+                    dict(Q=q, Q_PAD=q, STEPS=steps, HIDDEN=256, HIDDEN_PAD=256, HEAD_DIM=64, HEAD_PAD=64))
     for logits in ("*fp32", "*bf16"):
-        compile_for_hopper(sampling_kernels._argmax_splits_kernel,
-                           dict(logits_ptr=logits, score_ptr="*fp32", index_ptr="*i32"), dict(V_BLOCK=2048, CHUNK=4096))
+        compile_for(sampling_kernels._argmax_splits_kernel,
+                    dict(logits_ptr=logits, score_ptr="*fp32", index_ptr="*i32"), dict(V_BLOCK=2048, CHUNK=4096))
     # Draft tokens from logits scanned in the kernel (bf16) or from split argmaxes (fp32 scores), mapped
     # through a draft vocabulary's ids or not; and from ids.
     for from_logits, split, mapped in ((True, True, True), (True, False, False), (True, False, True),
@@ -54,24 +62,23 @@ def main() -> None:
         scan = dict(SPLIT=split, S_BLOCK=64 if split else 2, V_BLOCK=16 if split else 4096,
                     CHUNK=16 if split else 8192)
         score = "*fp32" if split else "*bf16"
-        compile_for_hopper(spec_kernels._draft_input_kernel,
-                           dict(tokens_ptr=score if from_logits else "*i64", index_ptr="*i32" if split else score,
-                                ids_ptr="*i64", hidden_ptr="*bf16", embed_ptr="*bf16", enorm_ptr="*bf16",
-                                hnorm_ptr="*bf16", prev_norm_ptr="*bf16", out_ptr="*bf16",
-                                tokens_out_ptr="*i64" if from_logits else "*bf16", eps_e="fp32", eps_h="fp32",
-                                eps_prev="fp32"),
-                           dict(HIDDEN=256, HIDDEN_PAD=256, FROM_LOGITS=from_logits, NORM_HIDDEN=from_logits,
-                                MAP=mapped, **scan))
+        compile_for(spec_kernels._draft_input_kernel,
+                    dict(tokens_ptr=score if from_logits else "*i64", index_ptr="*i32" if split else score,
+                         ids_ptr="*i64", hidden_ptr="*bf16", embed_ptr="*bf16", enorm_ptr="*bf16",
+                         hnorm_ptr="*bf16", prev_norm_ptr="*bf16", out_ptr="*bf16",
+                         tokens_out_ptr="*i64" if from_logits else "*bf16", eps_e="fp32", eps_h="fp32",
+                         eps_prev="fp32"),
+                    dict(HIDDEN=256, HIDDEN_PAD=256, FROM_LOGITS=from_logits, NORM_HIDDEN=from_logits,
+                         MAP=mapped, **scan))
         if from_logits:
-            compile_for_hopper(spec_kernels._argmax_into_kernel,
-                               dict(score_ptr=score, index_ptr="*i32" if split else score, ids_ptr="*i64",
-                                    out_ptr="*i64"), dict(MAP=mapped, **scan))
+            compile_for(spec_kernels._argmax_into_kernel,
+                        dict(score_ptr=score, index_ptr="*i32" if split else score, ids_ptr="*i64",
+                             out_ptr="*i64"), dict(MAP=mapped, **scan))
     for q in (1, 4):
-        compile_for_hopper(spec_kernels._chain_inputs_kernel,
-                           dict(flags_ptr="*i32", packed_ptr="*i64", ids_ptr="*i32", positions_ptr="*i32",
-                                slots_ptr="*i32", ctx_ptr="*i32", tables_ptr="*i32"),
-                           dict(Q=q, Q_PAD=q))
-    print("compiled")
+        compile_for(spec_kernels._chain_inputs_kernel,
+                    dict(flags_ptr="*i32", packed_ptr="*i64", ids_ptr="*i32", positions_ptr="*i32",
+                         slots_ptr="*i32", ctx_ptr="*i32", tables_ptr="*i32"),
+                    dict(Q=q, Q_PAD=q))
 
 
 def quant() -> None:
