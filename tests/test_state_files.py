@@ -13,6 +13,7 @@ import errno
 import logging
 import os
 import random
+import select
 import signal
 import sqlite3
 import subprocess
@@ -30,6 +31,8 @@ from jetserve.fleet.registry import Message, Registry
 from jetserve.fleet.stores import StoreError
 
 KILLS = 100
+FORK_START_S = 20  # a child only opens its file before it says it started: far longer means it hangs
+MAX_STUCK_FORKS = 3
 FP = {"format": 1, "device": {"name": "cpu"}, "kernels": "test"}
 TILES = (None, Tile(4, 1024, 4), Tile(8, 256, 8, apart=True))
 
@@ -40,9 +43,10 @@ def kill_loop(child, check, seed, directory):
     the box is now), then `check(reports)` with all reports so far. Returns them, and how many
     kills left a temporary file in `directory` (landed between a write's start and its rename)."""
     rng = random.Random(seed)
-    reports, torn, seen = [], 0, set()
+    reports, torn, seen, stuck = [], 0, set(), 0
     began = time.perf_counter()
-    for _ in range(KILLS):
+    kills = 0
+    while kills < KILLS:
         r, w = os.pipe()
         pid = os.fork()
         if pid == 0:  # the child: never back into pytest
@@ -54,6 +58,16 @@ def kill_loop(child, check, seed, directory):
                 os._exit(0)
         os.close(w)
         with os.fdopen(r, "rb", buffering=0) as pipe:
+            # A fork copies only its own thread: a lock another thread of pytest held at that moment
+            # (servers of earlier tests still winding down) stays held in the child forever. Such a
+            # child never starts; it is killed and forked again, a few times at most.
+            if not select.select([pipe], [], [], FORK_START_S)[0]:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                stuck += 1
+                assert stuck <= MAX_STUCK_FORKS, "forked children keep hanging before they start"
+                continue
+            kills += 1
             lines = [pipe.readline()]  # the child has opened its file and starts writing
             started = time.perf_counter()
             lines.append(pipe.readline())  # its first write returned
