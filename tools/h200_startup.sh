@@ -12,9 +12,12 @@
 #   ratio06 — `bench mtp --shape qwen3-0.6b`: the k=3 step against the plain step, batch 1 ($DVS: a draft vocabulary)
 #   steptiles — tools/step_tiles_probe.py: the k=3 step's product tiles chosen by timing the whole step
 #   prefill — `bench prefill`: an 8k prompt beside 8 streams, by token budget ($BUDGETS) and step latency target ($TARGETS)
-#   quant, profile — `bench quant` (TPOT and kernels), `bench profile` (the 0.6B's step by kernel)
+#   quant, profile — `bench quant` (TPOT and kernels), `bench profile` (the 0.6B's step by kernel, $PROFILE_BATCHES)
 #   baseline — `bench decode` against transformers, same run: 0.6B batch 1 and 32, 4B batch 1
 #   decode  — `bench decode` batch 1: shipped table vs tuned tiles, interleaved, same run
+#   ab      — `bench decode` of this tree against variants, interleaved this/variants/this in one run:
+#             $AB_VARIANTS "name=tar …", each tar a variant's versions of the changed files (a base:
+#             git archive BASE $(git diff --name-only BASE)); $AB_BASE alone: "base=$AB_BASE"
 #   gputests — the GPU tests named in $TESTS (those matching $TEST_K, when set)
 #   spy     — after start: a warm 4B INT4 start under py-spy
 set -uo pipefail
@@ -78,8 +81,10 @@ binv)  # batch-invariant mode: its cost, and greedy with drafting against plain 
 quant)  # batch-1 TPOT through LLM(..., quantization=...) and the kernel table, both Qwen3 shapes
   timeout 330 $J bench quant --shapes qwen3-0.6b qwen3-4b --repeats 3 --out "$OUT/quant" 2>&1 | grep -E '^\[quant\]|Error' | tail -14
   ;;
-profile)  # where the 0.6B's batch-1 decode step goes, kernel by kernel (issue 30)
-  timeout 120 $J bench profile --steps 20 --out "$OUT/profile" 2>&1 | tail -25
+profile)  # where the 0.6B's decode step goes, kernel by kernel (issue 30), at batch 1 ($PROFILE_BATCHES: others)
+  for b in ${PROFILE_BATCHES:-1}; do
+    timeout 120 $J bench profile --steps 20 --batch "$b" --out "$OUT/profile-b$b" 2>&1 | tail -12
+  done
   ;;
 mtps)  # the default drafting against plain as a server meets 1, 4, 8 and 32 concurrent users
   timeout ${MTPS_TIMEOUT:-300} $J bench mtp --dtype bfloat16 --ks 3 --streams ${STREAMS:-1,4,8,32} --temperatures ${TEMPS:-0,0.7} \
@@ -155,6 +160,24 @@ baseline)  # `bench decode` against transformers in the same run (issue 30): 0.6
     timeout 200 $J bench decode --shapes qwen3-4b --batch-sizes 1 --hf-compile-batch-sizes 1 --hf-compile-shapes qwen3-4b --steps 64 \
       --only ours_graphs_async --out "$OUT/decode-4b-r$run" 2>&1 | grep -E 'Error|error|tok/s|ms' | tail -6
   done
+  ;;
+ab)  # this tree against $AB_VARIANTS ("name=tar …"; default base=$AB_BASE), interleaved: this, each variant, this again
+  read -r -a VARIANTS <<<"${AB_VARIANTS:-base=${AB_BASE:-}}"
+  for v in "${VARIANTS[@]}"; do tar -tf "${v#*=}"; done | grep -v '/$' | sort -u | xargs tar -cf /tmp/ab-this.tar || exit 1
+  IFS=';' read -r -a ABS <<<"${AB:-qwen3-0.6b|1,32|;qwen3-4b|1|}"
+  for v in this "${VARIANTS[@]}" this2; do
+    variant=${v%%=*}
+    tar -xf /tmp/ab-this.tar; [ "$variant" = "$v" ] || tar -xf "${v#*=}"
+    for spec in "${ABS[@]}"; do
+      IFS='|' read -r shape sizes flags <<<"$spec"
+      name=$shape$(echo "$flags" | tr -d ' -' | sed 's/quantization/-/')-$variant
+      timeout 200 $J bench decode --shapes "$shape" --batch-sizes "$sizes" --steps 64 --no-hf --only ours_graphs_async \
+        $flags --out "$OUT/ab-$name" 2>&1 | grep -E 'Error|error'
+      python3 -c "import json; r=json.load(open('$OUT/ab-$name/result.json'))['models']['$shape']['configs']['ours_graphs_async']
+print('[ab] $name', ' '.join(f'b{b}: {r[b]:.4f} (min {r[\"min_ms\"][b]:.4f})' for b in '$sizes'.split(',')))"
+    done
+  done
+  tar -xf /tmp/ab-this.tar
   ;;
 decode)  # after tune: its tile cache is what "tuned" reads
   checkpoints

@@ -62,10 +62,16 @@ def test_skinny_matmul_prologues(dtype, tol, m):
     }
     inputs = {kernels.PLAIN: (x, None, None), kernels.NORM: (x, None, norm_w),
               kernels.ADD_NORM: (x, res, norm_w), kernels.SILU_MUL: (gate_up, None, None)}
+    ran = set()
     for prologue, want in expected.items():
         inp, residual, nw = inputs[prologue]
         for tile in tiles:
-            got = kernels._run(tile, prologue, inp, w, residual, nw, eps)
+            try:
+                got = kernels._run(tile, prologue, inp, w, residual, nw, eps)
+            except triton.runtime.errors.OutOfResources:  # fp32 dots of many rows on a GPU: never chosen there
+                assert DEVICE == "cuda" and dtype == torch.float32 and tile.dot
+                continue
+            ran.add(tile)
             if isinstance(want, tuple):
                 # The residual sum: exact (but for the interpreter's bf16 truncation).
                 exact = dtype == torch.float32 or DEVICE == "cuda"
@@ -74,6 +80,7 @@ def test_skinny_matmul_prologues(dtype, tol, m):
             else:
                 want_out = want
             torch.testing.assert_close(got.float(), want_out.float(), rtol=tol, atol=tol, msg=f"{prologue} {tile}")
+    assert ran  # some tile of each row count fits the GPU's shared memory
 
 
 def reference_attention(q, k_cache, v_cache, tables, ctx_lens, q_len, block_size, scale):
@@ -118,11 +125,12 @@ def test_untimed_where_graphs_are_off():
     untimed, other = kernels.FusedKernels(tile_timing=False), kernels.FusedKernels(tile_timing=False)
     x = torch.randn(2, 256, device=DEVICE)
     w = torch.randn(300, 256, device=DEVICE)  # 300 KB in fp32: past the untimed size
+    pdl = kernels.pdl_supported(x.device)  # Hopper's candidates come with PDL first
     torch.testing.assert_close(untimed.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
-    assert list(untimed.chosen.values()) == [kernels.candidate_tiles(2)[1]] and untimed.tuning_times == {}
+    assert list(untimed.chosen.values()) == [kernels.candidate_tiles(2, pdl=pdl)[1]] and untimed.tuning_times == {}
     assert other.chosen == {}
     other.linear(torch.randn(20, 256, device=DEVICE), w)  # 20 rows: a tensor-core tile
-    assert list(other.chosen.values()) == [kernels._DOT_TILES[0]]
+    assert list(other.chosen.values()) == kernels.with_pdl([kernels._DOT_TILES[0]], pdl)[:1]
 
 
 def test_shapes_after_freeze_are_recorded_untimed():
