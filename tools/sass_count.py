@@ -6,6 +6,12 @@ label and the backward branch to it, the longest such run) and divides its instr
 weights one thread multiplies in an iteration. Decode is bound by the bytes of weights or by the
 instructions spent on them, whichever is slower; this is the second number.
 
+A kernel is compiled as a launch compiles it: pointer arguments 16-byte aligned (the JIT
+specializes on it: torch's allocations are), so loads are vectorized and Triton's pipeline
+(Tile.stages) can copy them asynchronously; without that the listing has scalar loads no launch
+runs. Beside the count: registers and shared memory a program (from the cubin), so how many
+programs an SM holds, and whether the loop's loads are asynchronous copies (cp.async, LDGSTS).
+
     python tools/sass_count.py [--arch 90 87]     # a table of the kernels' counts
     python tools/sass_count.py --write            # engine/model/tiles/sass.json, for `jetserve plan`
     python tools/sass_count.py --torch-lib DIR/torch/lib/libtorch_cuda.so [--write]
@@ -35,10 +41,19 @@ class LoopCount(NamedTuple):
     instructions: int  # in the innermost loop's body, once per iteration
     weights: int  # a thread multiplies an iteration
     ops: Counter  # instructions by opcode (without modifiers)
+    registers: int = 0  # a thread's
+    shared: int = 0  # bytes of shared memory a program
+    asynchronous: bool = False  # the loop copies global to shared memory (cp.async: LDGSTS)
 
     @property
     def per_weight(self) -> float:
         return self.instructions / self.weights
+
+
+class Compiled(NamedTuple):
+    sass: str
+    registers: int
+    shared: int
 
 
 def inner_loop(sass: str) -> list[str]:
@@ -61,16 +76,50 @@ def inner_loop(sass: str) -> list[str]:
     return best
 
 
-def compile_sass(kernel, signature: dict, constexprs: dict, arch: int, num_warps: int) -> str:
-    """SASS of `kernel` for sm_`arch`, compiled here (no GPU needed)."""
+def compile_kernel(kernel, signature: dict, constexprs: dict, arch: int, num_warps: int):
+    """`kernel` compiled for sm_`arch` here (no GPU needed), as a launch with 16-byte aligned
+    tensors compiles it: Triton's CompiledKernel."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     sig = {name: signature.get(name, "constexpr") for name in kernel.arg_names}
-    src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
-    return compiled.asm["sass"]
+    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names) if sig[name].startswith("*")}
+    src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=aligned)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+
+
+def resources(cubin: bytes) -> tuple[int, int]:
+    """(registers a thread, static + dynamic shared bytes a program) of a one-kernel cubin, as
+    cuobjdump reports them (CompiledKernel reads them only when it loads on a GPU)."""
+    import subprocess
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run([_cuobjdump(), "-res-usage", f.name], check=True, capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+).*?SHARED:(\d+)", usage)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+def _cuobjdump() -> str:
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def compile_sass(kernel, signature: dict, constexprs: dict, arch: int, num_warps: int) -> Compiled:
+    """SASS and resources of `kernel` for sm_`arch`, compiled as `compile_kernel` does."""
+    compiled = compile_kernel(kernel, signature, constexprs, arch, num_warps)
+    registers, shared = resources(compiled.asm["cubin"])
+    return Compiled(compiled.asm["sass"], registers, max(shared, compiled.metadata.shared))
+
+
+def loop_count(compiled: Compiled, weights: int) -> LoopCount:
+    body = inner_loop(compiled.sass)
+    return LoopCount(len(body), weights, Counter(op.split(".")[0] for op in body), compiled.registers,
+                     compiled.shared, any(op.startswith("LDGSTS") for op in body))
 
 
 def quant_loop(tile, bits: int, group: int, has_zeros: bool, k: int, rows: int = 1, arch: int = 90,
@@ -91,18 +140,16 @@ def quant_loop(tile, bits: int, group: int, has_zeros: bool, k: int, rows: int =
                 BLOCK_N=tile.block_n, BLOCK_W=tile.block_k, NORM_BLOCK=1024, KW_SPLIT=kw_split, PDL=False)
     if tile.dot:
         kernel = qk._quant_dot_kernel
-        meta.update(BLOCK_M=block_m, DOT_M=max(block_m, 16), INTERPRETED=False)
+        meta.update(BLOCK_M=block_m, DOT_M=max(block_m, 16), INTERPRETED=False, STAGES=tile.stages)
     elif tile.one_row:
         kernel = qk._quant_gemv_kernel
         meta.update(EVEN_N=True)
     else:
         kernel = qk._quant_skinny_kernel
         meta.update(BLOCK_M=block_m)
-    sass = compile_sass(kernel, ptrs, meta, arch, tile.warps)
-    body = inner_loop(sass)
     fields = 32 // bits
-    weights = tile.block_n * tile.block_k * fields // (32 * tile.warps)
-    return LoopCount(len(body), weights, Counter(op.split(".")[0] for op in body))
+    return loop_count(compile_sass(kernel, ptrs, meta, arch, tile.warps),
+                      tile.block_n * tile.block_k * fields // (32 * tile.warps))
 
 
 def bf16_loop(tile, k: int, rows: int = 1, arch: int = 90) -> LoopCount:
@@ -114,9 +161,9 @@ def bf16_loop(tile, k: int, rows: int = 1, arch: int = 90) -> LoopCount:
     ptrs = {"x_ptr": "*bf16", "res_ptr": "*bf16", "norm_w_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
             "res_out_ptr": "*bf16", "M": "i32", "N": "i32", "eps": "fp32"}
     meta = dict(K=k, NORM=False, ADD=False, SILU=False, DOT=tile.dot, IEEE=False, BLOCK_M=triton.next_power_of_2(rows),
-                BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, K_SPLIT=k, PDL=False)
-    body = inner_loop(compile_sass(kernels._skinny_matmul_kernel, ptrs, meta, arch, tile.warps))
-    return LoopCount(len(body), tile.block_n * tile.block_k // (32 * tile.warps), Counter(o.split(".")[0] for o in body))
+                BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, K_SPLIT=k, PDL=False, STAGES=tile.stages)
+    return loop_count(compile_sass(kernels._skinny_matmul_kernel, ptrs, meta, arch, tile.warps),
+                      tile.block_n * tile.block_k // (32 * tile.warps))
 
 
 _ADDRESSED = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*?);")
@@ -144,9 +191,7 @@ def tinygemm_counts(torch_lib: str, archs=(90, 86)) -> dict[int, LoopCount]:
     import subprocess
     import tempfile
 
-    import triton
-
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    cuobjdump = _cuobjdump()
     counts = {}
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run([cuobjdump, "-xelf", "all", os.path.abspath(torch_lib)], cwd=tmp, check=True,
@@ -223,22 +268,48 @@ def main() -> None:
             f.write(json.dumps(doc, indent=1) + "\n")
         print(json.dumps(doc))
         return
-    cases = [  # (label, tile, bits, group, zeros, K)
+    cases = [  # (label, tile, bits (16: bf16), group, zeros, K)
+        ("bf16, FMA tile (4,1024,4)", Tile(4, 1024, 4), 16, 0, False, 2560),
+        ("bf16, FMA tile (4,1024,4), 3 stages, K 9728", Tile(4, 1024, 4, stages=3), 16, 0, False, 9728),
+        ("bf16, dot (64,128,4), 16 rows", Tile(64, 128, 4, dot=True), 16, 0, False, 2560),
+        ("bf16, dot (64,128,4), 16 rows, 3 stages", Tile(64, 128, 4, dot=True, stages=3), 16, 0, False, 2560),
         ("int4 g128 asym, FMA tile (8,128,4)", Tile(8, 128, 4), 4, 128, True, 2560),
         ("int4 g128 asym, one-row (32,16,2)", Tile(32, 16, 2, one_row=True), 4, 128, True, 2560),
         ("int4 g128 asym, dot (64,16,4)", Tile(64, 16, 4, dot=True), 4, 128, True, 2560),
+        ("int4 g128 asym, dot (64,16,4), 4 stages", Tile(64, 16, 4, dot=True, stages=4), 4, 128, True, 2560),
+        ("int4 g128 asym, dot (128,16,4), 4 stages", Tile(128, 16, 4, dot=True, stages=4), 4, 128, True, 2560),
         ("int8 per-row sym, FMA tile (8,128,4)", Tile(8, 128, 4), 8, 2560, False, 2560),
         ("int8 per-row sym, one-row (32,64,4)", Tile(32, 64, 4, one_row=True), 8, 2560, False, 2560),
         ("int8 per-row sym, dot (64,16,4)", Tile(64, 16, 4, dot=True), 8, 2560, False, 2560),
+        ("int8 per-row sym, dot (64,16,4), 4 stages", Tile(64, 16, 4, dot=True, stages=4), 8, 2560, False, 2560),
     ]
+    print("kernel | instructions a weight | registers | shared KB | cp.async | programs an SM | weight KB in flight an SM")
     for arch in args.arch:
-        c = bf16_loop(Tile(4, 1024, 4), 2560, arch=arch)
-        print(f"sm_{arch} bf16, FMA tile (4,1024,4): {c.instructions} / {c.weights} = {c.per_weight:.2f} a weight")
         for label, tile, bits, group, zeros, k in cases:
-            c = quant_loop(tile, bits, group, zeros, k, arch=arch)
-            top = ", ".join(f"{op} {n}" for op, n in c.ops.most_common(6))
-            print(f"sm_{arch} {label}: {c.instructions} instructions / {c.weights} weights a thread = "
-                  f"{c.per_weight:.2f} a weight ({top})", flush=True)
+            if bits == 16:
+                c = bf16_loop(tile, k, rows=16 if tile.dot else 1, arch=arch)
+            else:
+                c = quant_loop(tile, bits, group, zeros, k, arch=arch)
+            programs = programs_an_sm(c, tile.warps, arch)
+            step = tile.block_n * tile.block_k * (2 if bits == 16 else 4)  # bytes of weights a step
+            flight = programs * step * max(tile.stages - 1, 1)
+            top = ", ".join(f"{op} {n}" for op, n in c.ops.most_common(5))
+            print(f"sm_{arch} {label} | {c.per_weight:.2f} ({c.instructions}/{c.weights}: {top}) | {c.registers} | "
+                  f"{c.shared / 1024:.1f} | {'yes' if c.asynchronous else 'no'} | {programs} | {flight / 1024:.0f}",
+                  flush=True)
+
+
+# An SM's registers and shared memory (sm_90: Hopper; sm_87: Orin's Ampere), and the most programs
+# (thread blocks) it holds: what bounds how many of a kernel's programs, so how many bytes of
+# weights requested ahead, an SM keeps at once (the grid permitting).
+SM_LIMITS = {90: (65536, 228 * 1024, 32), 87: (65536, 164 * 1024, 16)}
+
+
+def programs_an_sm(count: LoopCount, warps: int, arch: int) -> int:
+    registers, shared, most = SM_LIMITS.get(arch, SM_LIMITS[87])
+    by_registers = registers // (max(8, -(-count.registers // 8) * 8) * 32 * warps)
+    by_shared = shared // (count.shared + 1024) if count.shared else most  # 1 KB a block the driver keeps
+    return max(0, min(by_registers, by_shared, most))
 
 
 if __name__ == "__main__":

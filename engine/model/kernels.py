@@ -346,7 +346,7 @@ def normalized(a, inv, norm_w_ptr, cols, k_mask, dtype: tl.constexpr):
 def _skinny_matmul_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, out_ptr, res_out_ptr, M, N, K: tl.constexpr, eps,
                           NORM: tl.constexpr, ADD: tl.constexpr, SILU: tl.constexpr, DOT: tl.constexpr,
                           IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          K_SPLIT: tl.constexpr, PDL: tl.constexpr):
+                          K_SPLIT: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr):
     """out[M, N] = a(x)[M, K] @ w[N, K]^T for a few rows, a() being the prologue: nothing, RMSNorm
     (of x + residual, whose sum the first column of programs also stores) or SiLU(gate) * up.
     Program (i, j) streams BLOCK_N weight rows once for all M input rows, over input columns
@@ -354,7 +354,8 @@ def _skinny_matmul_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, out_ptr, res_out_pt
     `_sum_splits_kernel` adds in order (deterministic), so a small N still fills the GPU. The
     inputs are tiny and come from L2. The products are FMAs in registers (up to 8 rows) or
     tensor-core dots (DOT, from 16 rows, and below where the tile says so: rows padded to 16). The
-    next tile's weights are requested before this one is multiplied; the first tile's before
+    next tile's weights are requested before this one is multiplied (STAGES 0), or STAGES - 1
+    tiles ahead into shared memory by Triton's pipeline (Tile.stages); the first tile's before
     waiting for the previous kernel (PDL: a programmatic dependent launch starts while it ends,
     and weights are never written by a step), the prologue runs while they arrive."""
     pid = tl.program_id(0)
@@ -366,7 +367,8 @@ def _skinny_matmul_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, out_ptr, res_out_pt
     n_mask = n < N
     w_rows = w_ptr + n[:, None].to(tl.int64) * K
     dtype = x_ptr.dtype.element_ty  # the activations' (out may hold fp32 partial sums)
-    w = _weights(w_rows, n_mask, k_lo, k_hi, BLOCK_K)
+    if STAGES == 0 or K_SPLIT <= BLOCK_K:  # the pipeline requests its own first tiles
+        w = _weights(w_rows, n_mask, k_lo, k_hi, BLOCK_K)
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -392,7 +394,13 @@ def _skinny_matmul_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, out_ptr, res_out_pt
         if NORM:  # first pass: each row's mean square
             inv = row_inv_rms(x_ptr, res_ptr, res_out_ptr, rows, row_mask, K, eps, ADD, SILU, dtype, BLOCK_M,
                                BLOCK_K)
-        if DOT:
+        if DOT and STAGES > 0:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
+                a = _prologue(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, rows, row_mask, k0, k_hi, inv, pid == 0, K,
+                              NORM, ADD, SILU, dtype, BLOCK_K)
+                acc += _dot(a, _weights(w_rows, n_mask, k0, k_hi, BLOCK_K), IEEE)
+        elif DOT:
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for k0 in range(k_lo, k_hi, BLOCK_K):
                 cur = w
@@ -404,12 +412,19 @@ def _skinny_matmul_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, out_ptr, res_out_pt
             # Products accumulate elementwise and are reduced once at the end: an iteration is
             # loads and FMAs, with no cross-thread reduction between one tile's loads and the next's.
             acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
-            for k0 in range(k_lo, k_hi, BLOCK_K):
-                cur = w
-                w = _weights(w_rows, n_mask, k0 + BLOCK_K, k_hi, BLOCK_K)
-                a = _prologue(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, rows, row_mask, k0, k_hi, inv, pid == 0, K,
-                              NORM, ADD, SILU, dtype, BLOCK_K)
-                acc3 += a.to(tl.float32)[:, None, :] * cur.to(tl.float32)[None, :, :]
+            if STAGES > 0:
+                for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
+                    a = _prologue(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, rows, row_mask, k0, k_hi, inv, pid == 0,
+                                  K, NORM, ADD, SILU, dtype, BLOCK_K)
+                    w = _weights(w_rows, n_mask, k0, k_hi, BLOCK_K)
+                    acc3 += a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+            else:
+                for k0 in range(k_lo, k_hi, BLOCK_K):
+                    cur = w
+                    w = _weights(w_rows, n_mask, k0 + BLOCK_K, k_hi, BLOCK_K)
+                    a = _prologue(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, rows, row_mask, k0, k_hi, inv, pid == 0,
+                                  K, NORM, ADD, SILU, dtype, BLOCK_K)
+                    acc3 += a.to(tl.float32)[:, None, :] * cur.to(tl.float32)[None, :, :]
             acc = tl.sum(acc3, axis=2)
     out_mask = row_mask[:, None] & n_mask[None, :]
     if K_SPLIT >= K:
@@ -495,7 +510,11 @@ class Tile(NamedTuple):
     products' kernel for one input row (quant_kernels._quant_gemv_kernel), a field, so a tile
     stored in the tile cache says which kernel it is; `dot`: tensor-core dots, the input rows
     padded to DOT_MIN_ROWS below it (the padding is free where the weights' bytes bound the
-    product, and the FMA tiles' per-row products and cross-thread sums are not)."""
+    product, and the FMA tiles' per-row products and cross-thread sums are not); `stages`: 0, a
+    program holds the next step's weights in registers while it multiplies this one's (one step
+    in flight); from 2, Triton's software pipeline copies them asynchronously into shared memory
+    `stages` - 1 steps ahead (cp.async), so a program keeps several steps' bytes in flight
+    without the registers to hold them. A fields' order that tables and caches store."""
 
     block_n: int
     block_k: int
@@ -505,21 +524,27 @@ class Tile(NamedTuple):
     pdl: bool = False
     one_row: bool = False
     dot: bool = False
+    stages: int = 0
 
 
 # Tiles tried for each shape; an FMA tile holds BLOCK_M * BLOCK_N * BLOCK_K products. Main's
 # tiles that some Qwen3 0.6B/4B projection chose on the H200 (bench/results/kernels-h200,
-# quant-h200), then the same with the prologue apart.
+# quant-h200), then the same with the prologue apart; last, pipelined ones (Tile.stages): the
+# one-step register prefetch keeps a program's next tile, and no more, in flight, where a
+# decode product's time is the wait for its weights.
 _TILES = [Tile(4, 1024, 4), Tile(2, 2048, 4), Tile(8, 1024, 4), Tile(2, 4096, 4), Tile(16, 512, 4),
           Tile(2, 1024, 8), Tile(4, 512, 8), Tile(8, 256, 8),  # the last three small enough for 8 rows
           Tile(4, 1024, 4, apart=True), Tile(8, 1024, 4, apart=True), Tile(2, 4096, 4, apart=True),
-          Tile(2, 1024, 8, apart=True)]
+          Tile(2, 1024, 8, apart=True),
+          Tile(4, 1024, 4, stages=3), Tile(8, 256, 8, stages=3), Tile(4, 1024, 4, apart=True, stages=3)]
 # Tensor-core tiles (16-64 rows): narrow N for many programs on small weights, wide K for bytes in
-# flight; split K where N / BLOCK_N programs would leave most of the GPU idle.
+# flight; split K where N / BLOCK_N programs would leave most of the GPU idle; pipelined last.
 _DOT_TILES = [Tile(16, 256, 4, dot=True), Tile(32, 128, 4, dot=True), Tile(32, 256, 4, dot=True),
               Tile(64, 128, 4, dot=True), Tile(64, 64, 4, dot=True), Tile(128, 64, 8, dot=True),
               Tile(16, 256, 4, 4, dot=True), Tile(16, 128, 4, 8, dot=True), Tile(32, 128, 4, 4, dot=True),
-              Tile(16, 256, 4, apart=True, dot=True), Tile(16, 256, 4, 4, True, dot=True)]
+              Tile(16, 256, 4, apart=True, dot=True), Tile(16, 256, 4, 4, True, dot=True),
+              Tile(64, 128, 4, dot=True, stages=3), Tile(32, 128, 4, 4, dot=True, stages=3),
+              Tile(16, 256, 4, 4, True, dot=True, stages=3)]
 _UNTUNED_BYTES = 256 * 1024  # weights this small take the first tile that fits: nothing to gain from timing
 _MAX_PRODUCTS_PER_THREAD = 64  # more spills registers
 
@@ -591,7 +616,7 @@ def _run(tile, prologue, x, weight, residual, norm_weight, eps, row_block: int |
            x, residual if residual is not None else x, norm_weight if norm_weight is not None else weight, weight,
            target, res_out, m, n, k, eps, NORM=prologue in (NORM, ADD_NORM), ADD=prologue == ADD_NORM,
            SILU=prologue == SILU_MUL, DOT=tile.dot, IEEE=x.dtype == torch.float32, BLOCK_M=block_m,
-           BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, K_SPLIT=k_split, num_warps=tile.warps)
+           BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, K_SPLIT=k_split, STAGES=tile.stages, num_warps=tile.warps)
     if splits > 1:
         sum_splits(target, out, tile.pdl)
     if prologue == NORM:

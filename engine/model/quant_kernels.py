@@ -332,6 +332,40 @@ def _dot16(w, a, INTERPRETED: tl.constexpr):
     return tl.dot(w, a)
 
 
+@triton.jit
+def _dot_step(acc, a_total, words, w0, x_ptr, res_ptr, res_out_ptr, norm_w_ptr, s_ptr, z_ptr, rows, row_mask, n_in,
+              inv, store_sum, K: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr, SILU: tl.constexpr,
+              BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, DOT_M: tl.constexpr, INTERPRETED: tl.constexpr):
+    """One step of `_quant_dot_kernel`: `words` [BLOCK_N, BLOCK_W] from word w0 of rows n_in times
+    the input rows' matching columns, added to acc [BLOCK_N, DOT_M] (scaled, its group's offset
+    off) or, with one group a row, to acc and the inputs' sums a_total, whose offset and scale
+    come once at the end."""
+    FIELDS: tl.constexpr = 32 // BITS
+    GROUPS: tl.constexpr = K // GROUP
+    dtype = x_ptr.dtype.element_ty
+    HALF: tl.constexpr = dtype == tl.float16
+    MAGIC: tl.constexpr = 0x64006400 if HALF else 0x43004300
+    OFFSET: tl.constexpr = (1024.0 if HALF else 128.0) * (17 if BITS == 8 else 1)  # sum over an integer's nibbles
+    cols, unit = _slots(w0, BITS, BLOCK_W)
+    a = input_chunk(x_ptr, res_ptr, res_out_ptr, rows, cols, row_mask[:, None] & (cols < K)[None, :], K, store_sum,
+                    ADD, SILU, dtype)
+    if NORM:
+        a = normalized(a, inv, norm_w_ptr, cols, cols < K, dtype)
+    a_sum = tl.sum(tl.where(unit[None, :], a.to(tl.float32), 0.0), axis=1)  # each column once
+    if BITS == 8:  # a high nibble's input: its column's times 16 (exact)
+        a = tl.where(unit[None, :], a, (a.to(tl.float32) * 16.0).to(dtype))
+    if BLOCK_M < DOT_M:
+        a = tl.reshape(tl.broadcast_to(a[None, :, :], [DOT_M // BLOCK_M, BLOCK_M, 8 * BLOCK_W]), [DOT_M, 8 * BLOCK_W])
+        a_sum = tl.reshape(tl.broadcast_to(a_sum[None, :], [DOT_M // BLOCK_M, BLOCK_M]), [DOT_M])
+    part = _dot16(_nibbles(words, MAGIC, BLOCK_N, BLOCK_W), tl.trans(a), INTERPRETED)
+    if GROUPS == 1:
+        return acc + part, a_total + a_sum
+    at = n_in * GROUPS + w0 // (GROUP // FIELDS)
+    zero = tl.load(z_ptr + at).to(tl.float32) if HAS_ZEROS else tl.zeros([BLOCK_N], tl.float32) + (1 << (BITS - 1))
+    return acc + (part - (OFFSET + zero)[:, None] * a_sum[None, :]) * tl.load(s_ptr + at)[:, None], a_total
+
+
 # M not specialized on its divisibility by 16, which varies step to step (a compile each class, first
 # met on a request's path); M == 1, plain decoding at batch 1, keeps a variant of its own.
 @triton.jit(do_not_specialize_on_alignment=["M"])
@@ -339,7 +373,7 @@ def _quant_dot_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,
                       eps, NORM: tl.constexpr, ADD: tl.constexpr, SILU: tl.constexpr, BITS: tl.constexpr,
                       GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_W: tl.constexpr, NORM_BLOCK: tl.constexpr, KW_SPLIT: tl.constexpr, PDL: tl.constexpr,
-                      DOT_M: tl.constexpr, INTERPRETED: tl.constexpr):
+                      DOT_M: tl.constexpr, INTERPRETED: tl.constexpr, STAGES: tl.constexpr):
     """out[M, N] = a(x)[M, K] @ dequant(w)[N, K]^T on tensor cores, a() the prologue as in
     `_quant_skinny_kernel`. The BLOCK_M input rows' prologue is computed once, then repeated to
     the dot's DOT_M >= 16 rows (free: the weights' bytes bound the product, each read once for
@@ -352,15 +386,15 @@ def _quant_dot_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,
     a_k (the offset large beside q, so the fp32 sum keeps some 16 bits of the products' where
     the bf16 output keeps 8). Scales once a group and row after each step (a step is at most a
     group: BLOCK_W divides the group's words), or once a row at the end. Program (i, j) takes
-    words [j KW_SPLIT, (j + 1) KW_SPLIT) as in `_quant_skinny_kernel`."""
+    words [j KW_SPLIT, (j + 1) KW_SPLIT) as in `_quant_skinny_kernel`. The next step's words are
+    in flight while a step multiplies (STAGES 0), or STAGES - 1 steps' in shared memory through
+    Triton's pipeline (kernels.Tile.stages)."""
     pid = tl.program_id(0)
     FIELDS: tl.constexpr = 32 // BITS
     KW: tl.constexpr = K // FIELDS
     GROUPS: tl.constexpr = K // GROUP
     dtype = x_ptr.dtype.element_ty
-    HALF: tl.constexpr = dtype == tl.float16
-    MAGIC: tl.constexpr = 0x64006400 if HALF else 0x43004300
-    OFFSET: tl.constexpr = (1024.0 if HALF else 128.0) * (17 if BITS == 8 else 1)  # sum over an integer's nibbles
+    OFFSET: tl.constexpr = (1024.0 if dtype == tl.float16 else 128.0) * (17 if BITS == 8 else 1)  # as _dot_step's
     w_lo = tl.program_id(1) * KW_SPLIT
     w_hi = tl.minimum(w_lo + KW_SPLIT, KW)
     rows = tl.arange(0, BLOCK_M)
@@ -369,7 +403,8 @@ def _quant_dot_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,
     n_mask = n < N
     n_in = tl.minimum(n, N - 1)  # rows past N read row N - 1 (not stored): every weight load unmasked
     tile_words = qw_ptr + n_in.to(tl.int64)[:, None] * KW + tl.arange(0, BLOCK_W)[None, :]
-    words = tl.load(tile_words + w_lo)  # in flight first
+    if STAGES == 0:
+        words = tl.load(tile_words + w_lo)  # in flight first
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -382,30 +417,18 @@ def _quant_dot_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,
             1 << (BITS - 1))
     acc = tl.zeros([BLOCK_N, DOT_M], tl.float32)
     a_total = tl.zeros([DOT_M], tl.float32)
-    for w0 in range(w_lo, w_hi, BLOCK_W):
-        cur = words
-        words = tl.load(tile_words + tl.minimum(w0 + BLOCK_W, w_hi - BLOCK_W))  # the next step's, in flight
-        cols, unit = _slots(w0, BITS, BLOCK_W)
-        a = input_chunk(x_ptr, res_ptr, res_out_ptr, rows, cols, row_mask[:, None] & (cols < K)[None, :], K,
-                        pid == 0, ADD, SILU, dtype)
-        if NORM:
-            a = normalized(a, inv, norm_w_ptr, cols, cols < K, dtype)
-        a_sum = tl.sum(tl.where(unit[None, :], a.to(tl.float32), 0.0), axis=1)  # each column once
-        if BITS == 8:  # a high nibble's input: its column's times 16 (exact)
-            a = tl.where(unit[None, :], a, (a.to(tl.float32) * 16.0).to(dtype))
-        if BLOCK_M < DOT_M:
-            a = tl.reshape(tl.broadcast_to(a[None, :, :], [DOT_M // BLOCK_M, BLOCK_M, 8 * BLOCK_W]),
-                           [DOT_M, 8 * BLOCK_W])
-            a_sum = tl.reshape(tl.broadcast_to(a_sum[None, :], [DOT_M // BLOCK_M, BLOCK_M]), [DOT_M])
-        part = _dot16(_nibbles(cur, MAGIC, BLOCK_N, BLOCK_W), tl.trans(a), INTERPRETED)
-        if GROUPS == 1:
-            acc += part
-            a_total += a_sum
-        else:
-            at = n_in * GROUPS + w0 // (GROUP // FIELDS)
-            zero = tl.load(z_ptr + at).to(tl.float32) if HAS_ZEROS else tl.zeros([BLOCK_N], tl.float32) + (
-                1 << (BITS - 1))
-            acc += (part - (OFFSET + zero)[:, None] * a_sum[None, :]) * tl.load(s_ptr + at)[:, None]
+    if STAGES > 0:  # Triton's pipeline requests the words STAGES - 1 steps ahead, into shared memory
+        for w0 in tl.range(w_lo, w_hi, BLOCK_W, num_stages=STAGES):
+            acc, a_total = _dot_step(acc, a_total, tl.load(tile_words + w0), w0, x_ptr, res_ptr, res_out_ptr,
+                                     norm_w_ptr, s_ptr, z_ptr, rows, row_mask, n_in, inv, pid == 0, K, NORM, ADD,
+                                     SILU, BITS, GROUP, HAS_ZEROS, BLOCK_M, BLOCK_N, BLOCK_W, DOT_M, INTERPRETED)
+    else:
+        for w0 in range(w_lo, w_hi, BLOCK_W):
+            cur = words
+            words = tl.load(tile_words + tl.minimum(w0 + BLOCK_W, w_hi - BLOCK_W))  # the next step's, in flight
+            acc, a_total = _dot_step(acc, a_total, cur, w0, x_ptr, res_ptr, res_out_ptr, norm_w_ptr, s_ptr, z_ptr,
+                                     rows, row_mask, n_in, inv, pid == 0, K, NORM, ADD, SILU, BITS, GROUP, HAS_ZEROS,
+                                     BLOCK_M, BLOCK_N, BLOCK_W, DOT_M, INTERPRETED)
     if GROUPS == 1:
         acc = (acc - (OFFSET + zero)[:, None] * a_total[None, :]) * tl.load(s_ptr + n_in)[:, None]
     out_rows = tl.arange(0, DOT_M)
@@ -460,10 +483,13 @@ def _gemv_tiles(rows: int, weight: QuantizedWeight) -> list[Tile]:
 # Tensor-core candidates (`_quant_dot_kernel`, `dot`): BLOCK_N weight rows a program (the dot's M),
 # 16 words a step (a group of 128 INT4 weights, 64 INT8), K split 4 or 8 ways where N / BLOCK_N
 # programs would leave the memory pipe part empty (the narrow o and down projections); the
-# prologue fused or apart.
+# prologue fused or apart; pipelined last (kernels.Tile.stages: several steps' words in flight a
+# program, where the register prefetch holds one).
 DOT_TILES = [Tile(64, 16, 4, dot=True), Tile(32, 16, 4, dot=True), Tile(32, 16, 4, 4, dot=True),
              Tile(32, 16, 4, 8, dot=True), Tile(64, 16, 4, 4, dot=True), Tile(16, 16, 2, 8, dot=True),
-             Tile(64, 16, 4, apart=True, dot=True), Tile(32, 16, 4, 4, apart=True, dot=True)]
+             Tile(64, 16, 4, apart=True, dot=True), Tile(32, 16, 4, 4, apart=True, dot=True),
+             Tile(64, 16, 4, dot=True, stages=4), Tile(64, 16, 4, 4, dot=True, stages=3),
+             Tile(128, 16, 4, dot=True, stages=4), Tile(64, 16, 4, 4, apart=True, dot=True, stages=3)]
 
 
 def _dot_tiles(rows: int, weight: QuantizedWeight, dtype: torch.dtype) -> list[Tile]:
@@ -512,7 +538,7 @@ def quant_matmul(tile, prologue, x, weight: QuantizedWeight, residual=None, norm
     grid = (triton.cdiv(n, tile.block_n), splits)
     if tile.dot:
         launch(_quant_dot_kernel, grid, tile.pdl, *args, m, n, k, eps, BLOCK_M=block_m, DOT_M=max(block_m, DOT_MIN_ROWS),
-               INTERPRETED=INTERPRETED, **meta)
+               INTERPRETED=INTERPRETED, STAGES=tile.stages, **meta)
     elif tile.one_row:
         launch(_quant_gemv_kernel, grid, tile.pdl, *args, n, k, eps, (1 << weight.bits) - 1,
                EVEN_N=n % tile.block_n == 0, **meta)

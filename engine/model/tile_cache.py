@@ -43,6 +43,7 @@ KERNEL_SOURCES = tuple(Path(__file__).with_name(name) for name in ("kernels.py",
 MAX_FILE_BYTES = 8 << 20  # a larger file is not read
 MAX_SHAPES = 4096  # a file holding more starts again from the writer's own shapes
 _FIELD_TYPES = tuple(typing.get_type_hints(Tile).values())  # a stored tile's fields must have exactly these
+_REQUIRED_FIELDS = Tile._fields.index("stages")  # the fields before the first one added since caches were written
 LOCK_WAIT_S = 30.0  # another writer holds the lock for milliseconds: past this, this start keeps nothing
 
 
@@ -205,10 +206,11 @@ def _entry(key: str, value) -> Entry:
 
 
 def _tile(key: str, value) -> Tile | None:
-    """A stored tile: null (cuBLAS) or Tile's fields in order, of exactly their types."""
+    """A stored tile: null (cuBLAS) or Tile's fields in order, of exactly their types; the fields
+    a later version added (with their defaults) may be missing, as a shipped table reads them."""
     if value is None:
         return None
-    if not (isinstance(value, list) and len(value) == len(_FIELD_TYPES)
+    if not (isinstance(value, list) and _REQUIRED_FIELDS <= len(value) <= len(_FIELD_TYPES)
             and all(type(v) is t for v, t in zip(value, _FIELD_TYPES))):
         raise ValueError(f"shape {key[:80]!r}: {str(value)[:80]} is not a tile")
     return Tile(*value)

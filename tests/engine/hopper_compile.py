@@ -3,7 +3,8 @@
 accepts code the compiler refuses, e.g. a plain global read inside a kernel. Run as a script (the interpreter
 must be off): python -m tests.engine.hopper_compile; with the argument `quant`, the one-row
 W4A16/W8A16 kernel's variants instead; with `quant_dot`, the tensor-core one's for sm_90 and for
-Jetson Orin (sm_87), with its instructions a weight in the inner loop (tools/sass_count.py)."""
+Jetson Orin (sm_87), with its instructions a weight in the inner loop (tools/sass_count.py); with
+`pipelined`, the pipelined tiles' (kernels.Tile.stages) of the bf16 and quantized products."""
 
 import functools
 import inspect
@@ -13,17 +14,22 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from jetserve.engine.model import quant_kernels, sampling_kernels, spec_kernels
+from jetserve.engine.model import kernels, quant_kernels, sampling_kernels, spec_kernels
 
 
-def compile_for_hopper(fn, types: dict, constants: dict, arch: int = 90):
-    signature, constexprs = {}, {}
+def compile_for_hopper(fn, types: dict, constants: dict, arch: int = 90, num_warps: int = 4):
+    """`fn` for sm_`arch` as a launch compiles it: its pointers 16-byte aligned (the JIT
+    specializes on that, and torch's allocations are), so loads vectorize and pipeline."""
+    signature, constexprs, aligned = {}, {}, {}
     for i, name in enumerate(inspect.signature(fn.fn).parameters):
         if name in constants:
             signature[name], constexprs[(i,)] = "constexpr", constants[name]
         else:
             signature[name] = types.get(name, "i32")  # unnamed: an int32 scalar
-    return triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=GPUTarget("cuda", arch, 32))
+            if signature[name].startswith("*"):
+                aligned[(i,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(fn, signature, constexprs=constexprs, attrs=aligned),
+                          target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
 
 
 def main() -> None:
@@ -119,12 +125,48 @@ def quant_dot() -> None:
                      eps="fp32"),
                 dict(K=1024, NORM=prologue in (1, 2), ADD=prologue == 2, SILU=prologue == 3, BITS=bits, GROUP=group,
                      HAS_ZEROS=zeros, BLOCK_M=rows, BLOCK_N=64, BLOCK_W=16, NORM_BLOCK=1024 // max(rows, 16),
-                     KW_SPLIT=1024 * bits // 32 // split, PDL=arch >= 90, DOT_M=max(rows, 16), INTERPRETED=False),
+                     KW_SPLIT=1024 * bits // 32 // split, PDL=arch >= 90, DOT_M=max(rows, 16), INTERPRETED=False,
+                     STAGES=0),
                 arch)
             if prologue == 0 and rows == 1:  # 64 x 16 words a step over 128 threads
                 print(f"sass sm_{arch} {bits} {len(inner_loop(compiled.asm['sass'])) / (64 * 16 * 32 // bits / 128):.2f}")
     print("compiled")
 
 
+def pipelined() -> None:
+    """The pipelined tiles (kernels.Tile.stages) of the bf16 skinny product (FMA and tensor-core
+    loops, every prologue) and of the quantized tensor-core one (INT4 in groups, INT8 per
+    channel), for sm_90 and sm_87: one line each, `async <kernel> sm_<arch> <stages> <yes|no>`,
+    whether the inner loop copies its weights asynchronously (cp.async, LDGSTS), which is what
+    the stages are for; stages 0, the register prefetch, for comparison."""
+    from tools.sass_count import inner_loop
+
+    def line(name, arch, stages, compiled):
+        body = inner_loop(compiled.asm["sass"])
+        print(f"async {name} sm_{arch} {stages} {'yes' if any(op.startswith('LDGSTS') for op in body) else 'no'}")
+
+    act = dict(x_ptr="*bf16", res_ptr="*bf16", norm_w_ptr="*bf16", res_out_ptr="*bf16", eps="fp32")
+    for arch in (90, 87):
+        for stages in (0, 3):
+            for i, (dot, block_m, block_n, block_k, warps) in enumerate(((False, 1, 8, 256, 8), (True, 16, 64, 128, 4))):
+                for prologue in range(4):
+                    compiled = compile_for_hopper(
+                        kernels._skinny_matmul_kernel, dict(act, w_ptr="*bf16", out_ptr="*bf16"),
+                        dict(K=4096, NORM=prologue in (1, 2), ADD=prologue == 2, SILU=prologue == 3, DOT=dot,
+                             IEEE=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, K_SPLIT=4096,
+                             PDL=arch >= 90 and i == 0, STAGES=stages), arch, warps)
+                    if prologue == 0:
+                        line("bf16-dot" if dot else "bf16-fma", arch, stages, compiled)
+            for bits, group, zeros in ((4, 128, True), (8, 4096, False)):
+                compiled = compile_for_hopper(
+                    quant_kernels._quant_dot_kernel,
+                    dict(act, qw_ptr="*i32", s_ptr="*fp32", z_ptr="*u8" if zeros else "*fp32", out_ptr="*bf16"),
+                    dict(K=4096, NORM=False, ADD=False, SILU=False, BITS=bits, GROUP=group, HAS_ZEROS=zeros, BLOCK_M=1,
+                         BLOCK_N=64, BLOCK_W=16, NORM_BLOCK=1024, KW_SPLIT=4096 * bits // 32, PDL=arch >= 90, DOT_M=16,
+                         INTERPRETED=False, STAGES=stages), arch)
+                line(f"int{bits}-dot", arch, stages, compiled)
+    print("compiled")
+
+
 if __name__ == "__main__":
-    {"quant": quant, "quant_dot": quant_dot}.get(sys.argv[1] if sys.argv[1:] else "", main)()
+    {"quant": quant, "quant_dot": quant_dot, "pipelined": pipelined}.get(sys.argv[1] if sys.argv[1:] else "", main)()

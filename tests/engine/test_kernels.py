@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.tools import require_module
+from tests.tools import compile_for_gpus, require_module
 
 require_module("triton")
 
@@ -24,10 +24,13 @@ def rms_norm(x, w, eps):
 
 
 Tile = kernels.Tile
-FMA_TILES = [Tile(4, 1024, 4), Tile(2, 4096, 4), Tile(16, 512, 4), Tile(8, 256, 8), Tile(2, 1024, 8, apart=True)]
-# from kernels._DOT_TILES: K in one tile, in loops, split over programs (in one tile or a loop each)
+FMA_TILES = [Tile(4, 1024, 4), Tile(2, 4096, 4), Tile(16, 512, 4), Tile(8, 256, 8), Tile(2, 1024, 8, apart=True),
+             Tile(8, 256, 8, stages=3)]
+# from kernels._DOT_TILES: K in one tile, in loops, split over programs (in one tile or a loop each), the
+# loops pipelined (Tile.stages)
 DOT_TILES = [Tile(16, 256, 4, dot=True), Tile(64, 64, 4, dot=True), Tile(32, 128, 4, dot=True),
-             Tile(16, 128, 4, 8, dot=True), Tile(16, 256, 4, 4, True, dot=True), Tile(32, 128, 4, 4, dot=True)]
+             Tile(16, 128, 4, 8, dot=True), Tile(16, 256, 4, 4, True, dot=True), Tile(32, 128, 4, 4, dot=True),
+             Tile(64, 128, 4, dot=True, stages=3), Tile(32, 128, 4, 4, dot=True, stages=3)]
 SPLIT_TILES = [Tile(4, 128, 4, 3), Tile(2, 256, 4, 2, True)]  # FMA tiles over K split: loops, a partial last split
 
 
@@ -154,3 +157,19 @@ def test_candidates_with_and_without_pdl():
     assert [t for t in both[1:] if not t.pdl] == [t for t in plain[1:] if t.split_k == 1 and not t.apart]
     assert any(t.apart for t in plain[1:]) and not any(t.apart for t in kernels.candidate_tiles(1, pdl=True)[1:])
     assert any(t.split_k > 1 for t in kernels.candidate_tiles(32, kernels.PLAIN)[1:])
+
+
+def test_pipelined_tiles_copy_their_weights_asynchronously_on_hopper_and_orin():
+    """A tile with stages (Tile.stages) compiles, for sm_90 and Jetson Orin's sm_87, to an inner
+    loop that copies global memory to shared memory asynchronously (cp.async: what keeps several
+    steps' weights in flight), for the bf16 FMA and tensor-core loops and the quantized
+    tensor-core one; the quantized and FMA loops' register prefetch (stages 0) does not. Compiled
+    as a launch compiles them (aligned pointers): unaligned, no load is pipelined at all."""
+    done = compile_for_gpus("pipelined", timeout=600)
+    lines = [line.split()[1:] for line in done.stdout.splitlines() if line.startswith("async ")]
+    assert len(lines) == 16, done.stdout
+    for name, arch, stages, copies in lines:
+        if stages != "0":
+            assert copies == "yes", (name, arch, stages)
+        elif name != "bf16-dot":  # the dot's register prefetch pipelines its inputs, not its weights
+            assert copies == "no", (name, arch, stages)

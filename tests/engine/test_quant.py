@@ -304,7 +304,8 @@ def test_quant_dot_kernel(bits, group, sym, m, dtype, monkeypatch):
     """The tensor-core kernel against the same product in fp32 (the dequantized weights, the
     prologue's output as the kernel rounds it), every prologue: N not a multiple of the tile's
     rows, several steps, K split with a partial last split, the prologue apart, rows repeated up
-    to the dot's 16 (1, 3) or padded to it (11); outputs poisoned with NaN first. Groups smaller than a
+    to the dot's 16 (1, 3) or padded to it (11), the words held a step ahead or pipelined
+    (Tile.stages); outputs poisoned with NaN first. Groups smaller than a
     step, fp32 inputs and more than 16 rows take none of its tiles."""
     require_module("triton")
     from jetserve.engine.model import kernels
@@ -328,13 +329,14 @@ def test_quant_dot_kernel(bits, group, sym, m, dtype, monkeypatch):
                                  (torch.rand(k, device=device) + 0.5).to(dtype))
     inputs = {kernels.PLAIN: ((x, None, None), x), kernels.NORM: ((x, None, norm_w), None),
               kernels.ADD_NORM: ((x, res, norm_w), None), kernels.SILU_MUL: ((gate_up, None, None), None)}
-    tiles = [Tile(16, 16, 4, dot=True), Tile(32, 16, 4, 3, dot=True), Tile(16, 16, 4, apart=True, dot=True)]
+    tiles = [Tile(16, 16, 4, dot=True), Tile(32, 16, 4, 3, dot=True), Tile(16, 16, 4, 3, dot=True, stages=3),
+             Tile(16, 16, 4, apart=True, dot=True)]
     for prologue, ((inp, residual, nw), _) in inputs.items():
         # what the product multiplies: the prologue as the float path rounds it (kernels' own kernels)
         apart = kernels.run_apart(lambda y: y, prologue, inp, residual, nw, eps, False) if prologue else inp
         a = apart[0] if isinstance(apart, tuple) else apart
         want = F.linear(a.float(), dense)
-        for tile in tiles if prologue else tiles[:2]:
+        for tile in tiles if prologue else tiles[:3]:
             got = quant_matmul(tile, prologue, inp, w, residual, nw, eps)
             if prologue == kernels.ADD_NORM:
                 torch.testing.assert_close(got[1], apart[1], rtol=0, atol=0)  # x + residual, as rms_norm's

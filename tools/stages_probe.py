@@ -1,0 +1,109 @@
+"""Issues 29 and 30 on a GPU: the pipelined tiles (kernels.Tile.stages, Triton's cp.async
+software pipeline) against what the engine runs now, product by product.
+
+For each Qwen3 projection (its fused prologue), weight format (bf16, INT8, INT4) and row count:
+the shipped table's tile; the fastest register-prefetch candidate (stages 0) and the fastest
+pipelined one, each timed as the start-up tuning times a tile (a CUDA graph over cold copies of
+the weight); for INT4 also torch's W4A16 kernel (what the engine's large INT4 projections take,
+model/int4pack.py), for bf16 cuBLAS. Every candidate's result is checked against the fp32
+product first. Prints a table; writes $OUT/stages.json. Run from the repository root:
+
+    python3 tools/stages_probe.py [shapes, default qwen3-0.6b,qwen3-4b] [rows, default 1,4,16,32]
+"""
+
+import json
+import os
+import sys
+
+import torch
+
+from jetserve.bench.quant import operands, shape_projections
+from jetserve.engine.model import int4pack, kernels, quant
+from jetserve.engine.model.kernels import cold_copies, graph_time, pdl_supported
+from jetserve.engine.model.quant_kernels import QuantFusedKernels, fitting_tiles, quant_matmul
+from jetserve.engine.model.tile_tables import for_device
+
+OUT = os.environ.get("OUT", "/tmp/out")
+SHAPES = (sys.argv[1] if len(sys.argv) > 1 else "qwen3-0.6b,qwen3-4b").split(",")
+ROWS = [int(r) for r in (sys.argv[2] if len(sys.argv) > 2 else "1,4,16,32").split(",")]
+FORMATS = ("bf16", "int8", "int4")
+DEV = torch.device("cuda")
+
+
+def product(tile, prologue, x, w, residual, norm):
+    """The engine's product in `tile` (None: cuBLAS), its first output."""
+    if isinstance(w, quant.QuantizedWeight):
+        out = quant_matmul(tile, prologue, x, w, residual, norm, 1e-6)
+    else:
+        out = kernels._run(tile, prologue, x, w, residual, norm, 1e-6)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def timed(call, weight) -> float:
+    """µs call(weight) takes, replayed from a graph over cold copies of the weight."""
+    if isinstance(weight, quant.QuantizedWeight):
+        return graph_time([lambda c=c: call(weight._replace(qweight=c)) for c in cold_copies(weight.qweight)]) * 1e3
+    return graph_time([lambda c=c: call(c) for c in cold_copies(weight)]) * 1e3
+
+
+def main() -> None:
+    pdl = pdl_supported(DEV)
+    table = for_device(DEV)
+    rows_out, lines = [], []
+    for shape in SHAPES:
+        for name, (prologue, n, k) in shape_projections(shape).items():
+            for fmt in ("bf16",) if name == "lm_head" else FORMATS:
+                for m in ROWS:
+                    x, w, residual, norm = operands(prologue, n, k, fmt, DEV, m)
+                    quantized = isinstance(w, quant.QuantizedWeight)
+                    if quantized:
+                        tiles, shipped = fitting_tiles(m, w, prologue, pdl), QuantFusedKernels(table=table)
+                    else:
+                        tiles = kernels.candidate_tiles(triton_rows(m), prologue, pdl)[1:]
+                        shipped = kernels.FusedKernels(table=table)
+                    dense = quant.dequantize(w, torch.float32) if quantized else w.float()
+                    ref = product(None, prologue, x.float(), dense, None if residual is None else residual.float(),
+                                  None if norm is None else norm.float())
+                    times = {}
+                    for tile in tiles:
+                        out = product(tile, prologue, x, w, residual, norm)
+                        err = ((out.float() - ref).norm() / ref.norm()).item()
+                        if not err < 2e-2:
+                            raise SystemExit(f"{shape} {name} {fmt} rows {m} {tile}: error {err:.3g}")
+                        times[tile] = timed(lambda v, t=tile: product(t, prologue, x, v, residual, norm), w)
+                    row = {"shape": shape, "name": name, "format": fmt, "rows": m, "n": n, "k": k,
+                           "shipped_us": timed(lambda v: shipped.skinny_matmul(prologue, x, v, residual, norm, 1e-6),
+                                               w)}
+                    for label, pool in (("register", [t for t in times if t.stages == 0]),
+                                        ("pipelined", [t for t in times if t.stages > 0])):
+                        if pool:
+                            best = min(pool, key=times.get)
+                            row[f"{label}_us"], row[f"{label}_tile"] = times[best], list(best)
+                    if not quantized:
+                        row["cublas_us"] = timed(lambda v: product(None, prologue, x, v, residual, norm), w)
+                    elif w.bits == 4 and m <= int4pack.MAX_ROWS and int4pack.applies(4, w.group_size, n, k,
+                                                                                     torch.bfloat16, DEV):
+                        integers, zeros = quant.integers(w), quant.zero_points(w)
+                        packed = int4pack.pack(integers, zeros, w.scales, w.group_size)
+                        a = x if prologue == kernels.PLAIN else kernels.run_apart(lambda y: y, prologue, x, residual,
+                                                                                  norm, 1e-6, False)
+                        a = a[0] if isinstance(a, tuple) else a
+                        row["tinygemm_us"] = graph_time([lambda: int4pack.matmul(a, packed)]) * 1e3
+                    rows_out.append(row)
+                    line = (f"{shape:10} {name:7} {fmt:4} rows {m:2}: shipped {row['shipped_us']:7.1f}"
+                            + "".join(f"  {key[:-3]} {row[key]:7.1f}" for key in ("register_us", "pipelined_us",
+                                                                                  "tinygemm_us", "cublas_us")
+                                      if key in row) + f"  {row.get('pipelined_tile', '')}")
+                    print(line, flush=True)
+                    lines.append(line)
+    os.makedirs(OUT, exist_ok=True)
+    with open(os.path.join(OUT, "stages.json"), "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "rows": rows_out}, f, indent=1)
+
+
+def triton_rows(m: int) -> int:
+    return 1 << (m - 1).bit_length()
+
+
+if __name__ == "__main__":
+    main()
