@@ -514,7 +514,7 @@ class Tile(NamedTuple):
     program holds the next step's weights in registers while it multiplies this one's (one step
     in flight); from 2, Triton's software pipeline copies them asynchronously into shared memory
     `stages` - 1 steps ahead (cp.async), so a program keeps several steps' bytes in flight
-    without the registers to hold them. A fields' order that tables and caches store."""
+    without the registers to hold them. Tables and caches store a tile as these fields, in order."""
 
     block_n: int
     block_k: int
