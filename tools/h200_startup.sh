@@ -182,7 +182,7 @@ print('[ab] $name', ' '.join(f'b{b}: {r[b]:.4f} (min {r[\"min_ms\"][b]:.4f})' fo
   tar -xf /tmp/ab-this.tar
   ;;
 stages)  # issues 29/30: do several steps of weights in flight (cp.async) beat the register prefetch?
-  timeout 500 python3 tools/stages_probe.py "${STAGES_SHAPES:-qwen3-0.6b,qwen3-4b}" "${STAGES_ROWS:-1,4,16,32}" 2>&1 \
+  timeout 500 python3 tools/stages_probe.py "${STAGES_SHAPES:-qwen3-0.6b,qwen3-4b}" "${STAGES_ROWS:-1,16}" 2>&1 \
     | grep -vE 'Warning|warn' | tee "$OUT/stages.txt" | tail -80
   ;;
 decode)  # after tune: its tile cache is what "tuned" reads

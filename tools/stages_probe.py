@@ -2,13 +2,14 @@
 software pipeline) against what the engine runs now, product by product.
 
 For each Qwen3 projection (its fused prologue), weight format (bf16, INT8, INT4) and row count:
-the shipped table's tile; the fastest register-prefetch candidate (stages 0) and the fastest
-pipelined one, each timed as the start-up tuning times a tile (a CUDA graph over cold copies of
-the weight); for INT4 also torch's W4A16 kernel (what the engine's large INT4 projections take,
+the shipped table's tile; the fastest pipelined candidate and the fastest of their
+register-prefetch twins (the same tiles with stages 0), each timed as the start-up tuning times a
+tile (a CUDA graph over cold copies of the weight), all compiled at once first; for INT4 also
+torch's W4A16 kernel (what the engine's large INT4 projections take,
 model/int4pack.py), for bf16 cuBLAS. Every candidate's result is checked against the fp32
 product first. Prints a table; writes $OUT/stages.json. Run from the repository root:
 
-    python3 tools/stages_probe.py [shapes, default qwen3-0.6b,qwen3-4b] [rows, default 1,4,16,32]
+    python3 tools/stages_probe.py [shapes, default qwen3-0.6b,qwen3-4b] [rows, default 1,16]
 """
 
 import json
@@ -18,14 +19,14 @@ import sys
 import torch
 
 from jetserve.bench.quant import operands, shape_projections
-from jetserve.engine.model import int4pack, kernels, quant
+from jetserve.engine.model import int4pack, kernels, parallel_compile, quant
 from jetserve.engine.model.kernels import cold_copies, graph_time, pdl_supported
 from jetserve.engine.model.quant_kernels import QuantFusedKernels, fitting_tiles, quant_matmul
 from jetserve.engine.model.tile_tables import for_device
 
 OUT = os.environ.get("OUT", "/tmp/out")
 SHAPES = (sys.argv[1] if len(sys.argv) > 1 else "qwen3-0.6b,qwen3-4b").split(",")
-ROWS = [int(r) for r in (sys.argv[2] if len(sys.argv) > 2 else "1,4,16,32").split(",")]
+ROWS = [int(r) for r in (sys.argv[2] if len(sys.argv) > 2 else "1,16").split(",")]
 FORMATS = ("bf16", "int8", "int4")
 DEV = torch.device("cuda")
 
@@ -61,6 +62,12 @@ def main() -> None:
                     else:
                         tiles = kernels.candidate_tiles(triton_rows(m), prologue, pdl)[1:]
                         shipped = kernels.FusedKernels(table=table)
+                    # the pipelined candidates and each one's register-prefetch twin, as this GPU launches them
+                    staged = [t for t in tiles if t.stages and t.pdl == pdl]
+                    tiles = staged + [t._replace(stages=0) for t in staged if t._replace(stages=0) in tiles]
+                    with parallel_compile.compile_only():  # every candidate's compile at once
+                        for tile in tiles:
+                            product(tile, prologue, x, w, residual, norm)
                     dense = quant.dequantize(w, torch.float32) if quantized else w.float()
                     ref = product(None, prologue, x.float(), dense, None if residual is None else residual.float(),
                                   None if norm is None else norm.float())
@@ -98,7 +105,8 @@ def main() -> None:
                     lines.append(line)
     os.makedirs(OUT, exist_ok=True)
     with open(os.path.join(OUT, "stages.json"), "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "rows": rows_out}, f, indent=1)
+        json.dump({"device": torch.cuda.get_device_name(DEV) if DEV.type == "cuda" else str(DEV), "rows": rows_out}, f,
+                  indent=1)
 
 
 def triton_rows(m: int) -> int:
