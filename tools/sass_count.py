@@ -143,7 +143,7 @@ def quant_loop(tile, bits: int, group: int, has_zeros: bool, k: int, rows: int =
         meta.update(BLOCK_M=block_m, DOT_M=max(block_m, 16), INTERPRETED=False, STAGES=tile.stages)
     elif tile.one_row:
         kernel = qk._quant_gemv_kernel
-        meta.update(EVEN_N=True)
+        meta.update(EVEN_N=True, STAGES=tile.stages)
     else:
         kernel = qk._quant_skinny_kernel
         meta.update(BLOCK_M=block_m)
@@ -275,11 +275,15 @@ def main() -> None:
         ("bf16, dot (64,128,4), 16 rows, 3 stages", Tile(64, 128, 4, dot=True, stages=3), 16, 0, False, 2560),
         ("int4 g128 asym, FMA tile (8,128,4)", Tile(8, 128, 4), 4, 128, True, 2560),
         ("int4 g128 asym, one-row (32,16,2)", Tile(32, 16, 2, one_row=True), 4, 128, True, 2560),
+        ("int4 g128 asym, one-row (32,64,4)", Tile(32, 64, 4, one_row=True), 4, 128, True, 2560),
+        ("int4 g128 asym, one-row (32,64,4), 3 stages", Tile(32, 64, 4, one_row=True, stages=3), 4, 128, True, 2560),
         ("int4 g128 asym, dot (64,16,4)", Tile(64, 16, 4, dot=True), 4, 128, True, 2560),
         ("int4 g128 asym, dot (64,16,4), 4 stages", Tile(64, 16, 4, dot=True, stages=4), 4, 128, True, 2560),
         ("int4 g128 asym, dot (128,16,4), 4 stages", Tile(128, 16, 4, dot=True, stages=4), 4, 128, True, 2560),
         ("int8 per-row sym, FMA tile (8,128,4)", Tile(8, 128, 4), 8, 2560, False, 2560),
         ("int8 per-row sym, one-row (32,64,4)", Tile(32, 64, 4, one_row=True), 8, 2560, False, 2560),
+        ("int8 per-row sym, one-row (32,64,4), 3 stages", Tile(32, 64, 4, one_row=True, stages=3), 8, 2560, False,
+         2560),
         ("int8 per-row sym, dot (64,16,4)", Tile(64, 16, 4, dot=True), 8, 2560, False, 2560),
         ("int8 per-row sym, dot (64,16,4), 4 stages", Tile(64, 16, 4, dot=True, stages=4), 8, 2560, False, 2560),
     ]
@@ -292,7 +296,10 @@ def main() -> None:
                 c = quant_loop(tile, bits, group, zeros, k, arch=arch)
             programs = programs_an_sm(c, tile.warps, arch)
             step = tile.block_n * tile.block_k * (2 if bits == 16 else 4)  # bytes of weights a step
-            flight = programs * step * max(tile.stages - 1, 1)
+            # steps requested ahead: the pipeline's, else the register prefetch's (the one-row kernel's two
+            # for formats with groups, quant_kernels._quant_gemv_kernel's AHEAD)
+            ahead = tile.stages - 1 if tile.stages else 2 if tile.one_row and group != k else 1
+            flight = programs * step * ahead
             top = ", ".join(f"{op} {n}" for op, n in c.ops.most_common(5))
             print(f"sm_{arch} {label} | {c.per_weight:.2f} ({c.instructions}/{c.weights}: {top}) | {c.registers} | "
                   f"{c.shared / 1024:.1f} | {'yes' if c.asynchronous else 'no'} | {programs} | {flight / 1024:.0f}",

@@ -225,7 +225,8 @@ def _gemv_tile(acc, cur, scale, zero, w0, x_ptr, res_ptr, res_out_ptr, norm_w_pt
 def _quant_gemv_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, res_out_ptr, N, K: tl.constexpr,
                        eps, low_bits, NORM: tl.constexpr, ADD: tl.constexpr, SILU: tl.constexpr, BITS: tl.constexpr,
                        GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
-                       NORM_BLOCK: tl.constexpr, KW_SPLIT: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr):
+                       NORM_BLOCK: tl.constexpr, KW_SPLIT: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr,
+                       STAGES: tl.constexpr):
     """out[1, N] = a(x)[1, K] @ dequant(w)[N, K]^T for one input row (batch-1 decode), a() the
     prologue as in `_quant_skinny_kernel`, whose span layout it reads.
 
@@ -239,7 +240,9 @@ def _quant_gemv_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_ptr
     load it in any layout), each shared by the thread's rows of that word. A weight costs a
     mask-and-OR into the bits of 2**23, a subtraction and an FMA; the zero point comes in once a
     row and group through the inputs' sum, sum_i a_i (q_i - z) = sum_i a_i q_i - z sum_i a_i.
-    Program (i, j) takes words [j KW_SPLIT, (j + 1) KW_SPLIT) as in `_quant_skinny_kernel`."""
+    Program (i, j) takes words [j KW_SPLIT, (j + 1) KW_SPLIT) as in `_quant_skinny_kernel`.
+    With STAGES (kernels.Tile.stages), Triton's pipeline requests the steps STAGES - 1 ahead
+    into shared memory instead of the registers' AHEAD."""
     pid = tl.program_id(0)
     FIELDS: tl.constexpr = 32 // BITS
     KW: tl.constexpr = K // FIELDS
@@ -255,13 +258,14 @@ def _quant_gemv_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_ptr
     # (more loads a step to wait for), one for formats with one group a row (registers kept for
     # occupancy)
     AHEAD: tl.constexpr = 1 if GROUPS == 1 else 2
-    words = tl.load(tile_words + w_lo)
-    scale, zero = _group_of(s_ptr, z_ptr, n, w_lo, K, BITS, GROUP, HAS_ZEROS, BLOCK_W)
-    words2, scale2, zero2 = words, scale, zero  # the second step's, where AHEAD is 2
-    if AHEAD == 2:
-        w_next = tl.minimum(w_lo + BLOCK_W, w_last)
-        words2 = tl.load(tile_words + w_next)
-        scale2, zero2 = _group_of(s_ptr, z_ptr, n, w_next, K, BITS, GROUP, HAS_ZEROS, BLOCK_W)
+    if STAGES == 0:
+        words = tl.load(tile_words + w_lo)
+        scale, zero = _group_of(s_ptr, z_ptr, n, w_lo, K, BITS, GROUP, HAS_ZEROS, BLOCK_W)
+        words2, scale2, zero2 = words, scale, zero  # the second step's, where AHEAD is 2
+        if AHEAD == 2:
+            w_next = tl.minimum(w_lo + BLOCK_W, w_last)
+            words2 = tl.load(tile_words + w_next)
+            scale2, zero2 = _group_of(s_ptr, z_ptr, n, w_next, K, BITS, GROUP, HAS_ZEROS, BLOCK_W)
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -270,18 +274,25 @@ def _quant_gemv_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_ptr
         inv = row_inv_rms(x_ptr, res_ptr, res_out_ptr, one, one < 1, K, eps, ADD, SILU, dtype, 1, NORM_BLOCK)
     acc = tl.zeros([BLOCK_N, BLOCK_W if GROUPS == 1 or BLOCK_W * FIELDS > GROUP else 1], tl.float32)
     a_total = tl.zeros([1, BLOCK_W], tl.float32)
-    for w0 in range(w_lo, w_last + BLOCK_W, BLOCK_W):
-        w_ahead = tl.minimum(w0 + AHEAD * BLOCK_W, w_last)
-        words3 = tl.load(tile_words + w_ahead)
-        scale3, zero3 = _group_of(s_ptr, z_ptr, n, w_ahead, K, BITS, GROUP, HAS_ZEROS, BLOCK_W)
-        acc, a_sum = _gemv_tile(acc, words, scale, zero, w0, x_ptr, res_ptr, res_out_ptr, norm_w_ptr, inv, low_bits,
-                                pid == 0, K, NORM, ADD, SILU, BITS, GROUP, BLOCK_W)
-        a_total += a_sum
-        if AHEAD == 2:
-            words, scale, zero = words2, scale2, zero2
-            words2, scale2, zero2 = words3, scale3, zero3
-        else:
-            words, scale, zero = words3, scale3, zero3
+    if STAGES > 0:
+        for w0 in tl.range(w_lo, w_last + BLOCK_W, BLOCK_W, num_stages=STAGES):
+            scale, zero = _group_of(s_ptr, z_ptr, n, w0, K, BITS, GROUP, HAS_ZEROS, BLOCK_W)
+            acc, a_sum = _gemv_tile(acc, tl.load(tile_words + w0), scale, zero, w0, x_ptr, res_ptr, res_out_ptr,
+                                    norm_w_ptr, inv, low_bits, pid == 0, K, NORM, ADD, SILU, BITS, GROUP, BLOCK_W)
+            a_total += a_sum
+    else:
+        for w0 in range(w_lo, w_last + BLOCK_W, BLOCK_W):
+            w_ahead = tl.minimum(w0 + AHEAD * BLOCK_W, w_last)
+            words3 = tl.load(tile_words + w_ahead)
+            scale3, zero3 = _group_of(s_ptr, z_ptr, n, w_ahead, K, BITS, GROUP, HAS_ZEROS, BLOCK_W)
+            acc, a_sum = _gemv_tile(acc, words, scale, zero, w0, x_ptr, res_ptr, res_out_ptr, norm_w_ptr, inv,
+                                    low_bits, pid == 0, K, NORM, ADD, SILU, BITS, GROUP, BLOCK_W)
+            a_total += a_sum
+            if AHEAD == 2:
+                words, scale, zero = words2, scale2, zero2
+                words2, scale2, zero2 = words3, scale3, zero3
+            else:
+                words, scale, zero = words3, scale3, zero3
     out = tl.sum(acc, axis=1)
     if GROUPS == 1:  # (sum a q - z sum a) s, a row's zero point and scale applied once
         if HAS_ZEROS:
@@ -460,13 +471,16 @@ _MAX_WORDS_PER_THREAD = 16  # accumulators a thread holds per word: more spills 
 # at batch 1, INT8 and INT4, in a sweep of 8 to 32 words a thread (bench/results/quant-gemv-h200).
 # Many rows a program: the input's columns (and a fused prologue's work on them) are shared by
 # all of a thread's rows; split K where N / BLOCK_N programs leave the GPU part empty. The last,
-# a step of one span, fits every K of whole spans (the demo's), where the wider steps do not.
+# a step of one span, fits every K of whole spans (the demo's), where the wider steps do not; then
+# pipelined ones (kernels.Tile.stages).
 GEMV_TILES = [Tile(32, 64, 4, apart=True, one_row=True), Tile(32, 128, 8, apart=True, one_row=True),
               Tile(64, 64, 8, apart=True, one_row=True), Tile(16, 64, 4, 4, one_row=True),
               Tile(32, 128, 8, one_row=True), Tile(64, 128, 8, 4, one_row=True), Tile(64, 128, 8, one_row=True),
               Tile(64, 64, 4, 4, one_row=True), Tile(16, 128, 8, one_row=True), Tile(8, 128, 4, one_row=True),
               Tile(32, 128, 8, 2, one_row=True), Tile(64, 64, 8, 2, one_row=True), Tile(32, 64, 4, 4, one_row=True),
-              Tile(32, 16, 2, 4, one_row=True)]
+              Tile(32, 16, 2, 4, one_row=True),
+              Tile(32, 64, 4, apart=True, one_row=True, stages=3), Tile(32, 128, 8, one_row=True, stages=3),
+              Tile(64, 64, 4, 4, one_row=True, stages=3)]
 _MAX_GEMV_WORDS_PER_THREAD = 32  # its accumulators: one a word, rows sharing the inputs
 
 
@@ -541,7 +555,7 @@ def quant_matmul(tile, prologue, x, weight: QuantizedWeight, residual=None, norm
                INTERPRETED=INTERPRETED, STAGES=tile.stages, **meta)
     elif tile.one_row:
         launch(_quant_gemv_kernel, grid, tile.pdl, *args, n, k, eps, (1 << weight.bits) - 1,
-               EVEN_N=n % tile.block_n == 0, **meta)
+               EVEN_N=n % tile.block_n == 0, STAGES=tile.stages, **meta)
     else:
         launch(_quant_skinny_kernel, grid, tile.pdl, *args, m, n, k, eps, (1 << weight.bits) - 1, BLOCK_M=block_m,
                **meta)

@@ -90,7 +90,7 @@ def speculative(compile_for) -> None:
 def quant() -> None:
     """The one-row quantized kernel: INT4 with zero points and groups, INT8 per channel and
     symmetric; every prologue, with PDL or rows past N and K split, a step within a group or over
-    several; bf16 (and fp32) activations."""
+    several, the register prefetch or the pipeline; bf16 (and fp32) activations."""
     cases = [(bits, group, zeros, prologue, "*bf16") for bits, group, zeros in ((4, 128, True), (8, 1024, False))
              for prologue in range(4)] + [(4, 128, True, 0, "*fp32")]
     for i, (bits, group, zeros, prologue, act) in enumerate(cases):
@@ -101,7 +101,8 @@ def quant() -> None:
                                 res_out_ptr=act, eps="fp32"),
                            dict(K=1024, NORM=prologue in (1, 2), ADD=prologue == 2, SILU=prologue == 3, BITS=bits,
                                 GROUP=group, HAS_ZEROS=zeros, BLOCK_N=64, BLOCK_W=64 if i % 3 == 0 else 16 if bits == 4 else 32,
-                                NORM_BLOCK=1024, KW_SPLIT=1024 * bits // 32 // split, EVEN_N=even, PDL=pdl))
+                                NORM_BLOCK=1024, KW_SPLIT=1024 * bits // 32 // split, EVEN_N=even, PDL=pdl,
+                                STAGES=3 if i % 4 == 1 else 0))
     print("compiled")
 
 
@@ -135,8 +136,8 @@ def quant_dot() -> None:
 
 def pipelined() -> None:
     """The pipelined tiles (kernels.Tile.stages) of the bf16 skinny product (FMA and tensor-core
-    loops, every prologue) and of the quantized tensor-core one (INT4 in groups, INT8 per
-    channel), for sm_90 and sm_87: one line each, `async <kernel> sm_<arch> <stages> <yes|no>`,
+    loops, every prologue) and of the quantized one-row and tensor-core ones (INT4 in groups,
+    INT8 per channel), for sm_90 and sm_87: one line each, `async <kernel> sm_<arch> <stages> <yes|no>`,
     whether the inner loop copies its weights asynchronously (cp.async, LDGSTS), which is what
     the stages are for; stages 0, the register prefetch, for comparison."""
     from tools.sass_count import inner_loop
@@ -158,6 +159,13 @@ def pipelined() -> None:
                     if prologue == 0:
                         line("bf16-dot" if dot else "bf16-fma", arch, stages, compiled)
             for bits, group, zeros in ((4, 128, True), (8, 4096, False)):
+                compiled = compile_for_hopper(
+                    quant_kernels._quant_gemv_kernel,
+                    dict(act, qw_ptr="*i32", s_ptr="*fp32", z_ptr="*u8" if zeros else "*fp32", out_ptr="*bf16"),
+                    dict(K=4096, NORM=False, ADD=False, SILU=False, BITS=bits, GROUP=group, HAS_ZEROS=zeros, BLOCK_N=32,
+                         BLOCK_W=64, NORM_BLOCK=1024, KW_SPLIT=4096 * bits // 32, EVEN_N=True, PDL=arch >= 90,
+                         STAGES=stages), arch)
+                line(f"int{bits}-gemv", arch, stages, compiled)
                 compiled = compile_for_hopper(
                     quant_kernels._quant_dot_kernel,
                     dict(act, qw_ptr="*i32", s_ptr="*fp32", z_ptr="*u8" if zeros else "*fp32", out_ptr="*bf16"),

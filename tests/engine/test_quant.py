@@ -257,9 +257,9 @@ def prologue_cases(m: int, k: int, dense: torch.Tensor, device: str, eps: float)
 def test_quant_gemv_kernel(bits, group, sym):
     """The one-row kernel against dequantize + torch, every prologue: N not a multiple of the
     tile's rows (the rows past it read the last one, unstored), K in several steps (the next in
-    flight), K split over programs with a partial last split, the prologue apart, a step over
-    two groups (a scale and zero point a word); groups smaller than a span of words take none of
-    its tiles."""
+    flight, or pipelined: Tile.stages), K split over programs with a partial last split, the
+    prologue apart, a step over two groups (a scale and zero point a word); groups smaller than a
+    span of words take none of its tiles."""
     require_module("triton")
     from jetserve.engine.model import kernels
     from jetserve.engine.model.kernels import Tile
@@ -273,7 +273,8 @@ def test_quant_gemv_kernel(bits, group, sym):
     step = 32 if group == -1 else group * bits // 32  # words a step: a group's, or any that divides K
     tiles = {Tile(16, step, 1, one_row=True): (kernels.PLAIN, kernels.NORM, kernels.ADD_NORM, kernels.SILU_MUL),
              Tile(8, step, 1, 2, one_row=True): (kernels.NORM, kernels.ADD_NORM),
-             Tile(16, step, 1, apart=True, one_row=True): (kernels.SILU_MUL,)}  # tile: prologues
+             Tile(16, step, 1, apart=True, one_row=True): (kernels.SILU_MUL,),
+             Tile(8, step, 1, 2, one_row=True, stages=3): (kernels.PLAIN, kernels.ADD_NORM)}  # tile: prologues
     wide = quant.quantize(torch.randn(n, 1024) / 8, bits, group, sym)  # K of a whole number of the candidates' steps
     wide = quant.QuantizedWeight(*(t.to(device) if isinstance(t, torch.Tensor) else t for t in wide))
     fitting = [t for t in fitting_tiles(1, wide, kernels.NORM) if t.one_row]
