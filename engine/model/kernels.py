@@ -551,12 +551,12 @@ _MAX_PRODUCTS_PER_THREAD = 64  # more spills registers
 
 def candidate_tiles(rows: int, prologue: int = PLAIN, pdl: bool = False) -> list[Tile | None]:
     """Tiles a product of `rows` rows (a power of two) may take, cuBLAS (None) first; a plain
-    product has no prologue to run apart. From 2 rows (an MTP verify, a small batch) the
-    tensor-core tiles compete with the FMA tiles."""
+    product has no prologue to run apart. Below DOT_MIN_ROWS the tensor-core tiles compete with
+    the FMA tiles, from one row: an FMA tile spends a conversion and an FMA on every weight, a
+    tensor-core one a fraction of an instruction, its padding rows costing no weight bytes
+    (tools/sass_count.py counts both)."""
     tiles = _DOT_TILES if rows >= DOT_MIN_ROWS else [
-        t for t in _TILES if rows * t.block_n * t.block_k <= _MAX_PRODUCTS_PER_THREAD * 32 * t.warps]
-    if 1 < rows < DOT_MIN_ROWS:
-        tiles = tiles + _DOT_TILES
+        t for t in _TILES if rows * t.block_n * t.block_k <= _MAX_PRODUCTS_PER_THREAD * 32 * t.warps] + _DOT_TILES
     return [None] + with_pdl([t for t in tiles if not (t.apart and prologue == PLAIN)], pdl)
 
 

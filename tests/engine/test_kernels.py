@@ -39,11 +39,11 @@ SPLIT_TILES = [Tile(4, 128, 4, 3), Tile(2, 256, 4, 2, True)]  # FMA tiles over K
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 16, 33, 64])
 def test_skinny_matmul_prologues(dtype, tol, m):
     """Every row count up to SKINNY_MAX_ROWS in its kinds of tile (FMAs up to 8 rows, tensor-core
-    dots from 2, rows padded to 16 below it): N and K not multiples of any tile (masked edges), K
+    dots from 1, rows padded to 16 below it): N and K not multiples of any tile (masked edges), K
     in one tile or in a loop (the norm's first pass), K split over programs whose partial sums are
     added after, the prologue in a kernel of its own; bf16 rounds where the torch path does."""
     # the interpreter's tl.dot returns garbage for bf16 operands (Triton 3.x): GPU only
-    dots = DOT_TILES if m > 1 and (dtype == torch.float32 or DEVICE == "cuda") else []
+    dots = DOT_TILES if dtype == torch.float32 or DEVICE == "cuda" else []
     if m > 8 and not dots:
         pytest.skip("bf16 tensor-core dots: GPU only")
     assert set(FMA_TILES) <= set(kernels._TILES) and set(DOT_TILES) <= set(kernels._DOT_TILES)
