@@ -554,10 +554,13 @@ def candidate_tiles(rows: int, prologue: int = PLAIN, pdl: bool = False) -> list
     product has no prologue to run apart. Below DOT_MIN_ROWS the tensor-core tiles compete with
     the FMA tiles, from one row: an FMA tile spends a conversion and an FMA on every weight, a
     tensor-core one a fraction of an instruction, its padding rows costing no weight bytes
-    (tools/sass_count.py counts both)."""
+    (tools/sass_count.py counts both). Pipelined tiles up to DOT_MIN_ROWS rows: each stage holds
+    the input rows' tile beside the weights', which past 16 rows outgrows a Jetson Orin's shared
+    memory and the registers of a thread."""
     tiles = _DOT_TILES if rows >= DOT_MIN_ROWS else [
         t for t in _TILES if rows * t.block_n * t.block_k <= _MAX_PRODUCTS_PER_THREAD * 32 * t.warps] + _DOT_TILES
-    return [None] + with_pdl([t for t in tiles if not (t.apart and prologue == PLAIN)], pdl)
+    tiles = [t for t in tiles if not (t.apart and prologue == PLAIN) and (t.stages == 0 or rows <= DOT_MIN_ROWS)]
+    return [None] + with_pdl(tiles, pdl)
 
 
 def with_pdl(tiles: list[Tile], pdl: bool) -> list[Tile]:
