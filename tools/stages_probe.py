@@ -6,7 +6,8 @@ the shipped table's tile; the fastest pipelined candidate and the fastest of the
 register-prefetch twins (the same tiles with stages 0), each timed as the start-up tuning times a
 tile (a CUDA graph over cold copies of the weight), all compiled at once first; for INT4 also
 torch's W4A16 kernel (what the engine's large INT4 projections take,
-model/int4pack.py), for bf16 cuBLAS. Every candidate's result is checked against the fp32
+model/int4pack.py; the product alone, as the engine runs a fused prologue as a kernel of its
+own before it), for bf16 cuBLAS. Every candidate's result is checked against the fp32
 product first. Prints a table; writes $OUT/stages.json. Run from the repository root:
 
     python3 tools/stages_probe.py [shapes, default qwen3-0.6b,qwen3-4b] [rows, default 1,16]
@@ -17,6 +18,7 @@ import os
 import sys
 
 import torch
+import triton
 
 from jetserve.bench.quant import operands, shape_projections
 from jetserve.engine.model import int4pack, kernels, parallel_compile, quant
@@ -50,7 +52,7 @@ def timed(call, weight) -> float:
 def main() -> None:
     pdl = pdl_supported(DEV)
     table = for_device(DEV)
-    rows_out, lines = [], []
+    rows_out = []
     for shape in SHAPES:
         for name, (prologue, n, k) in shape_projections(shape).items():
             for fmt in ("bf16",) if name == "lm_head" else FORMATS:
@@ -60,7 +62,7 @@ def main() -> None:
                     if quantized:
                         tiles, shipped = fitting_tiles(m, w, prologue, pdl), QuantFusedKernels(table=table)
                     else:
-                        tiles = kernels.candidate_tiles(triton_rows(m), prologue, pdl)[1:]
+                        tiles = kernels.candidate_tiles(triton.next_power_of_2(m), prologue, pdl)[1:]
                         shipped = kernels.FusedKernels(table=table)
                     # the pipelined candidates and each one's register-prefetch twin, as this GPU launches them
                     staged = [t for t in tiles if t.stages and t.pdl == pdl]
@@ -102,15 +104,10 @@ def main() -> None:
                                                                                   "tinygemm_us", "cublas_us")
                                       if key in row) + f"  {row.get('pipelined_tile', '')}")
                     print(line, flush=True)
-                    lines.append(line)
     os.makedirs(OUT, exist_ok=True)
     with open(os.path.join(OUT, "stages.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(DEV) if DEV.type == "cuda" else str(DEV), "rows": rows_out}, f,
                   indent=1)
-
-
-def triton_rows(m: int) -> int:
-    return 1 << (m - 1).bit_length()
 
 
 if __name__ == "__main__":
