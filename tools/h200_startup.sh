@@ -18,8 +18,9 @@
 #   ab      — `bench decode` of this tree against variants, interleaved this/variants/this in one run:
 #             $AB_VARIANTS "name=tar …", each tar a variant's versions of the changed files (a base:
 #             git archive BASE $(git diff --name-only BASE)); $AB_BASE alone: "base=$AB_BASE"
-#   stages  — tools/stages_probe.py: pipelined tiles (Tile.stages) against the shipped tile, the register
-#             prefetch, tinygemm and cuBLAS, product by product ($STAGES_SHAPES, $STAGES_ROWS)
+#   stream  — tools/stream_probe.py: the shipped tile against its L2-prefetching twin (Tile.prefetch), the
+#             pipelined tiles (Tile.stages), their register-prefetch and prefetching twins, tinygemm and
+#             cuBLAS, product by product ($STREAM_SHAPES, $STREAM_ROWS)
 #   gputests — the GPU tests named in $TESTS (those matching $TEST_K, when set)
 #   spy     — after start: a warm 4B INT4 start under py-spy
 set -uo pipefail
@@ -181,9 +182,9 @@ print('[ab] $name', ' '.join(f'b{b}: {r[b]:.4f} (min {r[\"min_ms\"][b]:.4f})' fo
   done
   tar -xf /tmp/ab-this.tar
   ;;
-stages)  # issues 29/30: do several steps of weights in flight (cp.async) beat the register prefetch?
-  timeout 500 python3 tools/stages_probe.py "${STAGES_SHAPES:-qwen3-0.6b,qwen3-4b}" "${STAGES_ROWS:-1,16}" 2>&1 \
-    | grep -vE 'Warning|warn' | tee "$OUT/stages.txt" | tail -80
+stream)  # issues 29/30: do more weight bytes in flight (L2 prefetch, cp.async stages) make the products faster?
+  timeout 500 python3 tools/stream_probe.py "${STREAM_SHAPES:-qwen3-0.6b,qwen3-4b}" "${STREAM_ROWS:-1,16}" 2>&1 \
+    | grep -vE 'Warning|warn' | tee "$OUT/stream.txt" | tail -80
   ;;
 decode)  # after tune: its tile cache is what "tuned" reads
   checkpoints

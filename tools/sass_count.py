@@ -137,7 +137,8 @@ def quant_loop(tile, bits: int, group: int, has_zeros: bool, k: int, rows: int =
             "s_ptr": "*fp32", "z_ptr": "*u8" if has_zeros else "*fp32", "out_ptr": f"*{dtype}",
             "res_out_ptr": f"*{dtype}", "M": "i32", "N": "i32", "eps": "fp32", "low_bits": "i32"}
     meta = dict(K=k, NORM=False, ADD=False, SILU=False, BITS=bits, GROUP=group, HAS_ZEROS=has_zeros,
-                BLOCK_N=tile.block_n, BLOCK_W=tile.block_k, NORM_BLOCK=1024, KW_SPLIT=kw_split, PDL=False)
+                BLOCK_N=tile.block_n, BLOCK_W=tile.block_k, NORM_BLOCK=1024, KW_SPLIT=kw_split, PDL=False,
+                PREFETCH=tile.prefetch)
     if tile.dot:
         kernel = qk._quant_dot_kernel
         meta.update(BLOCK_M=block_m, DOT_M=max(block_m, 16), INTERPRETED=False, STAGES=tile.stages)
@@ -161,7 +162,8 @@ def bf16_loop(tile, k: int, rows: int = 1, arch: int = 90) -> LoopCount:
     ptrs = {"x_ptr": "*bf16", "res_ptr": "*bf16", "norm_w_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
             "res_out_ptr": "*bf16", "M": "i32", "N": "i32", "eps": "fp32"}
     meta = dict(K=k, NORM=False, ADD=False, SILU=False, DOT=tile.dot, IEEE=False, BLOCK_M=triton.next_power_of_2(rows),
-                BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, K_SPLIT=k, PDL=False, STAGES=tile.stages)
+                BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, K_SPLIT=k, PDL=False, STAGES=tile.stages,
+                PREFETCH=tile.prefetch)
     return loop_count(compile_sass(kernels._skinny_matmul_kernel, ptrs, meta, arch, tile.warps),
                       tile.block_n * tile.block_k // (32 * tile.warps))
 

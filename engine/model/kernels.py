@@ -346,7 +346,8 @@ def normalized(a, inv, norm_w_ptr, cols, k_mask, dtype: tl.constexpr):
 def _skinny_matmul_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, out_ptr, res_out_ptr, M, N, K: tl.constexpr, eps,
                           NORM: tl.constexpr, ADD: tl.constexpr, SILU: tl.constexpr, DOT: tl.constexpr,
                           IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          K_SPLIT: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr):
+                          K_SPLIT: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr,
+                          PREFETCH: tl.constexpr):
     """out[M, N] = a(x)[M, K] @ w[N, K]^T for a few rows, a() being the prologue: nothing, RMSNorm
     (of x + residual, whose sum the first column of programs also stores) or SiLU(gate) * up.
     Program (i, j) streams BLOCK_N weight rows once for all M input rows, over input columns
@@ -355,9 +356,10 @@ def _skinny_matmul_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, out_ptr, res_out_pt
     inputs are tiny and come from L2. The products are FMAs in registers (up to 8 rows) or
     tensor-core dots (DOT, from 16 rows, and below where the tile says so: rows padded to 16). The
     next tile's weights are requested before this one is multiplied (STAGES 0), or STAGES - 1
-    tiles ahead into shared memory by Triton's pipeline (Tile.stages); the first tile's before
-    waiting for the previous kernel (PDL: a programmatic dependent launch starts while it ends,
-    and weights are never written by a step), the prologue runs while they arrive."""
+    tiles ahead into shared memory by Triton's pipeline (Tile.stages); the first tile's, and with
+    PREFETCH (Tile.prefetch) all the program's weights into L2, before waiting for the previous
+    kernel (PDL: a programmatic dependent launch starts while it ends, and weights are never
+    written by a step), the prologue runs while they arrive."""
     pid = tl.program_id(0)
     k_lo = tl.program_id(1) * K_SPLIT
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
@@ -369,6 +371,9 @@ def _skinny_matmul_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, out_ptr, res_out_pt
     dtype = x_ptr.dtype.element_ty  # the activations' (out may hold fp32 partial sums)
     if STAGES == 0 or K_SPLIT <= BLOCK_K:  # the pipeline requests its own first tiles
         w = _weights(w_rows, n_mask, k_lo, k_hi, BLOCK_K)
+    if PREFETCH:
+        prefetch_l2(w_ptr + tl.minimum(n, N - 1)[:, None].to(tl.int64) * K, k_lo, k_hi, BLOCK_N,
+                    1024 // w_ptr.dtype.element_ty.primitive_bitwidth)
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -466,6 +471,46 @@ def launch(kernel, grid, pdl: bool, *args, **meta):
     kernel[grid](*args, PDL=pdl, **meta)
 
 
+@triton.jit
+def _prefetch(ptrs):
+    """Ask L2 for the cache lines at `ptrs`: a hint that holds no register and waits for
+    nothing (an instruction has to return a value: a zero, unused)."""
+    tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.constexpr_function
+def prefetch_per_row(rows):
+    """Lines `prefetch_l2` asks for a row an iteration: 128 over all the rows (one a thread at 4
+    warps), at least one."""
+    return max(1, 128 // rows)
+
+
+@triton.jit
+def prefetch_columns(c, hi, ROWS: tl.constexpr, LINE: tl.constexpr):
+    """The columns `prefetch_l2` asks for in a row from column `c` on: a line apart, clamped to
+    hi - 1. As `c` goes from the first column to the last + LINE - 1 by all of them at a time,
+    every line holding a column below `hi` holds one of them, whatever the row's alignment."""
+    return tl.minimum(c + tl.arange(0, prefetch_per_row(ROWS)) * LINE, hi - 1)
+
+
+@triton.jit
+def prefetch_l2(rows, lo, hi, ROWS: tl.constexpr, LINE: tl.constexpr):
+    """Ask L2 for columns [lo, hi) of the ROWS rows `rows` ([ROWS, 1] pointers, each to a row's
+    column 0, every one valid), LINE columns a cache line. Prefetches hold no registers, so a
+    program's whole share of the weights is requested at once where its loads keep a step or a
+    few in flight: the memory starts streaming while the previous kernel ends (PDL), and the
+    first steps' loads meet their lines on the way."""
+    for c in range(lo, hi + LINE - 1, prefetch_per_row(ROWS) * LINE):
+        _prefetch(rows + prefetch_columns(c, hi, ROWS, LINE)[None, :])
+
+
+def prefetching(tile: Tile) -> bool:
+    """Whether `tile`'s launch asks L2 for its weights first: not in Triton's interpreter, which
+    runs no inline assembly (a prefetch changes no result)."""
+    return tile.prefetch and not INTERPRETED
+
+
 def pdl_supported(device: torch.device) -> bool:
     """Programmatic dependent launch (a kernel starts while the previous one ends): Hopper and
     later; not Orin (sm_87), not Triton's interpreter."""
@@ -514,7 +559,10 @@ class Tile(NamedTuple):
     program holds the next step's weights in registers while it multiplies this one's (one step
     in flight); from 2, Triton's software pipeline copies them asynchronously into shared memory
     `stages` - 1 steps ahead (cp.async), so a program keeps several steps' bytes in flight
-    without the registers to hold them. Tables and caches store a tile as these fields, in order."""
+    without the registers to hold them; `prefetch`: a program first asks L2 for every weight
+    byte it will read (`prefetch_l2`), before it waits for the previous kernel under PDL, so the
+    memory streams across the kernels' boundary and a program's first steps find their bytes
+    on the way. Tables and caches store a tile as these fields, in order."""
 
     block_n: int
     block_k: int
@@ -525,6 +573,7 @@ class Tile(NamedTuple):
     one_row: bool = False
     dot: bool = False
     stages: int = 0
+    prefetch: bool = False
 
 
 # Tiles tried for each shape; an FMA tile holds BLOCK_M * BLOCK_N * BLOCK_K products. Main's
@@ -564,11 +613,14 @@ def candidate_tiles(rows: int, prologue: int = PLAIN, pdl: bool = False) -> list
 
 
 def with_pdl(tiles: list[Tile], pdl: bool) -> list[Tile]:
-    """Where the GPU has programmatic dependent launches: every tile with them, and the plain
-    tiles (K whole, the prologue fused) also without, as main ran them; else the tiles as they are."""
+    """Where the GPU has programmatic dependent launches: every tile with them, then each of
+    those asking L2 for its weights before it waits (Tile.prefetch: the boundary PDL opens is
+    what the prefetch fills), and the plain tiles (K whole, the prologue fused) also without, as
+    main ran them; else the tiles as they are."""
     if not pdl:
         return tiles
-    return [t._replace(pdl=True) for t in tiles] + [t for t in tiles if t.split_k == 1 and not t.apart]
+    return ([t._replace(pdl=True) for t in tiles] + [t._replace(pdl=True, prefetch=True) for t in tiles]
+            + [t for t in tiles if t.split_k == 1 and not t.apart])
 
 
 def torch_variant(prologue, x, weight, residual, norm_weight, eps):
@@ -619,7 +671,8 @@ def _run(tile, prologue, x, weight, residual, norm_weight, eps, row_block: int |
            x, residual if residual is not None else x, norm_weight if norm_weight is not None else weight, weight,
            target, res_out, m, n, k, eps, NORM=prologue in (NORM, ADD_NORM), ADD=prologue == ADD_NORM,
            SILU=prologue == SILU_MUL, DOT=tile.dot, IEEE=x.dtype == torch.float32, BLOCK_M=block_m,
-           BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, K_SPLIT=k_split, STAGES=tile.stages, num_warps=tile.warps)
+           BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, K_SPLIT=k_split, STAGES=tile.stages,
+           PREFETCH=prefetching(tile), num_warps=tile.warps)
     if splits > 1:
         sum_splits(target, out, tile.pdl)
     if prologue == NORM:

@@ -29,7 +29,8 @@ from jetserve.engine.model import int4pack, parallel_compile
 from jetserve.engine.model.int4pack import Int4PackedWeight
 from jetserve.engine.model.kernels import (ADD_NORM, DOT_MIN_ROWS, INTERPRETED, NORM, PLAIN, SILU_MUL, FusedKernels,
                                            Tile, cold_copies, input_chunk, launch, normalized, pdl_supported,
-                                           row_inv_rms, run_apart, split_k, sum_splits, torch_variant, with_pdl)
+                                           prefetch_l2, prefetching, row_inv_rms, run_apart, split_k, sum_splits,
+                                           torch_variant, with_pdl)
 from jetserve.engine.model.quant import QuantizedWeight, dequantize, span
 
 
@@ -49,7 +50,7 @@ def _quant_skinny_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_p
                          K: tl.constexpr, eps, low_bits, NORM: tl.constexpr, ADD: tl.constexpr, SILU: tl.constexpr,
                          BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, NORM_BLOCK: tl.constexpr,
-                         KW_SPLIT: tl.constexpr, PDL: tl.constexpr):
+                         KW_SPLIT: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
     """out[M, N] = a(x)[M, K] @ dequant(w)[N, K]^T, a() the prologue as in `_skinny_matmul_kernel`.
 
     A program streams BLOCK_N rows of words, BLOCK_W words a row at a time (consecutive threads,
@@ -63,8 +64,9 @@ def _quant_skinny_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_p
     the tile's rows; with one group a row, once a row at the end.
     Smaller groups take both per weight.
     Program (i, j) takes words [j KW_SPLIT, (j + 1) KW_SPLIT) of its rows: with several, fp32
-    partial sums that `sum_splits` adds in order. The first words are requested before waiting
-    for the previous kernel (PDL, see kernels.launch)."""
+    partial sums that `sum_splits` adds in order. The first words (with PREFETCH, all the
+    program's, into L2: kernels.Tile.prefetch) are requested before waiting for the previous
+    kernel (PDL, see kernels.launch)."""
     pid = tl.program_id(0)
     w_lo = tl.program_id(1) * KW_SPLIT
     FIELDS: tl.constexpr = 32 // BITS
@@ -86,6 +88,8 @@ def _quant_skinny_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_p
     w_hi = tl.minimum(w_lo + KW_SPLIT, KW)
     words = tl.load(row_words + w_lo + t[None, :], mask=n_mask[:, None] & (w_lo + t < w_hi)[None, :],
                     other=0)  # in flight first
+    if PREFETCH:
+        _prefetch_weight(qw_ptr, s_ptr, z_ptr, tl.minimum(n, N - 1), w_lo, w_hi, K, BITS, GROUP, HAS_ZEROS, BLOCK_N)
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -182,6 +186,26 @@ def _group_of(s_ptr, z_ptr, n, w0, K: tl.constexpr, BITS: tl.constexpr, GROUP: t
 
 
 @triton.jit
+def _prefetch_weight(qw_ptr, s_ptr, z_ptr, n, w_lo, w_hi, K: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+                     HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Ask L2 for words [w_lo, w_hi) of rows n (each valid) and their groups' scales and zero
+    points (kernels.prefetch_l2): a step's scales are a load a row, each from its own line, whose
+    wait no other load a step hides. A split's words start on a span (16 words), so they hold the
+    columns [w_lo, w_hi) * FIELDS."""
+    FIELDS: tl.constexpr = 32 // BITS
+    GROUPS: tl.constexpr = K // GROUP
+    prefetch_l2(qw_ptr + n.to(tl.int64)[:, None] * (K // FIELDS), w_lo, w_hi, BLOCK_N, 32)
+    if GROUPS > 1:
+        g_lo = w_lo * FIELDS // GROUP
+        g_hi = (w_hi * FIELDS + GROUP - 1) // GROUP
+        prefetch_l2(s_ptr + n.to(tl.int64)[:, None] * GROUPS, g_lo, g_hi, BLOCK_N,
+                    1024 // s_ptr.dtype.element_ty.primitive_bitwidth)
+        if HAS_ZEROS:
+            prefetch_l2(z_ptr + n.to(tl.int64)[:, None] * GROUPS, g_lo, g_hi, BLOCK_N,
+                        1024 // z_ptr.dtype.element_ty.primitive_bitwidth)
+
+
+@triton.jit
 def _gemv_tile(acc, cur, scale, zero, w0, x_ptr, res_ptr, res_out_ptr, norm_w_ptr, inv, low_bits, store_sum,
                K: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr, SILU: tl.constexpr, BITS: tl.constexpr,
                GROUP: tl.constexpr, BLOCK_W: tl.constexpr):
@@ -226,7 +250,7 @@ def _quant_gemv_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_ptr
                        eps, low_bits, NORM: tl.constexpr, ADD: tl.constexpr, SILU: tl.constexpr, BITS: tl.constexpr,
                        GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
                        NORM_BLOCK: tl.constexpr, KW_SPLIT: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr,
-                       STAGES: tl.constexpr):
+                       STAGES: tl.constexpr, PREFETCH: tl.constexpr):
     """out[1, N] = a(x)[1, K] @ dequant(w)[N, K]^T for one input row (batch-1 decode), a() the
     prologue as in `_quant_skinny_kernel`, whose span layout it reads.
 
@@ -242,7 +266,8 @@ def _quant_gemv_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_ptr
     row and group through the inputs' sum, sum_i a_i (q_i - z) = sum_i a_i q_i - z sum_i a_i.
     Program (i, j) takes words [j KW_SPLIT, (j + 1) KW_SPLIT) as in `_quant_skinny_kernel`.
     With STAGES (kernels.Tile.stages), Triton's pipeline requests the steps STAGES - 1 ahead
-    into shared memory instead of the registers' AHEAD."""
+    into shared memory instead of the registers' AHEAD; with PREFETCH (kernels.Tile.prefetch),
+    all the program's words are asked of L2 before waiting for the previous kernel."""
     pid = tl.program_id(0)
     FIELDS: tl.constexpr = 32 // BITS
     KW: tl.constexpr = K // FIELDS
@@ -266,6 +291,8 @@ def _quant_gemv_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_ptr
             w_next = tl.minimum(w_lo + BLOCK_W, w_last)
             words2 = tl.load(tile_words + w_next)
             scale2, zero2 = _group_of(s_ptr, z_ptr, n, w_next, K, BITS, GROUP, HAS_ZEROS, BLOCK_W)
+    if PREFETCH:
+        _prefetch_weight(qw_ptr, s_ptr, z_ptr, n, w_lo, w_last + BLOCK_W, K, BITS, GROUP, HAS_ZEROS, BLOCK_N)
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -384,7 +411,8 @@ def _quant_dot_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,
                       eps, NORM: tl.constexpr, ADD: tl.constexpr, SILU: tl.constexpr, BITS: tl.constexpr,
                       GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_W: tl.constexpr, NORM_BLOCK: tl.constexpr, KW_SPLIT: tl.constexpr, PDL: tl.constexpr,
-                      DOT_M: tl.constexpr, INTERPRETED: tl.constexpr, STAGES: tl.constexpr):
+                      DOT_M: tl.constexpr, INTERPRETED: tl.constexpr, STAGES: tl.constexpr,
+                      PREFETCH: tl.constexpr):
     """out[M, N] = a(x)[M, K] @ dequant(w)[N, K]^T on tensor cores, a() the prologue as in
     `_quant_skinny_kernel`. The BLOCK_M input rows' prologue is computed once, then repeated to
     the dot's DOT_M >= 16 rows (free: the weights' bytes bound the product, each read once for
@@ -399,7 +427,8 @@ def _quant_dot_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,
     group: BLOCK_W divides the group's words), or once a row at the end. Program (i, j) takes
     words [j KW_SPLIT, (j + 1) KW_SPLIT) as in `_quant_skinny_kernel`. The next step's words are
     in flight while a step multiplies (STAGES 0), or STAGES - 1 steps' in shared memory through
-    Triton's pipeline (kernels.Tile.stages)."""
+    Triton's pipeline (kernels.Tile.stages); with PREFETCH (kernels.Tile.prefetch), all the
+    program's words are asked of L2 first."""
     pid = tl.program_id(0)
     FIELDS: tl.constexpr = 32 // BITS
     KW: tl.constexpr = K // FIELDS
@@ -416,6 +445,8 @@ def _quant_dot_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,
     tile_words = qw_ptr + n_in.to(tl.int64)[:, None] * KW + tl.arange(0, BLOCK_W)[None, :]
     if STAGES == 0:
         words = tl.load(tile_words + w_lo)  # in flight first
+    if PREFETCH:
+        _prefetch_weight(qw_ptr, s_ptr, z_ptr, n_in, w_lo, w_hi, K, BITS, GROUP, HAS_ZEROS, BLOCK_N)
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
@@ -548,7 +579,7 @@ def quant_matmul(tile, prologue, x, weight: QuantizedWeight, residual=None, norm
     meta = dict(NORM=prologue in (NORM, ADD_NORM), ADD=prologue == ADD_NORM, SILU=prologue == SILU_MUL,
                 BITS=weight.bits, GROUP=weight.group_size, HAS_ZEROS=weight.zeros is not None, BLOCK_N=tile.block_n,
                 BLOCK_W=tile.block_k, NORM_BLOCK=min(triton.next_power_of_2(k), 4096 // block_m), KW_SPLIT=kw_split,
-                num_warps=tile.warps)
+                PREFETCH=prefetching(tile), num_warps=tile.warps)
     grid = (triton.cdiv(n, tile.block_n), splits)
     if tile.dot:
         launch(_quant_dot_kernel, grid, tile.pdl, *args, m, n, k, eps, BLOCK_M=block_m, DOT_M=max(block_m, DOT_MIN_ROWS),

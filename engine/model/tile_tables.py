@@ -104,12 +104,13 @@ class TileTable:
         return self.shapes[nearest], "nearest"
 
     def choose(self, key: tuple, candidates: Sequence[Tile | None], default: Tile | None) -> tuple[Tile | None, str]:
-        """The first ranked tile this engine can run (one of `candidates`, read without PDL where
-        the candidates have none), and its source; else `default`, the first tile that fits."""
+        """The first ranked tile this engine can run (one of `candidates`, read without PDL, and
+        so without the prefetch it comes with, where the candidates have none), and its source;
+        else `default`, the first tile that fits."""
         ranked, source = self.ranked(key)
         allowed = set(candidates)
         for tile in ranked:
-            for option in (tile, tile._replace(pdl=False) if tile else None):
+            for option in (tile, tile._replace(pdl=False, prefetch=False) if tile else None):
                 if option in allowed:
                     return option, source
         return default, "default"
@@ -166,12 +167,14 @@ def merge(base: TileTable, new: TileTable) -> TileTable:
 def derive(source: TileTable, name: str, pdl: bool, note: str) -> TileTable:
     """A table for a family nobody timed yet, from a measured one: each shape keeps the source's
     ranking (a product's best tile follows its weight's shape and the memory pipe more than the
-    SM count), read without PDL where the family has none."""
+    SM count), read without PDL where the family has none, and then without the L2 prefetch
+    (Tile.prefetch): it fills the boundary PDL opens, and a Jetson's L2 is a small fraction of
+    a discrete GPU's, which a whole program's share of the weights could overrun."""
     shapes = {}
     for key, ranked in source.shapes.items():
         out: list[Tile | None] = []
         for tile in ranked:
-            tile = tile._replace(pdl=tile.pdl and pdl) if tile is not None else None
+            tile = tile._replace(pdl=tile.pdl and pdl, prefetch=tile.prefetch and pdl) if tile is not None else None
             if tile not in out:
                 out.append(tile)
         shapes[key] = out

@@ -4,7 +4,8 @@ accepts code the compiler refuses, e.g. a plain global read inside a kernel. Run
 must be off): python -m tests.engine.hopper_compile; with the argument `quant`, the one-row
 W4A16/W8A16 kernel's variants instead; with `quant_dot`, the tensor-core one's for sm_90 and for
 Jetson Orin (sm_87), with its instructions a weight in the inner loop (tools/sass_count.py); with
-`pipelined`, the pipelined tiles' (kernels.Tile.stages) of the bf16 and quantized products."""
+`pipelined`, the pipelined tiles' (kernels.Tile.stages) of the bf16 and quantized products; with
+`prefetched`, the products' L2 prefetch (kernels.Tile.prefetch)."""
 
 import functools
 import inspect
@@ -102,7 +103,7 @@ def quant() -> None:
                            dict(K=1024, NORM=prologue in (1, 2), ADD=prologue == 2, SILU=prologue == 3, BITS=bits,
                                 GROUP=group, HAS_ZEROS=zeros, BLOCK_N=64, BLOCK_W=64 if i % 3 == 0 else 16 if bits == 4 else 32,
                                 NORM_BLOCK=1024, KW_SPLIT=1024 * bits // 32 // split, EVEN_N=even, PDL=pdl,
-                                STAGES=3 if i % 4 == 1 else 0))
+                                STAGES=3 if i % 4 == 1 else 0, PREFETCH=i % 3 == 1))
     print("compiled")
 
 
@@ -127,7 +128,7 @@ def quant_dot() -> None:
                 dict(K=1024, NORM=prologue in (1, 2), ADD=prologue == 2, SILU=prologue == 3, BITS=bits, GROUP=group,
                      HAS_ZEROS=zeros, BLOCK_M=rows, BLOCK_N=64, BLOCK_W=16, NORM_BLOCK=1024 // max(rows, 16),
                      KW_SPLIT=1024 * bits // 32 // split, PDL=arch >= 90, DOT_M=max(rows, 16), INTERPRETED=False,
-                     STAGES=0),
+                     STAGES=0, PREFETCH=i % 3 == 1),
                 arch)
             if prologue == 0 and rows == 1:  # 64 x 16 words a step over 128 threads
                 print(f"sass sm_{arch} {bits} {len(inner_loop(compiled.asm['sass'])) / (64 * 16 * 32 // bits / 128):.2f}")
@@ -155,7 +156,7 @@ def pipelined() -> None:
                         kernels._skinny_matmul_kernel, dict(act, w_ptr="*bf16", out_ptr="*bf16"),
                         dict(K=4096, NORM=prologue in (1, 2), ADD=prologue == 2, SILU=prologue == 3, DOT=dot,
                              IEEE=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, K_SPLIT=4096,
-                             PDL=arch >= 90 and i == 0, STAGES=stages), arch, warps)
+                             PDL=arch >= 90 and i == 0, STAGES=stages, PREFETCH=False), arch, warps)
                     if prologue == 0:
                         line("bf16-dot" if dot else "bf16-fma", arch, stages, compiled)
             for bits, group, zeros in ((4, 128, True), (8, 4096, False)):
@@ -164,17 +165,56 @@ def pipelined() -> None:
                     dict(act, qw_ptr="*i32", s_ptr="*fp32", z_ptr="*u8" if zeros else "*fp32", out_ptr="*bf16"),
                     dict(K=4096, NORM=False, ADD=False, SILU=False, BITS=bits, GROUP=group, HAS_ZEROS=zeros, BLOCK_N=32,
                          BLOCK_W=64, NORM_BLOCK=1024, KW_SPLIT=4096 * bits // 32, EVEN_N=True, PDL=arch >= 90,
-                         STAGES=stages), arch)
+                         STAGES=stages, PREFETCH=False), arch)
                 line(f"int{bits}-gemv", arch, stages, compiled)
                 compiled = compile_for_hopper(
                     quant_kernels._quant_dot_kernel,
                     dict(act, qw_ptr="*i32", s_ptr="*fp32", z_ptr="*u8" if zeros else "*fp32", out_ptr="*bf16"),
                     dict(K=4096, NORM=False, ADD=False, SILU=False, BITS=bits, GROUP=group, HAS_ZEROS=zeros, BLOCK_M=1,
                          BLOCK_N=64, BLOCK_W=16, NORM_BLOCK=1024, KW_SPLIT=4096 * bits // 32, PDL=arch >= 90, DOT_M=16,
-                         INTERPRETED=False, STAGES=stages), arch)
+                         INTERPRETED=False, STAGES=stages, PREFETCH=False), arch)
                 line(f"int{bits}-dot", arch, stages, compiled)
     print("compiled")
 
 
+def prefetched() -> None:
+    """Each product kernel with its L2 prefetch (kernels.Tile.prefetch) and without, for sm_90
+    (with PDL) and sm_87: one line each, `prefetch <kernel> sm_<arch> <prefetches> <before the
+    wait: yes|no|-> <loop instructions> <without the prefetch>`: the prefetch instructions
+    (CCTL.E.PF2) in the SASS, whether the PTX asks for them before it waits for the previous
+    kernel, and the inner loop's length with and without them (the prefetch is not in the loop)."""
+    from tools.sass_count import inner_loop
+
+    act = dict(x_ptr="*bf16", res_ptr="*bf16", norm_w_ptr="*bf16", res_out_ptr="*bf16", eps="fp32")
+    quantized = dict(act, qw_ptr="*i32", s_ptr="*fp32", z_ptr="*u8", out_ptr="*bf16")
+    int4 = dict(K=4096, NORM=False, ADD=False, SILU=False, BITS=4, GROUP=128, HAS_ZEROS=True, NORM_BLOCK=1024,
+                KW_SPLIT=512)
+    kernels_ = {  # name: kernel, argument types, constants, warps
+        "bf16-fma": (kernels._skinny_matmul_kernel, dict(act, w_ptr="*bf16", out_ptr="*bf16"),
+                     dict(K=4096, NORM=True, ADD=True, SILU=False, DOT=False, IEEE=False, BLOCK_M=1, BLOCK_N=4,
+                          BLOCK_K=1024, K_SPLIT=4096, STAGES=0), 4),
+        "bf16-dot": (kernels._skinny_matmul_kernel, dict(act, w_ptr="*bf16", out_ptr="*bf16"),
+                     dict(K=4096, NORM=False, ADD=False, SILU=False, DOT=True, IEEE=False, BLOCK_M=16, BLOCK_N=64,
+                          BLOCK_K=128, K_SPLIT=4096, STAGES=3), 4),
+        "int4-gemv": (quant_kernels._quant_gemv_kernel, quantized,
+                      dict(int4, BLOCK_N=32, BLOCK_W=64, EVEN_N=True, STAGES=0), 4),
+        "int4-dot": (quant_kernels._quant_dot_kernel, quantized,
+                     dict(int4, BLOCK_M=1, BLOCK_N=64, BLOCK_W=16, DOT_M=16, INTERPRETED=False, STAGES=4), 4),
+        "int4-fma": (quant_kernels._quant_skinny_kernel, quantized, dict(int4, BLOCK_M=2, BLOCK_N=8, BLOCK_W=128), 4),
+    }
+    for arch in (90, 87):
+        for name, (kernel, types, constants, warps) in kernels_.items():
+            meta = dict(constants, PDL=arch >= 90)
+            on = compile_for_hopper(kernel, types, dict(meta, PREFETCH=True), arch, warps)
+            off = compile_for_hopper(kernel, types, dict(meta, PREFETCH=False), arch, warps)
+            ptx = on.asm["ptx"]
+            wait = ptx.find("griddepcontrol.wait")
+            before = "-" if wait < 0 else "yes" if 0 <= ptx.find("prefetch.global.L2") < wait else "no"
+            loops = len(inner_loop(on.asm["sass"])), len(inner_loop(off.asm["sass"]))
+            print(f"prefetch {name} sm_{arch} {on.asm['sass'].count('CCTL.E.PF2')} {before} {loops[0]} {loops[1]}")
+    print("compiled")
+
+
 if __name__ == "__main__":
-    {"quant": quant, "quant_dot": quant_dot, "pipelined": pipelined}.get(sys.argv[1] if sys.argv[1:] else "", main)()
+    {"quant": quant, "quant_dot": quant_dot, "pipelined": pipelined, "prefetched": prefetched}.get(
+        sys.argv[1] if sys.argv[1:] else "", main)()

@@ -147,13 +147,15 @@ def test_shapes_after_freeze_are_recorded_untimed():
 
 
 def test_candidates_with_and_without_pdl():
-    """Where the GPU has programmatic dependent launches every tile is tried with them and main's
-    plain tiles (K whole, the prologue fused) also without; elsewhere none has them; a plain
-    product has no prologue to run apart."""
+    """Where the GPU has programmatic dependent launches every tile is tried with them, with
+    them and the L2 prefetch, and main's plain tiles (K whole, the prologue fused) also without;
+    elsewhere none has either; a plain product has no prologue to run apart."""
     plain = kernels.candidate_tiles(1, kernels.NORM)
-    assert plain[0] is None and not any(t.pdl for t in plain[1:])
+    assert plain[0] is None and not any(t.pdl or t.prefetch for t in plain[1:])
     both = kernels.candidate_tiles(1, kernels.NORM, pdl=True)
-    assert [t._replace(pdl=False) for t in both[1:] if t.pdl] == plain[1:]
+    assert [t._replace(pdl=False) for t in both[1:] if t.pdl and not t.prefetch] == plain[1:]
+    assert [t._replace(pdl=False, prefetch=False) for t in both[1:] if t.prefetch] == plain[1:]
+    assert all(t.pdl for t in both[1:] if t.prefetch)
     assert [t for t in both[1:] if not t.pdl] == [t for t in plain[1:] if t.split_k == 1 and not t.apart]
     assert any(t.apart for t in plain[1:]) and not any(t.apart for t in kernels.candidate_tiles(1, pdl=True)[1:])
     assert any(t.split_k > 1 for t in kernels.candidate_tiles(32, kernels.PLAIN)[1:])
@@ -177,3 +179,79 @@ def test_pipelined_tiles_copy_their_weights_asynchronously_on_hopper_and_orin():
             assert copies == "yes", (name, arch, stages)
         elif name != "bf16-dot":  # the dot's register prefetch pipelines its inputs, not its weights
             assert copies == "no", (name, arch, stages)
+
+
+
+def test_prefetching_tiles_ask_l2_before_they_wait_and_keep_their_loop_on_hopper_and_orin():
+    """Tile.prefetch compiled for sm_90 and sm_87 as a launch compiles it: the bf16 FMA and
+    tensor-core products, the INT4 one-row, tensor-core and FMA ones (groups with zero points)
+    issue L2 prefetches (CCTL.E.PF2) for their weights, and for the INT4 ones their scales and
+    zero points too; on Hopper before they wait for the previous kernel (PDL); their inner loop
+    no longer than without the prefetch, which stays out of it."""
+    done = compile_for_gpus("prefetched", timeout=600)
+    lines = [line.split()[1:] for line in done.stdout.splitlines() if line.startswith("prefetch ")]
+    assert len(lines) == 2 * 5, done.stdout  # archs x kernels
+    for name, arch, prefetches, before, loop, without in lines:
+        assert int(prefetches) >= (1 if name.startswith("bf16") else 3), (name, arch)
+        assert before == ("yes" if arch == "sm_90" else "-"), (name, arch)
+        assert int(loop) <= int(without) * 1.02, (name, arch, loop, without)
+
+
+def _lines(t: torch.Tensor, rows: range, lo: int, hi: int) -> set[int]:
+    """The 128-byte lines that columns [lo, hi) of t's rows `rows` lie on."""
+    size, at = t.element_size(), t.data_ptr()
+    return {line for r in rows for line in range((at + (r * t.shape[1] + lo) * size) // 128,
+                                                 (at + (r * t.shape[1] + hi) * size - 1) // 128 + 1)}
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="reads the prefetches' addresses in Triton's interpreter")
+def test_a_prefetching_tile_asks_l2_for_every_line_of_its_weights_and_nothing_else(monkeypatch):
+    """Tile.prefetch, each kernel that takes it, the prefetch instruction recorded (the
+    interpreter runs no inline assembly): each program asks for exactly the lines of its share
+    of the weights, with its groups' scales and zero points (K split with a partial last split,
+    N past the last tile's rows, rows that start inside a line); the results are exactly the
+    same tile's without it."""
+    from triton.runtime.interpreter import interpreter_builder
+
+    from jetserve.engine.model import quant, quant_kernels
+
+    asked: dict[tuple, set[int]] = {}
+
+    def record(ptrs):
+        asked.setdefault(interpreter_builder.grid_idx[:2], set()).update(int(a) // 128 for a in ptrs.handle.data.ravel())
+
+    monkeypatch.setattr(kernels, "_prefetch", record)
+    for module in (kernels, quant_kernels):
+        monkeypatch.setattr(module, "prefetching", lambda tile: tile.prefetch)
+    torch.manual_seed(0)
+    # Rows start 16 bytes into a line; the tensor-core tile's rows are two of its steps (of 64 rows,
+    # 2 lines each) long: its last step's last line starts past that step's last column asked.
+    w = torch.randn(301 * 256 + 8, dtype=torch.bfloat16)[8:].view(301, 256)
+    cases = [(Tile(4, 128, 4, 3, prefetch=True), 1, w), (Tile(64, 64, 4, dot=True, stages=3, prefetch=True), 3, w)]
+    for bits, group, sym, tile, m in ((4, 32, False, Tile(16, 16, 2, 2, one_row=True, prefetch=True), 1),
+                                      (4, 128, False, Tile(16, 16, 4, 3, dot=True, prefetch=True), 3),
+                                      (8, -1, True, Tile(16, 16, 4, 3, dot=True, prefetch=True), 1),
+                                      (8, 32, True, Tile(8, 32, 1, 2, prefetch=True), 3)):
+        cases.append((tile, m, quant.quantize(torch.randn(37, 1280) / 8, bits, group, sym)))
+    for tile, m, weight in cases:
+        x = torch.randn(m, weight.shape[1], dtype=torch.bfloat16)
+        quantized = isinstance(weight, quant.QuantizedWeight)
+        run = quant_kernels.quant_matmul if quantized else kernels._run
+        asked.clear()
+        got = run(tile, kernels.PLAIN, x, weight, None, None, 1e-6)
+        n, width = weight.shape[0], (weight.qweight if quantized else weight).shape[1]
+        per, splits = kernels.split_k(width, tile, tile.block_k)
+        assert len(asked) == triton.cdiv(n, tile.block_n) * splits, tile
+        for (i, j), lines in asked.items():
+            rows, lo, hi = range(i * tile.block_n, min(n, (i + 1) * tile.block_n)), j * per, min(width, (j + 1) * per)
+            if not quantized:
+                want = _lines(weight, rows, lo, hi)
+            else:
+                want = _lines(weight.qweight, rows, lo, hi)
+                if weight.scales.shape[1] > 1:  # groups: theirs, a word holding 32 // bits inputs
+                    fields = 32 // weight.bits
+                    g_lo, g_hi = lo * fields // weight.group_size, triton.cdiv(hi * fields, weight.group_size)
+                    for t in (weight.scales, weight.zeros):
+                        want |= _lines(t, rows, g_lo, g_hi) if t is not None else set()
+            assert lines == want, (tile, i, j, len(lines - want), len(want - lines))
+        assert torch.equal(got, run(tile._replace(prefetch=False), kernels.PLAIN, x, weight, None, None, 1e-6)), tile

@@ -123,8 +123,9 @@ HOSTILE = {
     "int where a bool goes": lambda fp: _with_entry(fp, candidates=[None, [4, 1024, 4, 1, 0, 1, 0, 0]]),
     "unknown tile name": lambda fp: _with_entry(fp, tile="Tile(4, 1024, 4)"),
     "tile too short": lambda fp: _with_entry(fp, tile=[4, 1024, 4, 1, False, True, False]),
-    "tile too long": lambda fp: _with_entry(fp, tile=[4, 1024, 4, 1, False, True, False, False, 3, 3]),
+    "tile too long": lambda fp: _with_entry(fp, tile=[4, 1024, 4, 1, False, True, False, False, 3, True, True]),
     "bool where the stages go": lambda fp: _with_entry(fp, tile=[4, 1024, 4, 1, False, True, False, False, True]),
+    "int where the prefetch goes": lambda fp: _with_entry(fp, tile=[4, 1024, 4, 1, False, True, False, False, 3, 1]),
     "tile not a candidate": lambda fp: _with_entry(fp, tile=[8, 1024, 4, 1, False, True, False, False]),
     "times too few": lambda fp: _with_entry(fp, times_ms=[0.01]),
     "negative time": lambda fp: _with_entry(fp, times_ms=[0.01, -1]),
@@ -151,7 +152,7 @@ def test_a_bad_file_is_ignored_with_a_warning_and_rewritten(tmp_path, fp, name, 
 
 def test_the_valid_document_of_the_hostile_cases_is_read(tmp_path, fp):
     """The hostile files above are this document spoiled one way each: unspoiled, it is read,
-    its tiles stored before Tile had `stages` (their default) as well as with them."""
+    its tiles stored before Tile had `stages` and `prefetch` (their defaults) as well as with them."""
     cache = TileCache(tmp_path, fp)
     cache.path.write_text(json.dumps(_valid_doc(fp)))
     tiles = [None, Tile(4, 1024, 4, pdl=True)]
@@ -160,6 +161,9 @@ def test_the_valid_document_of_the_hostile_cases_is_read(tmp_path, fp):
     cache.path.write_text(_with_entry(fp, tile=list(staged[1]), candidates=[None, list(staged[1])]))
     assert TileCache(tmp_path, fp).lookup(KEY, staged).tile == staged[1]
     assert TileCache(tmp_path, fp).lookup(KEY, tiles) is None  # another tile: not this entry's candidates
+    fetching = [None, Tile(4, 1024, 4, pdl=True, stages=3, prefetch=True)]
+    cache.path.write_text(_with_entry(fp, tile=list(fetching[1]), candidates=[None, list(fetching[1])]))
+    assert TileCache(tmp_path, fp).lookup(KEY, fetching).tile == fetching[1]
 
 
 def test_an_unwritable_cache_warns_once_and_the_engine_goes_on(tmp_path, fp, caplog):

@@ -37,6 +37,12 @@ def test_a_listed_shape_takes_its_best_ranked_tile_this_gpu_can_run():
     # Before Hopper no candidate has PDL: the tile is read without it, not skipped.
     assert table.choose(_key(4096, 1024), [None, A, B._replace(pdl=False)], default=A) == (B._replace(pdl=False),
                                                                                           "table")
+    # Nor is one whose L2 prefetch comes with its PDL (kernels.with_pdl).
+    fetching = TileTable("sm90", {shape_key(_key(4096, 1024)): [B._replace(prefetch=True), A]})
+    assert fetching.choose(_key(4096, 1024), [None, A, B._replace(pdl=False)], default=A) == \
+        (B._replace(pdl=False), "table")
+    assert fetching.choose(_key(4096, 1024), [None, A, B, B._replace(prefetch=True)], default=A) == \
+        (B._replace(prefetch=True), "table")
     # A tile the candidates lack (another kernel version's) gives way to the next ranked.
     assert table.choose(_key(4096, 1024), [None, A], default=C) == (A, "table")
     assert table.choose(_key(4096, 1024), [C], default=C) == (C, "default")
@@ -139,9 +145,10 @@ def test_a_family_without_a_table_takes_the_nearest_family():
 def test_derive_drops_what_the_family_lacks_and_keeps_the_ranking():
     key = shape_key(_key(16384, 1024))
     split = Tile(16, 256, 4, 4, pdl=True, dot=True)
-    source = TileTable("sm90", {key: [split, None, split._replace(pdl=False), A]}, PrefillConfig(), "timed")
+    fetching = split._replace(prefetch=True, block_n=32)
+    source = TileTable("sm90", {key: [split, None, split._replace(pdl=False), fetching, A]}, PrefillConfig(), "timed")
     assert tile_tables.derive(source, "sm87", pdl=False, note="derived").shapes[key] == \
-        [split._replace(pdl=False), None, A]  # deduplicated, order kept
+        [split._replace(pdl=False), None, fetching._replace(pdl=False, prefetch=False), A]  # deduplicated, order kept
     thor = tile_tables.derive(source, "sm110", pdl=True, note="derived")
     assert thor.shapes[key] == source.shapes[key] and thor.source == "derived"
 

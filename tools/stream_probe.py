@@ -1,16 +1,19 @@
-"""Issues 29 and 30 on a GPU: the pipelined tiles (kernels.Tile.stages, Triton's cp.async
-software pipeline) against what the engine runs now, product by product.
+"""Issues 29 and 30 on a GPU: do more weight bytes in flight make the decode products faster?
+Two levers against what the engine runs now, product by product: the pipelined tiles
+(kernels.Tile.stages, Triton's cp.async software pipeline) and the L2 prefetch (Tile.prefetch: a
+program asks for all its weights before it waits for the previous kernel).
 
 For each Qwen3 projection (its fused prologue), weight format (bf16, INT8, INT4) and row count:
-the shipped table's tile; the fastest pipelined candidate and the fastest of their
-register-prefetch twins (the same tiles with stages 0), each timed as the start-up tuning times a
-tile (a CUDA graph over cold copies of the weight), all compiled at once first; for INT4 also
-torch's W4A16 kernel (what the engine's large INT4 projections take,
+the shipped table's tile and its prefetching twin; the fastest pipelined candidate, the fastest
+of their register-prefetch twins (the same tiles with stages 0) and the fastest pipelined one
+that prefetches; each timed as the tuning times a tile (a CUDA graph over cold copies of the
+weight, so each launch follows another product's, as in a step), all compiled at once first; for
+INT4 also torch's W4A16 kernel (what the engine's large INT4 projections take,
 model/int4pack.py; the product alone, as the engine runs a fused prologue as a kernel of its
-own before it), for bf16 cuBLAS. Every candidate's result is checked against the fp32
-product first. Prints a table; writes $OUT/stages.json. Run from the repository root:
+own before it), for bf16 cuBLAS. Every candidate's result is checked against the fp32 product
+first. Prints a table; writes $OUT/stream.json. Run from the repository root:
 
-    python3 tools/stages_probe.py [shapes, default qwen3-0.6b,qwen3-4b] [rows, default 1,16]
+    python3 tools/stream_probe.py [shapes, default qwen3-0.6b,qwen3-4b] [rows, default 1,16]
 """
 
 import json
@@ -61,12 +64,19 @@ def main() -> None:
                     quantized = isinstance(w, quant.QuantizedWeight)
                     if quantized:
                         tiles, shipped = fitting_tiles(m, w, prologue, pdl), QuantFusedKernels(table=table)
+                        shipped.skinny_matmul(prologue, x, w, residual, norm, 1e-6)
                     else:
                         tiles = kernels.candidate_tiles(triton.next_power_of_2(m), prologue, pdl)[1:]
                         shipped = kernels.FusedKernels(table=table)
-                    # the pipelined candidates and each one's register-prefetch twin, as this GPU launches them
-                    staged = [t for t in tiles if t.stages and t.pdl == pdl]
-                    tiles = staged + [t._replace(stages=0) for t in staged if t._replace(stages=0) in tiles]
+                        shipped.skinny_matmul(prologue, x, w, residual, norm, 1e-6)
+                    ships = next(iter(shipped.chosen.values()))  # None: cuBLAS, or the float path
+                    # the pipelined candidates, each one's register-prefetch twin and prefetching twin, and the
+                    # shipped tile's prefetching twin, as this GPU launches them
+                    staged = [t for t in tiles if t.stages and t.pdl == pdl and not t.prefetch]
+                    twins = [t._replace(stages=0) for t in staged] + [t._replace(prefetch=True) for t in staged]
+                    if ships is not None:
+                        twins.append(ships._replace(prefetch=True))
+                    tiles = list(dict.fromkeys(staged + [t for t in twins if t in tiles]))
                     with parallel_compile.compile_only():  # every candidate's compile at once
                         for tile in tiles:
                             product(tile, prologue, x, w, residual, norm)
@@ -81,10 +91,14 @@ def main() -> None:
                             raise SystemExit(f"{shape} {name} {fmt} rows {m} {tile}: error {err:.3g}")
                         times[tile] = timed(lambda v, t=tile: product(t, prologue, x, v, residual, norm), w)
                     row = {"shape": shape, "name": name, "format": fmt, "rows": m, "n": n, "k": k,
+                           "shipped_tile": None if ships is None else list(ships),
                            "shipped_us": timed(lambda v: shipped.skinny_matmul(prologue, x, v, residual, norm, 1e-6),
                                                w)}
-                    for label, pool in (("register", [t for t in times if t.stages == 0]),
-                                        ("pipelined", [t for t in times if t.stages > 0])):
+                    if ships is not None and ships._replace(prefetch=True) in times:
+                        row["prefetch_us"] = times[ships._replace(prefetch=True)]
+                    for label, pool in (("register", [t for t in times if t.stages == 0 and not t.prefetch]),
+                                        ("pipelined", [t for t in times if t.stages > 0 and not t.prefetch]),
+                                        ("both", [t for t in times if t.stages > 0 and t.prefetch])):
                         if pool:
                             best = min(pool, key=times.get)
                             row[f"{label}_us"], row[f"{label}_tile"] = times[best], list(best)
@@ -100,12 +114,12 @@ def main() -> None:
                         row["tinygemm_us"] = graph_time([lambda: int4pack.matmul(a, packed)]) * 1e3
                     rows_out.append(row)
                     line = (f"{shape:10} {name:7} {fmt:4} rows {m:2}: shipped {row['shipped_us']:7.1f}"
-                            + "".join(f"  {key[:-3]} {row[key]:7.1f}" for key in ("register_us", "pipelined_us",
-                                                                                  "tinygemm_us", "cublas_us")
-                                      if key in row) + f"  {row.get('pipelined_tile', '')}")
+                            + "".join(f"  {key[:-3]} {row[key]:7.1f}" for key in (
+                                "prefetch_us", "register_us", "pipelined_us", "both_us", "tinygemm_us", "cublas_us")
+                                if key in row) + f"  {row.get('pipelined_tile', '')}")
                     print(line, flush=True)
     os.makedirs(OUT, exist_ok=True)
-    with open(os.path.join(OUT, "stages.json"), "w") as f:
+    with open(os.path.join(OUT, "stream.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(DEV) if DEV.type == "cuda" else str(DEV), "rows": rows_out}, f,
                   indent=1)
 
