@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -505,6 +505,16 @@ def prefetch_l2(rows, lo, hi, ROWS: tl.constexpr, LINE: tl.constexpr):
         _prefetch(rows + prefetch_columns(c, hi, ROWS, LINE)[None, :])
 
 
+AHEAD_SPAN = 64 * 1024  # bytes a program of `_prefetch_span_kernel` asks for: 4 lines a thread at 4 warps
+
+
+@triton.jit
+def _prefetch_span_kernel(ptr, size, SPAN: tl.constexpr):
+    """Ask L2 for bytes [p SPAN, (p + 1) SPAN) of the first `size` at `ptr`, program p."""
+    lo = tl.program_id(0).to(tl.int64) * SPAN
+    prefetch_l2(ptr + tl.zeros([1, 1], tl.int64), lo, tl.minimum(lo + SPAN, size), 1, 128)
+
+
 def prefetching(tile: Tile) -> bool:
     """Whether `tile`'s launch asks L2 for its weights first: not in Triton's interpreter, which
     runs no inline assembly (a prefetch changes no result)."""
@@ -598,17 +608,20 @@ _UNTUNED_BYTES = 256 * 1024  # weights this small take the first tile that fits:
 _MAX_PRODUCTS_PER_THREAD = 64  # more spills registers
 
 
-def candidate_tiles(rows: int, prologue: int = PLAIN, pdl: bool = False) -> list[Tile | None]:
-    """Tiles a product of `rows` rows (a power of two) may take, cuBLAS (None) first; a plain
-    product has no prologue to run apart. Below DOT_MIN_ROWS the tensor-core tiles compete with
-    the FMA tiles, from one row: an FMA tile spends a conversion and an FMA on every weight, a
-    tensor-core one a fraction of an instruction, its padding rows costing no weight bytes
-    (tools/sass_count.py counts both). Pipelined tiles up to DOT_MIN_ROWS rows: each stage holds
-    the input rows' tile beside the weights', which past 16 rows outgrows a Jetson Orin's shared
-    memory and the registers of a thread."""
+def candidate_tiles(rows: int, prologue: int = PLAIN, pdl: bool = False,
+                    dtype: torch.dtype = torch.bfloat16) -> list[Tile | None]:
+    """Tiles a product of `rows` rows (a power of two) of `dtype` activations may take, cuBLAS
+    (None) first; a plain product has no prologue to run apart. Below DOT_MIN_ROWS the
+    tensor-core tiles compete with the FMA tiles, from one row: an FMA tile spends a conversion
+    and an FMA on every weight, a tensor-core one a fraction of an instruction, its padding rows
+    costing no weight bytes (tools/sass_count.py counts both). Pipelined tiles: each stage holds
+    the input rows' tile beside the weights', so past DOT_MIN_ROWS only for 16-bit activations,
+    whose stages at 64 rows need up to 112 KB of shared memory where fp32's need up to 225 KB,
+    past a Jetson Orin's 163 KB a program (as compiled for sm_87; tests/engine/hopper_compile.py)."""
     tiles = _DOT_TILES if rows >= DOT_MIN_ROWS else [
         t for t in _TILES if rows * t.block_n * t.block_k <= _MAX_PRODUCTS_PER_THREAD * 32 * t.warps] + _DOT_TILES
-    tiles = [t for t in tiles if not (t.apart and prologue == PLAIN) and (t.stages == 0 or rows <= DOT_MIN_ROWS)]
+    staged = rows <= DOT_MIN_ROWS or dtype.itemsize == 2
+    tiles = [t for t in tiles if not (t.apart and prologue == PLAIN) and (t.stages == 0 or staged)]
     return [None] + with_pdl(tiles, pdl)
 
 
@@ -753,6 +766,46 @@ class FusedKernels:
         self.sources: dict[tuple, str] = {}  # where each choice came from: tuned, table, nearest, default
         self.chosen: dict[tuple, tuple[int, int, int] | None] = {}
         self.tuning_times: dict[tuple, dict[tuple[int, int, int] | None, float]] = {}  # ms per candidate tile
+        self._ahead: torch.cuda.Stream | None = None  # prefetch_ahead's stream, forked from the step's
+        self._forked = False  # a prefetch_ahead since the last join_ahead
+
+    def ahead_bytes(self, device: torch.device) -> int:
+        """Bytes of weights `prefetch_ahead` asks for at once: the table's share of this GPU's
+        L2; 0 (off) off CUDA, in Triton's interpreter, or where the table has none."""
+        if device.type != "cuda" or INTERPRETED or not self.table.ahead:
+            return 0
+        return int(self.table.ahead * torch.cuda.get_device_properties(device).L2_cache_size)
+
+    def prefetch_ahead(self, weights: Sequence) -> None:
+        """Ask L2 for the weights a few-row step reads next (`weights` in the order it reads them,
+        each a tensor or a quantized weight's tuple of them, up to `ahead_bytes` in all) from a
+        stream of its own, forked from the step's: while the step runs its attention and small
+        kernels, which leave the memory idle, the memory streams the next products' weights,
+        and those products find them in L2 instead of waiting for each line. A prefetch changes
+        no result, so nothing on the step's stream waits for these kernels but `join_ahead`,
+        which a CUDA graph's capture needs before it ends."""
+        tensors = [t.view(torch.uint8) for w in weights for t in ((w,) if isinstance(w, torch.Tensor) else w)
+                   if isinstance(t, torch.Tensor) and t.is_contiguous()]
+        left = self.ahead_bytes(tensors[0].device) if tensors else 0
+        if not left:
+            return
+        if self._ahead is None:
+            self._ahead = torch.cuda.Stream(tensors[0].device)
+        self._ahead.wait_stream(torch.cuda.current_stream(tensors[0].device))
+        with torch.cuda.stream(self._ahead):
+            for t in tensors:
+                size = min(t.numel() * t.element_size(), left)
+                if size <= 0:
+                    break
+                _prefetch_span_kernel[(triton.cdiv(size, AHEAD_SPAN),)](t, size, SPAN=AHEAD_SPAN)
+                left -= size
+        self._forked = True
+
+    def join_ahead(self) -> None:
+        """The step's stream takes up `prefetch_ahead`'s again (instantly: its kernels only ask)."""
+        if self._forked:
+            torch.cuda.current_stream(self._ahead.device).wait_stream(self._ahead)
+            self._forked = False
 
     def paged_attention(self, q, k_cache, v_cache, block_tables, context_lens, q_len: int, block_size: int,
                         scale: float, token_rows: torch.Tensor | None = None,
@@ -820,7 +873,7 @@ class FusedKernels:
     def _choose_tile(self, key, prologue, x, weight, residual, norm_weight, eps):
         """A new shape's tile (None: cuBLAS), remembered (see the class docstring); batch-invariant:
         a tensor-core tile, never cuBLAS."""
-        tiles = candidate_tiles(key[1], prologue, pdl_supported(x.device))
+        tiles = candidate_tiles(key[1], prologue, pdl_supported(x.device), key[-1])
         if self.batch_invariant:
             tiles = [t for t in tiles if t is not None and t.dot]
         timed = self.tile_timing and not self.frozen and weight.numel() * weight.element_size() >= _UNTUNED_BYTES

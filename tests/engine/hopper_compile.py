@@ -140,7 +140,8 @@ def pipelined() -> None:
     loops, every prologue) and of the quantized one-row and tensor-core ones (INT4 in groups,
     INT8 per channel), for sm_90 and sm_87: one line each, `async <kernel> sm_<arch> <stages> <yes|no>`,
     whether the inner loop copies its weights asynchronously (cp.async, LDGSTS), which is what
-    the stages are for; stages 0, the register prefetch, for comparison."""
+    the stages are for; stages 0, the register prefetch, for comparison. First, `shared <tile>
+    <prologue> <bytes>`: the shared memory each pipelined bf16 candidate at 64 rows takes on sm_87."""
     from tools.sass_count import inner_loop
 
     def line(name, arch, stages, compiled):
@@ -148,6 +149,15 @@ def pipelined() -> None:
         print(f"async {name} sm_{arch} {stages} {'yes' if any(op.startswith('LDGSTS') for op in body) else 'no'}")
 
     act = dict(x_ptr="*bf16", res_ptr="*bf16", norm_w_ptr="*bf16", res_out_ptr="*bf16", eps="fp32")
+    for prologue in range(4):  # shared memory of the pipelined bf16 candidates at their most rows, on an Orin
+        for tile in {t._replace(pdl=False, prefetch=False) for t in kernels.candidate_tiles(64, prologue) if t and t.stages}:
+            fused = 0 if tile.apart else prologue
+            compiled = compile_for_hopper(
+                kernels._skinny_matmul_kernel, dict(act, w_ptr="*bf16", out_ptr="*bf16"),
+                dict(K=4096, NORM=fused in (1, 2), ADD=fused == 2, SILU=fused == 3, DOT=True, IEEE=False, BLOCK_M=64,
+                     BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, K_SPLIT=4096 // tile.split_k, PDL=False,
+                     STAGES=tile.stages, PREFETCH=False), 87, tile.warps)
+            print(f"shared {tile.block_n}x{tile.block_k}x{tile.split_k} {prologue} {compiled.metadata.shared}")
     for arch in (90, 87):
         for stages in (0, 3):
             for i, (dot, block_m, block_n, block_k, warps) in enumerate(((False, 1, 8, 256, 8), (True, 16, 64, 128, 4))):
@@ -182,7 +192,8 @@ def prefetched() -> None:
     (with PDL) and sm_87: one line each, `prefetch <kernel> sm_<arch> <prefetches> <before the
     wait: yes|no|-> <loop instructions> <without the prefetch>`: the prefetch instructions
     (CCTL.E.PF2) in the SASS, whether the PTX asks for them before it waits for the previous
-    kernel, and the inner loop's length with and without them (the prefetch is not in the loop)."""
+    kernel, and the inner loop's length with and without them (the prefetch is not in the loop);
+    then `span sm_<arch> <prefetches>` for FusedKernels.prefetch_ahead's kernel."""
     from tools.sass_count import inner_loop
 
     act = dict(x_ptr="*bf16", res_ptr="*bf16", norm_w_ptr="*bf16", res_out_ptr="*bf16", eps="fp32")
@@ -212,6 +223,8 @@ def prefetched() -> None:
             before = "-" if wait < 0 else "yes" if 0 <= ptx.find("prefetch.global.L2") < wait else "no"
             loops = len(inner_loop(on.asm["sass"])), len(inner_loop(off.asm["sass"]))
             print(f"prefetch {name} sm_{arch} {on.asm['sass'].count('CCTL.E.PF2')} {before} {loops[0]} {loops[1]}")
+        span = compile_for_hopper(kernels._prefetch_span_kernel, dict(ptr="*u8", size="i64"), dict(SPAN=65536), arch)
+        print(f"span sm_{arch} {span.asm['sass'].count('CCTL.E.PF2')}")
     print("compiled")
 
 

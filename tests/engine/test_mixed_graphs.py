@@ -270,3 +270,40 @@ def test_drafting_prefill_replays_its_mixed_step_graph(tmp_path):
     used = runner.num_blocks * BLOCK_SIZE
     torch.testing.assert_close(runner.kv_cache[-1, :, :used], eager.engine.runner.kv_cache[-1, :, :used],
                                rtol=1e-4, atol=1e-5)
+
+
+@torch.inference_mode()
+def test_a_few_row_step_asks_for_the_weights_it_reads_next_in_that_order(tmp_path, monkeypatch):
+    """Where the table streams weights ahead (FusedKernels.prefetch_ahead; its stream and kernels
+    are CUDA's, so its calls are recorded here, the products run): right after each layer's qkv
+    product a few-row step asks for the weights it reads next, in the order it reads them, up to
+    and including the next layer's qkv, and takes its stream back once at the end; a step of
+    more rows than the skinny kernels take asks for none."""
+    build_qwen3(tmp_path, **dict(SMALL, num_hidden_layers=3))
+    kernels = FusedKernels(tile_timing=False)
+    model, cache = fused_model(tmp_path, kernels)
+    events, product = [], kernels.skinny_matmul
+
+    def read(prologue, x, weight, *args):
+        events.append(("read", weight))
+        return product(prologue, x, weight, *args)
+    monkeypatch.setattr(kernels, "skinny_matmul", read)
+    monkeypatch.setattr(kernels, "ahead_bytes", lambda device: 1 << 20)
+    monkeypatch.setattr(kernels, "prefetch_ahead", lambda weights: events.append(("ahead", weights)))
+    monkeypatch.setattr(kernels, "join_ahead", lambda: events.append(("join", None)))
+    for rows in (1, 3):
+        events.clear()
+        meta = AttentionMetadata.build([rows], [rows + 4], [[0]], BLOCK_SIZE, DEVICE, fused=True)
+        model(torch.arange(rows, device=DEVICE), torch.arange(4, 4 + rows, device=DEVICE), cache, meta)
+        asks = [i for i, (kind, _) in enumerate(events) if kind == "ahead"]
+        assert len(asks) == 3 and events[-1] == ("join", None) and [k for k, _ in events].count("join") == 1
+        for n, i in enumerate(asks):
+            assert events[i - 1][1] is model.layers[n].self_attn.qkv_proj.weight  # right after its layer's qkv
+            upto = asks[n + 1] if n + 1 < len(asks) else len(events) - 1
+            read_next = [w for kind, w in events[i + 1:upto]]
+            assert len(events[i][1]) == len(read_next) and all(a is b for a, b in zip(events[i][1], read_next))
+    events.clear()
+    rows = SKINNY_MAX_ROWS + 1
+    meta = AttentionMetadata.build([rows], [rows], [list(range(5))], BLOCK_SIZE, DEVICE, fused=True)
+    model(torch.arange(rows, device=DEVICE), torch.arange(rows, device=DEVICE), cache, meta)
+    assert events == []

@@ -161,7 +161,7 @@ def test_a_table_round_trips_and_is_made_from_tile_caches(tmp_path):
     path = tmp_path / "t.json"
     path.write_text(table.to_json())
     again = TileTable.read(path)
-    assert again.shapes == table.shapes and again.prefill == table.prefill
+    assert again.shapes == table.shapes and again.prefill == table.prefill and again.ahead == 0.0
     assert len(path.read_text().splitlines()) == 3  # the head, one line a shape, the end
     fp = {"device": {"name": "NVIDIA H200", "capability": "9.0"}}
     cache = TileCache(tmp_path / "tiles", fp)
@@ -199,3 +199,23 @@ def test_tune_refuses_a_file_that_is_no_tile_cache(tmp_path, text, says):
                            "--out", str(tmp_path / "t.json")], capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr
     assert not (tmp_path / "t.json").exists()
+
+
+def test_the_share_of_l2_asked_for_ahead_is_read_kept_and_bounded(tmp_path):
+    """`ahead` (FusedKernels.prefetch_ahead) round-trips, survives a tuning run's merge (tuning
+    times products, not steps) and a derivation (a share of the family's own L2), and a table
+    whose value is no share in [0, MAX_AHEAD] is refused as unreadable, naming it."""
+    key = shape_key(_key(4096, 1024))
+    table = TileTable("sm90", {key: [A]}, PrefillConfig(), "timed", ahead=0.5)
+    path = tmp_path / "t.json"
+    path.write_text(table.to_json())
+    assert TileTable.read(path).ahead == 0.5
+    tuned = tile_tables.from_timings("sm90", {_key(2048, 1024): {A: 1.0}}, PrefillConfig(), "tuned")
+    assert tile_tables.merge(table, tuned).ahead == 0.5
+    assert tile_tables.derive(table, "sm87", pdl=False, note="derived").ahead == 0.5
+    for bad in (-0.1, tile_tables.MAX_AHEAD + 0.01, True, "half", None):
+        doc = json.loads(path.read_text())
+        doc["ahead"] = bad
+        path.write_text(json.dumps(doc))
+        with pytest.raises(ValueError, match="ahead"):
+            TileTable.read(path)
