@@ -597,13 +597,15 @@ _TILES = [Tile(4, 1024, 4), Tile(2, 2048, 4), Tile(8, 1024, 4), Tile(2, 4096, 4)
           Tile(2, 1024, 8, apart=True),
           Tile(4, 1024, 4, stages=3), Tile(8, 256, 8, stages=3), Tile(4, 1024, 4, apart=True, stages=3)]
 # Tensor-core tiles (16-64 rows): narrow N for many programs on small weights, wide K for bytes in
-# flight; split K where N / BLOCK_N programs would leave most of the GPU idle; pipelined last.
+# flight; split K where N / BLOCK_N programs would leave most of the GPU idle; pipelined last, the
+# narrowest with K whole so that a fused norm runs once a row and no sum kernel follows (the batch-32
+# step's chosen tiles pay a norm kernel before and a sum kernel after: bench/results/profile-h200-b32).
 _DOT_TILES = [Tile(16, 256, 4, dot=True), Tile(32, 128, 4, dot=True), Tile(32, 256, 4, dot=True),
               Tile(64, 128, 4, dot=True), Tile(64, 64, 4, dot=True), Tile(128, 64, 8, dot=True),
               Tile(16, 256, 4, 4, dot=True), Tile(16, 128, 4, 8, dot=True), Tile(32, 128, 4, 4, dot=True),
               Tile(16, 256, 4, apart=True, dot=True), Tile(16, 256, 4, 4, True, dot=True),
               Tile(64, 128, 4, dot=True, stages=3), Tile(32, 128, 4, 4, dot=True, stages=3),
-              Tile(16, 256, 4, 4, True, dot=True, stages=3)]
+              Tile(16, 256, 4, 4, True, dot=True, stages=3), Tile(16, 128, 4, dot=True, stages=3)]
 _UNTUNED_BYTES = 256 * 1024  # weights this small take the first tile that fits: nothing to gain from timing
 _MAX_PRODUCTS_PER_THREAD = 64  # more spills registers
 
