@@ -64,11 +64,10 @@ def main() -> None:
                     quantized = isinstance(w, quant.QuantizedWeight)
                     if quantized:
                         tiles, shipped = fitting_tiles(m, w, prologue, pdl), QuantFusedKernels(table=table)
-                        shipped.skinny_matmul(prologue, x, w, residual, norm, 1e-6)
                     else:
                         tiles = kernels.candidate_tiles(triton.next_power_of_2(m), prologue, pdl)[1:]
                         shipped = kernels.FusedKernels(table=table)
-                        shipped.skinny_matmul(prologue, x, w, residual, norm, 1e-6)
+                    shipped.skinny_matmul(prologue, x, w, residual, norm, 1e-6)
                     ships = next(iter(shipped.chosen.values()))  # None: cuBLAS, or the float path
                     # the pipelined candidates, each one's register-prefetch twin and prefetching twin, and the
                     # shipped tile's prefetching twin, as this GPU launches them

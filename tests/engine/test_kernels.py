@@ -235,8 +235,9 @@ def test_a_prefetching_tile_asks_l2_for_every_line_of_its_weights_and_nothing_el
     for module in (kernels, quant_kernels):
         monkeypatch.setattr(module, "prefetching", lambda tile: tile.prefetch)
     torch.manual_seed(0)
-    # Rows start 16 bytes into a line; the tensor-core tile's rows are two of its steps (of 64 rows,
-    # 2 lines each) long: its last step's last line starts past that step's last column asked.
+    # Rows start 16 bytes into a line, and the 64-row tile's prefetch asks for 2 columns a row an
+    # iteration, a line apart: its rows are 2 iterations long, so a row's last line begins after
+    # the last column asked a line apart, and only the clamp to the row's end reaches it.
     w = torch.randn(301 * 256 + 8, dtype=torch.bfloat16)[8:].view(301, 256)
     cases = [(Tile(4, 128, 4, 3, prefetch=True), 1, w), (Tile(64, 64, 4, dot=True, stages=3, prefetch=True), 3, w)]
     for bits, group, sym, tile, m in ((4, 32, False, Tile(16, 16, 2, 2, one_row=True, prefetch=True), 1),
