@@ -207,6 +207,10 @@ def test_the_next_start_clears_a_dead_servers_ipc_dir_and_refuses_one_still_held
         orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "ipc://%s/input" % stale])
         refused = None
         try:
+            # Popen returns once the child's exec is past its point of no return, which comes before
+            # the kernel sets up the new command line: until then /proc/PID/cmdline reads empty (a
+            # loaded machine stretches that moment), and the scan would take the directory as free.
+            assert wait_until(lambda: any(stale in arg for arg in psutil.Process(orphan.pid).cmdline()), 30)
             assert lifeline.clear_stale(0.2) == [(stale, [orphan.pid])] and os.path.isdir(stale)
             refused = jetserve("serve", "--model", str(tiny_model), "--device", "cpu", "--port", "0",
                                "--metrics-port", "0", "--openai-port", "0")
