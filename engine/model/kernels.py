@@ -617,9 +617,9 @@ def candidate_tiles(rows: int, prologue: int = PLAIN, pdl: bool = False,
     tensor-core tiles compete with the FMA tiles, from one row: an FMA tile spends a conversion
     and an FMA on every weight, a tensor-core one a fraction of an instruction, its padding rows
     costing no weight bytes (tools/sass_count.py counts both). Pipelined tiles: each stage holds
-    the input rows' tile beside the weights', so past DOT_MIN_ROWS only for 16-bit activations,
-    whose stages at 64 rows need up to 112 KB of shared memory where fp32's need up to 225 KB,
-    past a Jetson Orin's 163 KB a program (as compiled for sm_87; tests/engine/hopper_compile.py)."""
+    the input rows' tile beside the weights', so past DOT_MIN_ROWS only for 16-bit activations:
+    fp32's stages at 64 rows outgrow the shared memory a Jetson Orin gives a program, 16-bit ones
+    fit it (compiled for sm_87: tests/engine/hopper_compile.py, bench/results/prefetch-sass)."""
     tiles = _DOT_TILES if rows >= DOT_MIN_ROWS else [
         t for t in _TILES if rows * t.block_n * t.block_k <= _MAX_PRODUCTS_PER_THREAD * 32 * t.warps] + _DOT_TILES
     staged = rows <= DOT_MIN_ROWS or dtype.itemsize == 2
