@@ -112,12 +112,6 @@ class CPUKernels:
     def runs_on(x: torch.Tensor) -> bool:
         return x.device.type == "cpu"
 
-    @staticmethod
-    def ahead_bytes(device: torch.device) -> int:
-        """Nothing is asked for ahead (FusedKernels.prefetch_ahead: a GPU's L2, filled from a
-        stream of its own)."""
-        return 0
-
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return streamed_linear(x, weight) if self.streamed else F.linear(x, weight)
 

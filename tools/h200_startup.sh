@@ -18,8 +18,6 @@
 #   ab      — `bench decode` of this tree against variants, interleaved this/variants/this in one run:
 #             $AB_VARIANTS "name=tar …", each tar a variant's versions of the changed files (a base:
 #             git archive BASE $(git diff --name-only BASE)); $AB_BASE alone: "base=$AB_BASE"
-#   ahead   — `ab` with the table's `ahead` (weights streamed into L2 ahead of their products) at each of
-#             $AHEAD_SHARES (default 0.25 0.5) as variants; $AB picks the models as for `ab`
 #   stream  — tools/stream_probe.py: the shipped tile against its L2-prefetching twin (Tile.prefetch), the
 #             pipelined tiles (Tile.stages), their register-prefetch and prefetching twins, tinygemm and
 #             cuBLAS, product by product ($STREAM_SHAPES, $STREAM_ROWS)
@@ -166,17 +164,6 @@ baseline)  # `bench decode` against transformers in the same run (issue 30): 0.6
       --only ours_graphs_async --out "$OUT/decode-4b-r$run" 2>&1 | grep -E 'Error|error|tok/s|ms' | tail -6
   done
   ;;
-ahead)  # issue 30: a step's weights streamed into L2 ahead of their products (the table's `ahead`), `ab` below
-  AB_VARIANTS=""
-  for share in ${AHEAD_SHARES:-0.25 0.5}; do
-    mkdir -p "/tmp/ahead-$share/engine/model/tiles"
-    python3 -c "from jetserve.engine.model.tile_tables import TileTable
-t = TileTable.read('engine/model/tiles/sm90.json'); t.ahead = $share
-open('/tmp/ahead-$share/engine/model/tiles/sm90.json', 'w').write(t.to_json())" || exit 1
-    tar -cf "/tmp/ahead-$share.tar" -C "/tmp/ahead-$share" engine/model/tiles/sm90.json
-    AB_VARIANTS+="ahead$share=/tmp/ahead-$share.tar "
-  done
-  ;&
 ab)  # this tree against $AB_VARIANTS ("name=tar …"; default base=$AB_BASE), interleaved: this, each variant, this again
   read -r -a VARIANTS <<<"${AB_VARIANTS:-base=${AB_BASE:-}}"
   for v in "${VARIANTS[@]}"; do tar -tf "${v#*=}"; done | grep -v '/$' | sort -u | xargs tar -cf /tmp/ab-this.tar || exit 1

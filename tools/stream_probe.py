@@ -10,7 +10,8 @@ that prefetches; each timed as the tuning times a tile (a CUDA graph over cold c
 weight, so each launch follows another product's, as in a step), all compiled at once first; for
 INT4 also torch's W4A16 kernel (what the engine's large INT4 projections take,
 model/int4pack.py; the product alone, as the engine runs a fused prologue as a kernel of its
-own before it), for bf16 cuBLAS. Every candidate's result is checked against the fp32 product
+own before it), cuBLAS for bf16 and, past one row, for the dequantized weights (the float path
+prefill takes: `quant_matmul(None, ...)`, the dequantizing pass included). Every candidate's result is checked against the fp32 product
 first. Prints a table; writes $OUT/stream.json. Run from the repository root:
 
     python3 tools/stream_probe.py [shapes, default qwen3-0.6b,qwen3-4b] [rows, default 1,16]
@@ -101,7 +102,7 @@ def main() -> None:
                         if pool:
                             best = min(pool, key=times.get)
                             row[f"{label}_us"], row[f"{label}_tile"] = times[best], list(best)
-                    if not quantized:
+                    if not quantized or m > 1:  # quantized: dequantize + cuBLAS, as prefill's many rows take it
                         row["cublas_us"] = timed(lambda v: product(None, prologue, x, v, residual, norm), w)
                     elif w.bits == 4 and m <= int4pack.MAX_ROWS and int4pack.applies(4, w.group_size, n, k,
                                                                                      torch.bfloat16, DEV):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -505,16 +505,6 @@ def prefetch_l2(rows, lo, hi, ROWS: tl.constexpr, LINE: tl.constexpr):
         _prefetch(rows + prefetch_columns(c, hi, ROWS, LINE)[None, :])
 
 
-AHEAD_SPAN = 64 * 1024  # bytes a program of `_prefetch_span_kernel` asks for: 4 lines a thread at 4 warps
-
-
-@triton.jit
-def _prefetch_span_kernel(ptr, size, SPAN: tl.constexpr):
-    """Ask L2 for bytes [p SPAN, (p + 1) SPAN) of the first `size` at `ptr`, program p."""
-    lo = tl.program_id(0).to(tl.int64) * SPAN
-    prefetch_l2(ptr + tl.zeros([1, 1], tl.int64), lo, tl.minimum(lo + SPAN, size), 1, 128)
-
-
 def prefetching(tile: Tile) -> bool:
     """Whether `tile`'s launch asks L2 for its weights first: not in Triton's interpreter, which
     runs no inline assembly (a prefetch changes no result)."""
@@ -768,46 +758,6 @@ class FusedKernels:
         self.sources: dict[tuple, str] = {}  # where each choice came from: tuned, table, nearest, default
         self.chosen: dict[tuple, tuple[int, int, int] | None] = {}
         self.tuning_times: dict[tuple, dict[tuple[int, int, int] | None, float]] = {}  # ms per candidate tile
-        self._ahead: torch.cuda.Stream | None = None  # prefetch_ahead's stream, forked from the step's
-        self._forked = False  # a prefetch_ahead since the last join_ahead
-
-    def ahead_bytes(self, device: torch.device) -> int:
-        """Bytes of weights `prefetch_ahead` asks for at once: the table's share of this GPU's
-        L2; 0 (off) off CUDA, in Triton's interpreter, or where the table has none."""
-        if device.type != "cuda" or INTERPRETED or not self.table.ahead:
-            return 0
-        return int(self.table.ahead * torch.cuda.get_device_properties(device).L2_cache_size)
-
-    def prefetch_ahead(self, weights: Sequence) -> None:
-        """Ask L2 for the weights a few-row step reads next (`weights` in the order it reads them,
-        each a tensor or a quantized weight's tuple of them, up to `ahead_bytes` in all) from a
-        stream of its own, forked from the step's: while the step runs its attention and small
-        kernels, which leave the memory idle, the memory streams the next products' weights,
-        and those products find them in L2 instead of waiting for each line. A prefetch changes
-        no result, so nothing on the step's stream waits for these kernels but `join_ahead`,
-        which a CUDA graph's capture needs before it ends."""
-        tensors = [t.view(torch.uint8) for w in weights for t in ((w,) if isinstance(w, torch.Tensor) else w)
-                   if isinstance(t, torch.Tensor) and t.is_contiguous()]
-        left = self.ahead_bytes(tensors[0].device) if tensors else 0
-        if not left:
-            return
-        if self._ahead is None:
-            self._ahead = torch.cuda.Stream(tensors[0].device)
-        self._ahead.wait_stream(torch.cuda.current_stream(tensors[0].device))
-        with torch.cuda.stream(self._ahead):
-            for t in tensors:
-                size = min(t.numel() * t.element_size(), left)
-                if size <= 0:
-                    break
-                _prefetch_span_kernel[(triton.cdiv(size, AHEAD_SPAN),)](t, size, SPAN=AHEAD_SPAN)
-                left -= size
-        self._forked = True
-
-    def join_ahead(self) -> None:
-        """The step's stream takes up `prefetch_ahead`'s again (instantly: its kernels only ask)."""
-        if self._forked:
-            torch.cuda.current_stream(self._ahead.device).wait_stream(self._ahead)
-            self._forked = False
 
     def paged_attention(self, q, k_cache, v_cache, block_tables, context_lens, q_len: int, block_size: int,
                         scale: float, token_rows: torch.Tensor | None = None,

@@ -529,12 +529,17 @@ def _gemv_tiles(rows: int, weight: QuantizedWeight) -> list[Tile]:
 # 16 words a step (a group of 128 INT4 weights, 64 INT8), K split 4 or 8 ways where N / BLOCK_N
 # programs would leave the memory pipe part empty (the narrow o and down projections); the
 # prologue fused or apart; pipelined last (kernels.Tile.stages: several steps' words in flight a
-# program, where the register prefetch holds one).
+# program, where the register prefetch holds one). The last four step 32 words, a whole 128-byte
+# line a weight row (per-channel INT8 only: a step stays within a group), or split K 16 ways: at
+# 16 rows the 16-word tiles left the 4B's INT8 products at a tenth of the memory's speed
+# (bench/results/stream-h200), with few programs each waiting on 64-byte requests.
 DOT_TILES = [Tile(64, 16, 4, dot=True), Tile(32, 16, 4, dot=True), Tile(32, 16, 4, 4, dot=True),
              Tile(32, 16, 4, 8, dot=True), Tile(64, 16, 4, 4, dot=True), Tile(16, 16, 2, 8, dot=True),
              Tile(64, 16, 4, apart=True, dot=True), Tile(32, 16, 4, 4, apart=True, dot=True),
              Tile(64, 16, 4, dot=True, stages=4), Tile(64, 16, 4, 4, dot=True, stages=3),
-             Tile(128, 16, 4, dot=True, stages=4), Tile(64, 16, 4, 4, apart=True, dot=True, stages=3)]
+             Tile(128, 16, 4, dot=True, stages=4), Tile(64, 16, 4, 4, apart=True, dot=True, stages=3),
+             Tile(64, 32, 4, 8, dot=True, stages=3), Tile(64, 32, 4, 8, apart=True, dot=True, stages=3),
+             Tile(128, 32, 8, 4, apart=True, dot=True, stages=3), Tile(64, 16, 4, 16, apart=True, dot=True, stages=3)]
 
 
 def _dot_tiles(rows: int, weight: QuantizedWeight, dtype: torch.dtype) -> list[Tile]:
@@ -557,6 +562,16 @@ def fitting_tiles(rows: int, weight: QuantizedWeight, prologue: int = PLAIN, pdl
     fma += [t for t in _gemv_tiles(rows, weight) if t.block_n * t.block_k <= _MAX_GEMV_WORDS_PER_THREAD * 32 * t.warps]
     # the tensor-core tiles last: a shape no table lists keeps the first FMA tile, as before them
     return with_pdl([t for t in fma + _dot_tiles(rows, weight, dtype) if not (t.apart and prologue == PLAIN)], pdl)
+
+
+def candidates(rows: int, weight: QuantizedWeight, prologue: int = PLAIN, pdl: bool = False,
+               dtype: torch.dtype = torch.bfloat16) -> list[Tile | None]:
+    """What a product of this shape is chosen among: the fitting tiles and, past one row, the
+    float path (None, last: never the untimed default). A dequantizing pass and cuBLAS read the
+    weights three times over, and can still beat the kernels' tiles where too few programs keep
+    the memory busy. None at all where no tile fits: the float path, unchosen."""
+    tiles: list[Tile | None] = list(fitting_tiles(rows, weight, prologue, pdl, dtype))
+    return tiles + [None] if tiles and rows > 1 else tiles
 
 
 def quant_matmul(tile, prologue, x, weight: QuantizedWeight, residual=None, norm_weight=None, eps=0.0):
@@ -701,7 +716,7 @@ class QuantFusedKernels(FusedKernels):
 
     def _choose_quant_tile(self, key, prologue, x, weight, residual, norm_weight, eps):
         """As `FusedKernels._choose_tile`; None where no tile fits: dequantize and take the float path."""
-        tiles = fitting_tiles(x.shape[0], weight, prologue, pdl_supported(x.device), x.dtype)
+        tiles = candidates(x.shape[0], weight, prologue, pdl_supported(x.device), x.dtype)
         if not tiles:
             self.chosen[key] = None
             return None

@@ -209,14 +209,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, residual, rope, kv_cache, meta, ahead=()):
+    def forward(self, x, residual, rope, kv_cache, meta):
         """Returns (this layer's MLP output, the residual stream before it): the next norm adds
-        them, so each residual add rides along with a norm (and with the projection after it).
-        `ahead`: weights to ask L2 for once qkv is launched (FusedKernels.prefetch_ahead), while
-        attention leaves the memory idle."""
+        them, so each residual add rides along with a norm (and with the projection after it)."""
         qkv, residual = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, x, residual)
-        if ahead:
-            self.self_attn.kernels.prefetch_ahead(ahead)
         x = self.self_attn(qkv, rope, kv_cache, meta)
         gate_up, residual = norm_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, x, residual)
         return self.mlp(gate_up), residual
@@ -321,19 +317,9 @@ class Qwen3ForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         rope = rope or self.rotary(positions, x.dtype)
         residual = None
-        kernels = self.layers[0].self_attn.kernels if self.layers[0].self_attn.qkv_proj.skinny(x) else None
-        ahead = kernels is not None and kernels.ahead_bytes(x.device) > 0
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            x, residual = layer(x, residual, rope, kv_cache, meta, self._ahead_of(i) if ahead else ())
-        if ahead:
-            kernels.join_ahead()
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x, residual = layer(x, residual, rope, kv_cache, meta)
         return self.norm(x, residual)[0]
-
-    def _ahead_of(self, i: int) -> tuple:
-        """The weights a few-row step reads after layer i's qkv, in order, up to the next qkv's."""
-        layer = self.layers[i]
-        after = (layer.self_attn.o_proj.weight, layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight)
-        return after + ((self.layers[i + 1].self_attn.qkv_proj.weight,) if i + 1 < len(self.layers) else ())
 
     def mtp_forward(self, step: int, input_ids, positions, hidden, kv_caches, meta: AttentionMetadata):
         """Draft step `step`: MTP layer step % n, fed token t+1 and the hidden state at t."""

@@ -4,8 +4,7 @@ Timing every candidate tile of every skinny product (a Triton compile each) took
 fresh start, and a Jetson meets a fresh start after every JetPack, driver, torch or Triton update.
 So the choices are data: `tiles/<family>.json` beside this module (sm90: H100/H200, sm87: Jetson
 Orin, sm110: Thor), each mapping a shape key (`FusedKernels`' key as text, tile_cache.shape_key)
-to its tiles ranked fastest first, the flash prefill kernel's configuration, and how far ahead a
-step streams its weights into L2 (`ahead`, kernels.FusedKernels.prefetch_ahead). `jetserve tune`
+to its tiles ranked fastest first, and the flash prefill kernel's configuration. `jetserve tune`
 writes such a table from timings (bench machine, or a device at install time); a table not
 measured on its family says how it was derived (`derive`).
 
@@ -37,7 +36,6 @@ log = logging.getLogger(__name__)
 TABLES = Path(__file__).with_name("tiles")
 FORMAT = 1
 MAX_RANKED = 4  # tiles kept a shape: the best, and the next best where the best cannot run here
-MAX_AHEAD = 0.75  # of L2 asked for ahead at most: the lines must outlive the products still reading before them
 
 
 class PrefillConfig(NamedTuple):
@@ -68,11 +66,8 @@ class TileTable:
     """One family's shipped choices: ranked tiles by shape key, read once."""
 
     def __init__(self, name: str, shapes: dict[str, list[Tile | None]], prefill: PrefillConfig = PrefillConfig(),
-                 source: str = "", ahead: float = 0.0):
+                 source: str = ""):
         self.name, self.shapes, self.prefill, self.source = name, shapes, prefill, source
-        # The share of the GPU's L2 a decode step's weights are asked for ahead of their products
-        # (FusedKernels.prefetch_ahead); 0: off, what a table that never measured it says.
-        self.ahead = ahead
         self._kinds: dict[str, list[tuple[tuple[float, float], str]]] = {}
         for key in shapes:
             split = _split(key)
@@ -86,17 +81,12 @@ class TileTable:
         if doc.get("format") != FORMAT:
             raise ValueError(f"{path}: format {doc.get('format')!r}, this jetserve reads {FORMAT}")
         shapes = {key: [None if t is None else Tile(*t) for t in ranked] for key, ranked in doc["shapes"].items()}
-        ahead = doc.get("ahead", 0.0)
-        if isinstance(ahead, bool) or not isinstance(ahead, (int, float)) or not 0 <= ahead <= MAX_AHEAD:
-            raise ValueError(f"{path}: ahead {ahead!r} is not a share of L2 in [0, {MAX_AHEAD}]")
-        return cls(doc["family"], shapes, PrefillConfig(*doc.get("prefill", PrefillConfig())), doc.get("source", ""),
-                   float(ahead))
+        return cls(doc["family"], shapes, PrefillConfig(*doc.get("prefill", PrefillConfig())), doc.get("source", ""))
 
     def to_json(self) -> str:
         """The table as a file: one shape a line, so a re-tuned table diffs shape by shape."""
-        head = json.dumps({"format": FORMAT, "family": self.name, "source": self.source, "prefill": list(self.prefill),
-                           "ahead": self.ahead})
-        lines = [f"{json.dumps(key)}: {json.dumps([None if t is None else list(t) for t in ranked])}"
+        head = json.dumps({"format": FORMAT, "family": self.name, "source": self.source, "prefill": list(self.prefill)})
+        lines = [f"{json.dumps(key)}: {json.dumps([None if t is None else _fields(t) for t in ranked])}"
                  for key, ranked in sorted(self.shapes.items())]
         return head[:-1] + ', "shapes": {\n' + ",\n".join(lines) + "\n}}\n"
 
@@ -125,6 +115,17 @@ class TileTable:
                     return option, source
         return default, "default"
 
+
+def _fields(tile: Tile) -> list:
+    """A tile as the file stores it: its fields in order, those added after the format's first
+    eight (stages, prefetch) left out at their defaults, so older files and diffs stay as they were."""
+    fields = list(tile)
+    while len(fields) > _STORED_FIELDS and fields[-1] == Tile._field_defaults[Tile._fields[len(fields) - 1]]:
+        fields.pop()
+    return fields
+
+
+_STORED_FIELDS = Tile._fields.index("dot") + 1
 
 EMPTY = TileTable("none", {})
 
@@ -170,9 +171,8 @@ def from_timings(name: str, timed: dict[tuple, dict[Tile | None, float]], prefil
 
 
 def merge(base: TileTable, new: TileTable) -> TileTable:
-    """`base` with every shape of `new` replaced or added (a tuning run's shapes over a shipped
-    table); `ahead` stays base's: tuning times products, not whole steps."""
-    return TileTable(base.name, {**base.shapes, **new.shapes}, new.prefill, new.source or base.source, base.ahead)
+    """`base` with every shape of `new` replaced or added (a tuning run's shapes over a shipped table)."""
+    return TileTable(base.name, {**base.shapes, **new.shapes}, new.prefill, new.source or base.source)
 
 
 def derive(source: TileTable, name: str, pdl: bool, note: str) -> TileTable:
@@ -180,8 +180,7 @@ def derive(source: TileTable, name: str, pdl: bool, note: str) -> TileTable:
     ranking (a product's best tile follows its weight's shape and the memory pipe more than the
     SM count), read without PDL where the family has none, and then without the L2 prefetch
     (Tile.prefetch): it fills the boundary PDL opens, and a Jetson's L2 is a small fraction of
-    a discrete GPU's, which a whole program's share of the weights could overrun. `ahead` is a
-    share of the GPU's own L2, kept."""
+    a discrete GPU's, which a whole program's share of the weights could overrun."""
     shapes = {}
     for key, ranked in source.shapes.items():
         out: list[Tile | None] = []
@@ -190,4 +189,4 @@ def derive(source: TileTable, name: str, pdl: bool, note: str) -> TileTable:
             if tile not in out:
                 out.append(tile)
         shapes[key] = out
-    return TileTable(name, shapes, source.prefill, note, source.ahead)
+    return TileTable(name, shapes, source.prefill, note)

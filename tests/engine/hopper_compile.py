@@ -141,7 +141,8 @@ def pipelined() -> None:
     INT8 per channel), for sm_90 and sm_87: one line each, `async <kernel> sm_<arch> <stages> <yes|no>`,
     whether the inner loop copies its weights asynchronously (cp.async, LDGSTS), which is what
     the stages are for; stages 0, the register prefetch, for comparison. First, `shared <tile>
-    <prologue> <bytes>`: the shared memory each pipelined bf16 candidate at 64 rows takes on sm_87."""
+    <prologue> <bytes>`: the shared memory each pipelined bf16 candidate at 64 rows takes on sm_87,
+    and each pipelined quantized tensor-core one at 16 rows (its prologue fused: the most it holds)."""
     from tools.sass_count import inner_loop
 
     def line(name, arch, stages, compiled):
@@ -158,6 +159,17 @@ def pipelined() -> None:
                      BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, K_SPLIT=4096 // tile.split_k, PDL=False,
                      STAGES=tile.stages, PREFETCH=False), 87, tile.warps)
             print(f"shared {tile.block_n}x{tile.block_k}x{tile.split_k} {prologue} {compiled.metadata.shared}")
+    for tile in {t._replace(apart=False) for t in quant_kernels.DOT_TILES if t.stages}:  # quantized, at 16 rows
+        for bits, group, zeros in ((4, 128, True), (8, 4096, False)):  # a 32-word step: per-channel INT8 only
+            if group * bits // 32 % tile.block_k == 0:
+                compiled = compile_for_hopper(
+                    quant_kernels._quant_dot_kernel,
+                    dict(act, qw_ptr="*i32", s_ptr="*fp32", z_ptr="*u8" if zeros else "*fp32", out_ptr="*bf16"),
+                    dict(K=4096, NORM=True, ADD=True, SILU=False, BITS=bits, GROUP=group, HAS_ZEROS=zeros, BLOCK_M=16,
+                         BLOCK_N=tile.block_n, BLOCK_W=tile.block_k, NORM_BLOCK=256,
+                         KW_SPLIT=4096 * bits // 32 // tile.split_k, PDL=False, DOT_M=16, INTERPRETED=False,
+                         STAGES=tile.stages, PREFETCH=False), 87, tile.warps)
+                print(f"shared int{bits}-{tile.block_n}x{tile.block_k}x{tile.split_k} 2 {compiled.metadata.shared}")
     for arch in (90, 87):
         for stages in (0, 3):
             for i, (dot, block_m, block_n, block_k, warps) in enumerate(((False, 1, 8, 256, 8), (True, 16, 64, 128, 4))):
@@ -192,8 +204,7 @@ def prefetched() -> None:
     (with PDL) and sm_87: one line each, `prefetch <kernel> sm_<arch> <prefetches> <before the
     wait: yes|no|-> <loop instructions> <without the prefetch>`: the prefetch instructions
     (CCTL.E.PF2) in the SASS, whether the PTX asks for them before it waits for the previous
-    kernel, and the inner loop's length with and without them (the prefetch is not in the loop);
-    then `span sm_<arch> <prefetches>` for FusedKernels.prefetch_ahead's kernel."""
+    kernel, and the inner loop's length with and without them (the prefetch is not in the loop)."""
     from tools.sass_count import inner_loop
 
     act = dict(x_ptr="*bf16", res_ptr="*bf16", norm_w_ptr="*bf16", res_out_ptr="*bf16", eps="fp32")
@@ -223,8 +234,6 @@ def prefetched() -> None:
             before = "-" if wait < 0 else "yes" if 0 <= ptx.find("prefetch.global.L2") < wait else "no"
             loops = len(inner_loop(on.asm["sass"])), len(inner_loop(off.asm["sass"]))
             print(f"prefetch {name} sm_{arch} {on.asm['sass'].count('CCTL.E.PF2')} {before} {loops[0]} {loops[1]}")
-        span = compile_for_hopper(kernels._prefetch_span_kernel, dict(ptr="*u8", size="i64"), dict(SPAN=65536), arch)
-        print(f"span sm_{arch} {span.asm['sass'].count('CCTL.E.PF2')}")
     print("compiled")
 
 

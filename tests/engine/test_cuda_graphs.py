@@ -150,31 +150,6 @@ def test_async_scheduling_with_graphs_equals_transformers(checkpoint):
 
 @gpu
 @pytest.mark.gpu
-def test_weights_asked_for_ahead_change_no_token(checkpoint, monkeypatch):
-    """A table that streams weights into L2 ahead of their products (FusedKernels.prefetch_ahead:
-    a stream forked and joined inside every graphed decode step): transformers' tokens, graphed
-    (the captures take the fork) and eager, with prefetch kernels launched."""
-    from jetserve.engine.model import kernels, tile_tables
-
-    path, hf_model = checkpoint
-    reference = [hf_greedy(hf_model, p, GREEDY.max_tokens) for p in PROMPTS[:4]]
-    table = tile_tables.TileTable("ahead", {}, ahead=0.5)
-    monkeypatch.setattr(tile_tables, "for_device", lambda device: table)
-    launched, span = [], kernels._prefetch_span_kernel
-
-    class Counted:
-        def __getitem__(self, grid):
-            launched.append(grid)
-            return span[grid]
-    monkeypatch.setattr(kernels, "_prefetch_span_kernel", Counted())
-    for eager in (False, True):
-        launched.clear()
-        assert generate(path, PROMPTS[:4], dtype="float32", enforce_eager=eager)[1] == reference, eager
-        assert launched, eager
-
-
-@gpu
-@pytest.mark.gpu
 def test_odd_head_dim_graphed(tmp_path):
     hf_model = build_qwen3(tmp_path)  # head_dim 24: the kernels' masked (non power of 2) path
     reference = [hf_greedy(hf_model, p, GREEDY.max_tokens) for p in PROMPTS[:4]]

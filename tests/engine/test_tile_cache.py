@@ -22,7 +22,7 @@ from jetserve.engine import LLM, SamplingParams  # noqa: E402
 from jetserve.engine.config import EngineArgs  # noqa: E402
 from jetserve.engine.model import kernels, quant  # noqa: E402
 from jetserve.engine.model.kernels import PLAIN, FusedKernels, Tile, candidate_tiles  # noqa: E402
-from jetserve.engine.model.quant_kernels import QuantFusedKernels, fitting_tiles  # noqa: E402
+from jetserve.engine.model.quant_kernels import QuantFusedKernels, candidates  # noqa: E402
 from jetserve.engine.model.tile_cache import MAX_FILE_BYTES, TileCache, fingerprint  # noqa: E402
 from jetserve.engine.runner import tune_kernels  # noqa: E402
 
@@ -228,7 +228,8 @@ def test_quantized_products_take_the_cached_tile_untimed(tmp_path, fp):
     x = torch.randn(2, 384, device=DEVICE)
     w = quant.quantize(torch.randn(64, 384, device=DEVICE), 4, 128, sym=False)
     key = ("quant", PLAIN, 2, 64, 384, 4, 128, torch.float32, torch.float32)
-    tiles = fitting_tiles(2, w, PLAIN, kernels.pdl_supported(DEVICE), x.dtype)
+    tiles = candidates(2, w, PLAIN, kernels.pdl_supported(DEVICE), x.dtype)
+    assert tiles[-1] is None and None not in tiles[:-1]  # past one row the float path too, last
     TileCache(tmp_path, fp).store(key, tiles, times_for(tiles, 2), tiles[2])
     fused = QuantFusedKernels(tile_timing=True, tile_cache=TileCache(tmp_path, fp))
     torch.testing.assert_close(fused.linear(x, w), F.linear(x, quant.dequantize(w, torch.float32)),
