@@ -529,17 +529,14 @@ def _gemv_tiles(rows: int, weight: QuantizedWeight) -> list[Tile]:
 # 16 words a step (a group of 128 INT4 weights, 64 INT8), K split 4 or 8 ways where N / BLOCK_N
 # programs would leave the memory pipe part empty (the narrow o and down projections); the
 # prologue fused or apart; pipelined last (kernels.Tile.stages: several steps' words in flight a
-# program, where the register prefetch holds one). The last four step 32 words, a whole 128-byte
-# line a weight row (per-channel INT8 only: a step stays within a group), or split K 16 ways: at
-# 16 rows the 16-word tiles left the 4B's INT8 products at a tenth of the memory's speed
-# (bench/results/stream-h200), with few programs each waiting on 64-byte requests.
+# program, where the register prefetch holds one). The last splits K 16 ways: more programs in
+# flight where few rows leave each with little to multiply (bench/results/quant-rows16-float-h200).
 DOT_TILES = [Tile(64, 16, 4, dot=True), Tile(32, 16, 4, dot=True), Tile(32, 16, 4, 4, dot=True),
              Tile(32, 16, 4, 8, dot=True), Tile(64, 16, 4, 4, dot=True), Tile(16, 16, 2, 8, dot=True),
              Tile(64, 16, 4, apart=True, dot=True), Tile(32, 16, 4, 4, apart=True, dot=True),
              Tile(64, 16, 4, dot=True, stages=4), Tile(64, 16, 4, 4, dot=True, stages=3),
              Tile(128, 16, 4, dot=True, stages=4), Tile(64, 16, 4, 4, apart=True, dot=True, stages=3),
-             Tile(64, 32, 4, 8, dot=True, stages=3), Tile(64, 32, 4, 8, apart=True, dot=True, stages=3),
-             Tile(128, 32, 8, 4, apart=True, dot=True, stages=3), Tile(64, 16, 4, 16, apart=True, dot=True, stages=3)]
+             Tile(64, 16, 4, 16, apart=True, dot=True, stages=3)]
 
 
 def _dot_tiles(rows: int, weight: QuantizedWeight, dtype: torch.dtype) -> list[Tile]:

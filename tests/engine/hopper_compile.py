@@ -160,8 +160,8 @@ def pipelined() -> None:
                      STAGES=tile.stages, PREFETCH=False), 87, tile.warps)
             print(f"shared {tile.block_n}x{tile.block_k}x{tile.split_k} {prologue} {compiled.metadata.shared}")
     for tile in {t._replace(apart=False) for t in quant_kernels.DOT_TILES if t.stages}:  # quantized, at 16 rows
-        for bits, group, zeros in ((4, 128, True), (8, 4096, False)):  # a 32-word step: per-channel INT8 only
-            if group * bits // 32 % tile.block_k == 0:
+        for bits, group, zeros in ((4, 128, True), (8, 4096, False)):
+            if group * bits // 32 % tile.block_k == 0:  # a step within a group
                 compiled = compile_for_hopper(
                     quant_kernels._quant_dot_kernel,
                     dict(act, qw_ptr="*i32", s_ptr="*fp32", z_ptr="*u8" if zeros else "*fp32", out_ptr="*bf16"),
