@@ -216,3 +216,31 @@ def test_tune_refuses_a_file_that_is_no_tile_cache(tmp_path, text, says):
                            "--out", str(tmp_path / "t.json")], capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr
     assert not (tmp_path / "t.json").exists()
+
+
+def test_a_stream_probe_result_updates_only_the_shapes_it_beat_by_more_than_the_spread(tmp_path):
+    """tools/table_from_stream.py: a probed product whose fastest tile beat the shipped one by
+    more than MIN_GAIN takes the timed tiles fastest first, the table's old ones after (at most
+    MAX_RANKED); one that won by less, and row counts not asked for, stay as they were."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    key = shape_key(("quant", NORM, 16, 4096, 1024, 8, 1024, torch.float32, torch.bfloat16))
+    close = shape_key((ADD_NORM, 16, 6144, 1024, torch.bfloat16))
+    old = [Tile(1, 256, 8), Tile(8, 128, 4)]
+    table = TileTable("sm90", {key: old, close: [B]}, PrefillConfig(), "timed")
+    path = tmp_path / "sm90.json"
+    path.write_text(table.to_json())
+    dot = Tile(64, 16, 4, 4, apart=True, pdl=True, dot=True, stages=3)
+    rows = [{"shape": "qwen3-0.6b", "name": "qkv", "format": "int8", "rows": 16, "shipped_tile": list(old[0]),
+             "shipped_us": 24.0, "pipelined_us": 21.0, "pipelined_tile": list(dot), "cublas_us": 11.0},
+            {"shape": "qwen3-0.6b", "name": "gate_up", "format": "bf16", "rows": 16, "shipped_tile": list(B),
+             "shipped_us": 7.5, "cublas_us": 7.2},  # 4%: within the spread
+            {"shape": "qwen3-0.6b", "name": "gate_up", "format": "bf16", "rows": 1, "shipped_tile": list(B),
+             "shipped_us": 7.5, "cublas_us": 1.0}]  # a row count not asked for
+    (tmp_path / "stream.json").write_text(json.dumps({"rows": rows}))
+    done = subprocess.run([sys.executable, os.path.join(root, "tools", "table_from_stream.py"),
+                           str(tmp_path / "stream.json"), "--table", str(path), "--rows", "16"],
+                          capture_output=True, text=True, timeout=300, cwd=root)
+    assert done.returncode == 0, done.stderr
+    updated = TileTable.read(path)
+    assert updated.shapes[key] == [None, dot, old[0], old[1]] and updated.shapes[close] == [B]
+    assert "1 shapes changed" in done.stderr
