@@ -30,13 +30,15 @@ def add_arguments(p):
 
 
 def shape_projections(shape: str) -> dict:
-    """name → (prologue, out features, in features) of one decoder layer of `shape`."""
+    """name → (prologue, out features, in features) of one decoder layer of `shape`: the
+    prologues every layer but the first runs (its q·k·v adds the residual before the norm; the
+    first layer's has none yet to add, `kernels.NORM`)."""
     from jetserve.bench.common import SHAPES
     from jetserve.engine.model import kernels
 
     c = SHAPES[shape]
     h, q, kv = c["hidden_size"], c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
-    return {"qkv": (kernels.NORM, q + 2 * kv, h), "o": (kernels.PLAIN, h, q),
+    return {"qkv": (kernels.ADD_NORM, q + 2 * kv, h), "o": (kernels.PLAIN, h, q),
             "gate_up": (kernels.ADD_NORM, 2 * c["intermediate_size"], h),
             "down": (kernels.SILU_MUL, h, c["intermediate_size"]), "lm_head": (kernels.PLAIN, c["vocab_size"], h)}
 

@@ -20,7 +20,7 @@
 #             git archive BASE $(git diff --name-only BASE)); $AB_BASE alone: "base=$AB_BASE"
 #   stream  — tools/stream_probe.py: the shipped tile against its L2-prefetching twin (Tile.prefetch), the
 #             pipelined tiles (Tile.stages), their register-prefetch and prefetching twins, tinygemm and
-#             cuBLAS, product by product ($STREAM_SHAPES, $STREAM_ROWS)
+#             cuBLAS, product by product ($STREAM_SHAPES, $STREAM_ROWS, $STREAM_FORMATS)
 #   gputests — the GPU tests named in $TESTS (those matching $TEST_K, when set)
 #   spy     — after start: a warm 4B INT4 start under py-spy
 set -uo pipefail
@@ -183,7 +183,7 @@ print('[ab] $name', ' '.join(f'b{b}: {r[b]:.4f} (min {r[\"min_ms\"][b]:.4f})' fo
   tar -xf /tmp/ab-this.tar
   ;;
 stream)  # issues 29/30: do more weight bytes in flight (L2 prefetch, cp.async stages) make the products faster?
-  timeout 500 python3 tools/stream_probe.py "${STREAM_SHAPES:-qwen3-0.6b,qwen3-4b}" "${STREAM_ROWS:-1,16}" 2>&1 \
+  timeout ${STREAM_TIMEOUT:-500} python3 tools/stream_probe.py "${STREAM_SHAPES:-qwen3-0.6b,qwen3-4b}" "${STREAM_ROWS:-1,16}" 2>&1 \
     | grep -vE 'Warning|warn' | tee "$OUT/stream.txt" | tail -80
   ;;
 decode)  # after tune: its tile cache is what "tuned" reads

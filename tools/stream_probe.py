@@ -15,6 +15,8 @@ prefill takes: `quant_matmul(None, ...)`, the dequantizing pass included). Every
 first. Prints a table; writes $OUT/stream.json. Run from the repository root:
 
     python3 tools/stream_probe.py [shapes, default qwen3-0.6b,qwen3-4b] [rows, default 1,16]
+
+$STREAM_FORMATS: the weight formats to time (default bf16,int8,int4).
 """
 
 import json
@@ -33,7 +35,7 @@ from jetserve.engine.model.tile_tables import for_device
 OUT = os.environ.get("OUT", "/tmp/out")
 SHAPES = (sys.argv[1] if len(sys.argv) > 1 else "qwen3-0.6b,qwen3-4b").split(",")
 ROWS = [int(r) for r in (sys.argv[2] if len(sys.argv) > 2 else "1,16").split(",")]
-FORMATS = ("bf16", "int8", "int4")
+FORMATS = tuple(os.environ.get("STREAM_FORMATS", "bf16,int8,int4").split(","))
 DEV = torch.device("cuda")
 
 
@@ -59,10 +61,13 @@ def main() -> None:
     rows_out = []
     for shape in SHAPES:
         for name, (prologue, n, k) in shape_projections(shape).items():
-            for fmt in ("bf16",) if name == "lm_head" else FORMATS:
+            for fmt in [f for f in FORMATS if name != "lm_head" or f == "bf16"]:
                 for m in ROWS:
                     x, w, residual, norm = operands(prologue, n, k, fmt, DEV, m)
                     quantized = isinstance(w, quant.QuantizedWeight)
+                    if quantized and 1 < m <= int4pack.MAX_ROWS and int4pack.applies(w.bits, w.group_size, n, k,
+                                                                                     torch.bfloat16, DEV):
+                        continue  # the engine takes tinygemm here, never a tile (one row: timed against them)
                     if quantized:
                         tiles, shipped = fitting_tiles(m, w, prologue, pdl), QuantFusedKernels(table=table)
                     else:
@@ -118,10 +123,17 @@ def main() -> None:
                                 "prefetch_us", "register_us", "pipelined_us", "both_us", "tinygemm_us", "cublas_us")
                                 if key in row) + f"  {row.get('pipelined_tile', '')}")
                     print(line, flush=True)
+                    save(rows_out)  # after each product: a run cut short keeps what it timed
+
+
+def save(rows: list[dict]) -> None:
+    """$OUT/stream.json, replaced whole (a reader never meets half a file)."""
     os.makedirs(OUT, exist_ok=True)
-    with open(os.path.join(OUT, "stream.json"), "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(DEV) if DEV.type == "cuda" else str(DEV), "rows": rows_out}, f,
+    path = os.path.join(OUT, "stream.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(DEV) if DEV.type == "cuda" else str(DEV), "rows": rows}, f,
                   indent=1)
+    os.replace(path + ".tmp", path)
 
 
 if __name__ == "__main__":

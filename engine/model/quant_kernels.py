@@ -697,7 +697,9 @@ def int4pack_matmul(prologue, x, weight: Int4PackedWeight, residual=None, norm_w
 class QuantFusedKernels(FusedKernels):
     """`FusedKernels` that also multiply by quantized weights (a `QuantizedWeight` where a float
     weight would be), each shape in the tile timed fastest, kept per engine like the float tiles.
-    Dequantize-then-cuBLAS is no candidate: it reads the weights twice and writes them once."""
+    Past one row the float path (dequantize, then cuBLAS: `quant_matmul(None, ...)`) is a
+    candidate too (`candidates`): it reads the weights twice and writes them once, yet at 16
+    rows it beat every tile the H200 timed (bench/results/quant-rows16-float-h200)."""
 
     def skinny_matmul(self, prologue, x, weight, residual=None, norm_weight=None, eps=0.0):
         if isinstance(weight, Int4PackedWeight):

@@ -221,12 +221,14 @@ def test_tune_refuses_a_file_that_is_no_tile_cache(tmp_path, text, says):
 def test_a_stream_probe_result_updates_only_the_shapes_it_beat_by_more_than_the_spread(tmp_path):
     """tools/table_from_stream.py: a probed product whose fastest tile beat the shipped one by
     more than MIN_GAIN takes the timed tiles fastest first, the table's old ones after (at most
-    MAX_RANKED); one that won by less, and row counts not asked for, stay as they were."""
+    MAX_RANKED), q·k·v (probed as every layer but the first runs it, the residual added) in the
+    first layer's twin too; one that won by less, and row counts not asked for, stay as they were."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    key = shape_key(("quant", NORM, 16, 4096, 1024, 8, 1024, torch.float32, torch.bfloat16))
+    key = shape_key(("quant", ADD_NORM, 16, 4096, 1024, 8, 1024, torch.float32, torch.bfloat16))
+    first = shape_key(("quant", NORM, 16, 4096, 1024, 8, 1024, torch.float32, torch.bfloat16))
     close = shape_key((ADD_NORM, 16, 6144, 1024, torch.bfloat16))
     old = [Tile(1, 256, 8), Tile(8, 128, 4)]
-    table = TileTable("sm90", {key: old, close: [B]}, PrefillConfig(), "timed")
+    table = TileTable("sm90", {key: old, first: [old[1]], close: [B]}, PrefillConfig(), "timed")
     path = tmp_path / "sm90.json"
     path.write_text(table.to_json())
     dot = Tile(64, 16, 4, 4, apart=True, pdl=True, dot=True, stages=3)
@@ -243,4 +245,5 @@ def test_a_stream_probe_result_updates_only_the_shapes_it_beat_by_more_than_the_
     assert done.returncode == 0, done.stderr
     updated = TileTable.read(path)
     assert updated.shapes[key] == [None, dot, old[0], old[1]] and updated.shapes[close] == [B]
-    assert "1 shapes changed" in done.stderr
+    assert updated.shapes[first] == [None, dot, old[0], old[1]]
+    assert "2 shapes changed" in done.stderr
