@@ -21,6 +21,9 @@
 #   stream  — tools/stream_probe.py: the shipped tile against its L2-prefetching twin (Tile.prefetch), the
 #             pipelined tiles (Tile.stages), their register-prefetch and prefetching twins, tinygemm and
 #             cuBLAS, product by product ($STREAM_SHAPES, $STREAM_ROWS, $STREAM_FORMATS)
+#   fromstream — after stream: its wins written into this tree's sm90 table (tools/table_from_stream.py,
+#             the rows of $STREAM_ROWS), the table before tarred as /tmp/table-before.tar for a following
+#             `AB_VARIANTS=before=/tmp/table-before.tar … ab`; the new table back as $OUT/sm90-from-stream.json
 #   gputests — the GPU tests named in $TESTS (those matching $TEST_K, when set)
 #   spy     — after start: a warm 4B INT4 start under py-spy
 set -uo pipefail
@@ -185,6 +188,13 @@ print('[ab] $name', ' '.join(f'b{b}: {r[b]:.4f} (min {r[\"min_ms\"][b]:.4f})' fo
 stream)  # issues 29/30: do more weight bytes in flight (L2 prefetch, cp.async stages) make the products faster?
   timeout ${STREAM_TIMEOUT:-500} python3 tools/stream_probe.py "${STREAM_SHAPES:-qwen3-0.6b,qwen3-4b}" "${STREAM_ROWS:-1,16}" 2>&1 \
     | grep -vE 'Warning|warn' | tee "$OUT/stream.txt" | tail -80
+  ;;
+fromstream)  # the stream stage's wins into the table, its rows only; the table before kept for ab
+  [ -f "$OUT/stream.json" ] || { echo "[fromstream] no stream.json: run the stream stage first"; exit 1; }
+  tar -cf /tmp/table-before.tar engine/model/tiles/sm90.json
+  python3 tools/table_from_stream.py "$OUT/stream.json" --rows "${STREAM_ROWS:?the rows to take}" \
+    --source "stream probe rows $STREAM_ROWS" 2>&1 | tail -24
+  cp engine/model/tiles/sm90.json "$FINAL/sm90-from-stream.json"
   ;;
 decode)  # after tune: its tile cache is what "tuned" reads
   checkpoints
