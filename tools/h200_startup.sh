@@ -176,7 +176,7 @@ ab)  # this tree against $AB_VARIANTS ("name=tar …"; default base=$AB_BASE), i
     tar -xf /tmp/ab-this.tar; [ "$variant" = "$v" ] || tar -xf "${v#*=}"
     for spec in "${ABS[@]}"; do
       IFS='|' read -r shape sizes flags <<<"$spec"
-      name=$shape$(echo "$flags" | tr -d ' -' | sed 's/quantization/-/')-$variant
+      name=$shape-b${sizes//,/-}$(echo "$flags" | tr -d ' -' | sed 's/quantization/-/')-$variant
       timeout 200 $J bench decode --shapes "$shape" --batch-sizes "$sizes" --steps 64 --no-hf --only ours_graphs_async \
         $flags --out "$OUT/ab-$name" 2>&1 | grep -E 'Error|error'
       python3 -c "import json; r=json.load(open('$OUT/ab-$name/result.json'))['models']['$shape']['configs']['ours_graphs_async']
