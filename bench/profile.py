@@ -7,7 +7,7 @@ difference is the host: scheduling, metadata, sampling, the sync), and the profi
 
 FAMILIES = (  # kernel-name substrings → family; the first match wins
     ("skinny matmul (+ RMSNorm or SiLU·up)", ("_skinny_matmul",)),
-    ("paged attention (+ split combine)", ("_paged_attention", "_combine_splits")),
+    ("paged attention (+ split combine; decode: q/k norm, RoPE, KV store)", ("_paged_attention", "_combine_splits")),
     ("q/k norm + RoPE + KV store", ("_qk_norm_rope",)),
     ("RMSNorm (+ residual add)", ("_rms_norm",)),
     ("SiLU * up", ("_silu_mul",)),

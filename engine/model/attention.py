@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import accumulate
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -68,6 +69,20 @@ def pack_int32(parts: list[list[int]], device: torch.device) -> list[torch.Tenso
         flat[lo:hi] = part
     packed = to_device(torch.tensor(flat, dtype=torch.int32), device)
     return [packed[lo:hi] for lo, hi in bounds]
+
+
+class FreshQKV(NamedTuple):
+    """What q and the step's new keys and values are made from (kernels.qk_norm_rope_store's inputs).
+    Handed to the paged decode kernel of a uniform step, its programs make their queries and store
+    the new keys they read themselves: a launch less a layer."""
+
+    qkv: torch.Tensor  # [T, (H + 2 KVH) * D], the qkv projection
+    q_weight: torch.Tensor  # the per-head norms' weights
+    k_weight: torch.Tensor
+    cos: torch.Tensor  # [T, D] (any shape of T x D elements): each token's RoPE rows
+    sin: torch.Tensor
+    slot_mapping: torch.Tensor  # [T] each token's cache slot
+    eps: float
 
 
 @dataclass

@@ -9,7 +9,8 @@ A decode step of a small model is bound by kernel count and memory latency, not 
   tune`, which times every candidate against cuBLAS plus the separate kernel (which wins some big
   shapes);
 - paged attention walks only each sequence's own blocks, split over the context when the batch
-  is too small to fill the GPU (flash-decoding).
+  is too small to fill the GPU (flash-decoding); in a decode or verify step it also makes its
+  queries and the new keys (q/k norm + RoPE + KV store) from the qkv projection.
 Each rounds to the activation dtype exactly where the torch code it replaces rounds, so the
 fused and the plain path differ only in reduction order. Used on CUDA (and by the tests in
 Triton's interpreter): the CPU path stays plain torch (exact against transformers).
@@ -29,6 +30,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from jetserve.engine.config import INVARIANT_ROWS
 from jetserve.engine.model import parallel_compile
+from jetserve.engine.model.attention import FreshQKV
 from jetserve.engine.model.flash_prefill import prefill_attention
 
 if TYPE_CHECKING:
@@ -108,48 +110,69 @@ def _rope_half(x1, x2, c, s, dtype):
 
 
 @triton.jit
+def _norm_rope_head(src, w_ptr, cos_row, sin_row, eps, HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr):
+    """One head of q or k from the qkv projection at `src`: RMSNorm over the head, then RoPE at the
+    token's cos/sin row; its two halves. One function for both kernels that take it, so a row's q
+    and k round alike in either (batch-invariant mode relies on it)."""
+    half: tl.constexpr = HEAD_DIM // 2
+    d = tl.arange(0, HALF_PAD)
+    dm = d < half
+    x1 = tl.load(src + d, mask=dm, other=0.0)
+    x2 = tl.load(src + half + d, mask=dm, other=0.0)
+    dtype = x1.dtype
+    w1, w2 = tl.load(w_ptr + d, mask=dm), tl.load(w_ptr + half + d, mask=dm)
+    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+    inv = tl.rsqrt((tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0)) / HEAD_DIM + eps)
+    n1 = (w1.to(tl.float32) * (f1 * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    n2 = (w2.to(tl.float32) * (f2 * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    c = tl.load(cos_row + d, mask=dm).to(tl.float32)
+    s = tl.load(sin_row + d, mask=dm).to(tl.float32)
+    return _rope_half(n1, n2, c, s, dtype)
+
+
+@triton.jit
+def _store_head(dst, o1, o2, HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr):
+    d = tl.arange(0, HALF_PAD)
+    tl.store(dst + d, o1, mask=d < HEAD_DIM // 2)
+    tl.store(dst + HEAD_DIM // 2 + d, o2, mask=d < HEAD_DIM // 2)
+
+
+@triton.jit
+def _store_fresh_kv(qkv_row, kw_ptr, cos_row, sin_row, slot, k_cache_ptr, v_cache_ptr, kvh, eps,
+                    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    HALF_PAD: tl.constexpr):
+    """A token's kv head `kvh` into its cache slot: k normed and rotated, v as projected."""
+    k1, k2 = _norm_rope_head(qkv_row + (NUM_HEADS + kvh) * HEAD_DIM, kw_ptr, cos_row, sin_row, eps, HEAD_DIM,
+                             HALF_PAD)
+    dst = slot.to(tl.int64) * NUM_KV_HEADS * HEAD_DIM + kvh * HEAD_DIM
+    _store_head(k_cache_ptr + dst, k1, k2, HEAD_DIM, HALF_PAD)
+    d = tl.arange(0, HALF_PAD)
+    v = qkv_row + (NUM_HEADS + NUM_KV_HEADS + kvh) * HEAD_DIM
+    _store_head(v_cache_ptr + dst, tl.load(v + d, mask=d < HEAD_DIM // 2),
+                tl.load(v + HEAD_DIM // 2 + d, mask=d < HEAD_DIM // 2), HEAD_DIM, HALF_PAD)
+
+
+@triton.jit
 def _qk_norm_rope_store_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
                                eps, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                                HALF_PAD: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    half: tl.constexpr = HEAD_DIM // 2
-    d = tl.arange(0, HALF_PAD)
-    dm = d < half
     row = qkv_ptr + t * (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM
-    x1 = tl.load(row + h * HEAD_DIM + d, mask=dm, other=0.0)
-    x2 = tl.load(row + h * HEAD_DIM + half + d, mask=dm, other=0.0)
-    dtype = x1.dtype
-    is_q = h < NUM_HEADS
-    if is_q:
-        w1, w2 = tl.load(qw_ptr + d, mask=dm), tl.load(qw_ptr + half + d, mask=dm)
+    if h < NUM_HEADS:
+        o1, o2 = _norm_rope_head(row + h * HEAD_DIM, qw_ptr, cos_ptr + t * HEAD_DIM, sin_ptr + t * HEAD_DIM, eps,
+                                 HEAD_DIM, HALF_PAD)
+        _store_head(q_ptr + (t * NUM_HEADS + h) * HEAD_DIM, o1, o2, HEAD_DIM, HALF_PAD)
     else:
-        w1, w2 = tl.load(kw_ptr + d, mask=dm), tl.load(kw_ptr + half + d, mask=dm)
-    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-    inv = tl.rsqrt((tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0)) / HEAD_DIM + eps)
-    n1 = (w1.to(tl.float32) * (f1 * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    n2 = (w2.to(tl.float32) * (f2 * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    c = tl.load(cos_ptr + t * HEAD_DIM + d, mask=dm).to(tl.float32)
-    s = tl.load(sin_ptr + t * HEAD_DIM + d, mask=dm).to(tl.float32)
-    o1, o2 = _rope_half(n1, n2, c, s, dtype)
-    if is_q:
-        out = q_ptr + (t * NUM_HEADS + h) * HEAD_DIM
-        tl.store(out + d, o1, mask=dm)
-        tl.store(out + half + d, o2, mask=dm)
-    else:
-        kvh = h - NUM_HEADS
-        dst = tl.load(slot_ptr + t).to(tl.int64) * NUM_KV_HEADS * HEAD_DIM + kvh * HEAD_DIM
-        tl.store(k_cache_ptr + dst + d, o1, mask=dm)
-        tl.store(k_cache_ptr + dst + half + d, o2, mask=dm)
-        v = row + (NUM_HEADS + NUM_KV_HEADS + kvh) * HEAD_DIM
-        tl.store(v_cache_ptr + dst + d, tl.load(v + d, mask=dm), mask=dm)
-        tl.store(v_cache_ptr + dst + half + d, tl.load(v + half + d, mask=dm), mask=dm)
+        _store_fresh_kv(row, kw_ptr, cos_ptr + t * HEAD_DIM, sin_ptr + t * HEAD_DIM, tl.load(slot_ptr + t),
+                        k_cache_ptr, v_cache_ptr, h - NUM_HEADS, eps, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, HALF_PAD)
 
 
 def qk_norm_rope_store(qkv, q_weight, k_weight, cos, sin, slot_mapping, k_cache, v_cache, eps: float,
                        num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
     """From the fused qkv projection: per-head RMSNorm and RoPE of q and k, k and v written into
-    their cache slots; returns q [T, H, D]. Replaces ~30 small launches with one."""
+    their cache slots; returns q [T, H, D]. Replaces ~30 small launches with one. A decode or
+    verify step does this inside its attention kernel instead (`paged_attention`'s `fresh`)."""
     t = qkv.shape[0]
     q = torch.empty(t, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     _qk_norm_rope_store_kernel[(t, num_heads + num_kv_heads)](
@@ -163,10 +186,11 @@ def qk_norm_rope_store(qkv, q_weight, k_weight, cos, sin, slot_mapping, k_cache,
 # be a compile of its own, first met on a request's path.
 @triton.jit(do_not_specialize=["table_stride"])
 def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, ctx_ptr, rows_ptr, out_ptr, part_ptr,
-                            lse_ptr, scale, table_stride, q_len, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                            NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
+                            lse_ptr, qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, slot_ptr, scale, eps, table_stride,
+                            q_len, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                            HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
                             BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-                            IEEE: tl.constexpr, PER_TOKEN: tl.constexpr):
+                            IEEE: tl.constexpr, PER_TOKEN: tl.constexpr, FRESH: tl.constexpr):
     t = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -178,7 +202,8 @@ def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, ctx_ptr
     else:
         b = t // q_len
         # Query j of a q_len-token step sits at position ctx - q_len + j; padded rows still see one key.
-        limit = tl.maximum(tl.load(ctx_ptr + b) - q_len + t % q_len + 1, 1)
+        first = tl.load(ctx_ptr + b) - q_len  # position of the sequence's first new token
+        limit = tl.maximum(first + t % q_len + 1, 1)
     per_split = tl.cdiv(tl.cdiv(limit, SPLITS), BLOCK_N) * BLOCK_N
     lo = split * per_split
     hi = tl.minimum(lo + per_split, limit)
@@ -186,6 +211,22 @@ def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, ctx_ptr
     d = tl.arange(0, HEAD_PAD)
     heads = kvh * GROUP + g
     row = tl.maximum(token, 0).to(tl.int64) * NUM_KV_HEADS * GROUP * HEAD_DIM
+    if FRESH:  # uniform steps: q and the new keys straight from the qkv projection (`fresh_qkv`)
+        width: tl.constexpr = (GROUP + 2) * NUM_KV_HEADS * HEAD_DIM  # a qkv row
+        at_t = t.to(tl.int64)
+        for i in tl.static_range(GROUP):  # this kv head's queries, into q (scratch: read back below)
+            o1, o2 = _norm_rope_head(qkv_ptr + at_t * width + (kvh * GROUP + i) * HEAD_DIM, qw_ptr,
+                                     cos_ptr + at_t * HEAD_DIM, sin_ptr + at_t * HEAD_DIM, eps, HEAD_DIM, HALF_PAD)
+            _store_head(q_ptr + row + (kvh * GROUP + i) * HEAD_DIM, o1, o2, HEAD_DIM, HALF_PAD)
+        # The new keys among those this program reads: into the cache before it reads them. The
+        # programs of the sequence's last token read them all between their splits; others that
+        # read one write the same values again.
+        for new in range(tl.maximum(lo, first), hi):
+            r = (b * q_len + new - first).to(tl.int64)
+            _store_fresh_kv(qkv_ptr + r * width, kw_ptr, cos_ptr + r * HEAD_DIM, sin_ptr + r * HEAD_DIM,
+                            tl.load(slot_ptr + r), k_cache_ptr, v_cache_ptr, kvh, eps, GROUP * NUM_KV_HEADS,
+                            NUM_KV_HEADS, HEAD_DIM, HALF_PAD)
+        tl.debug_barrier()  # the program's stores seen by all its threads
     q_mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
     q = tl.load(q_ptr + row + heads[:, None] * HEAD_DIM + d[None, :], mask=q_mask, other=0.0)
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -255,7 +296,7 @@ def _num_splits(programs: int, device: torch.device) -> int:
 
 def paged_attention(q, k_cache, v_cache, block_tables, context_lens, q_len: int, block_size: int,
                     scale: float, num_splits: int | None = None, token_rows: torch.Tensor | None = None,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, fresh: FreshQKV | None = None) -> torch.Tensor:
     """Attention for steps where every sequence has `q_len` new tokens (decode: 1, verify: 1+k).
     q: [B * q_len, H, D]; caches: [slots, KVH, D]; block_tables: [B, W]; context_lens: [B]
     (after this step's tokens). Each program walks only its own sequence's blocks, up to its own
@@ -266,7 +307,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, q_len: int,
     mode fixes it). `token_rows` [n, 3] int32 lists the tokens to attend, each as (row in q, its
     sequence, keys it sees; row -1: padding, nothing written), for steps of any mix: every token
     (batch-invariant mode's prefill chunks) or a mixed step's decodes (attention.decode_rows);
-    then q_len is unused and only the listed rows of `out` (given, or new) are written."""
+    then q_len is unused and only the listed rows of `out` (given, or new) are written.
+    `fresh` (uniform steps): q is scratch, and each program first makes its queries and the new
+    keys it reads from the qkv projection, as `qk_norm_rope_store` would have."""
     num_heads, head_dim = q.shape[1:]
     t = q.shape[0] if token_rows is None else token_rows.shape[0]
     num_kv_heads = k_cache.shape[1]
@@ -274,16 +317,21 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, q_len: int,
     out = torch.empty_like(q) if out is None else out
     if t == 0:
         return out
+    if fresh is not None and token_rows is not None:
+        raise ValueError("listed tokens take q made apart (qk_norm_rope_store)")
     splits = num_splits or _num_splits(t * num_kv_heads, q.device)
     part = torch.empty(t, num_heads, splits, head_dim, dtype=torch.float32, device=q.device) if splits > 1 else out
     lse = torch.empty(t, num_heads, splits, dtype=torch.float32, device=q.device) if splits > 1 else out
     head_pad = max(16, triton.next_power_of_2(head_dim))
     rows = context_lens if token_rows is None else token_rows
+    qkv, q_weight, k_weight, cos, sin, slots, eps = fresh or (q, q, q, q, q, context_lens, 0.0)
     _paged_attention_kernel[(t, num_kv_heads, splits)](
-        q, k_cache, v_cache, block_tables, context_lens, rows, out, part, lse, scale, block_tables.stride(0),
-        max(q_len, 1), GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_SIZE=block_size, BLOCK_N=32, SPLITS=splits,
-        IEEE=q.dtype == torch.float32, PER_TOKEN=token_rows is not None, num_warps=4)
+        q, k_cache, v_cache, block_tables, context_lens, rows, out, part, lse, qkv, q_weight, k_weight, cos, sin,
+        slots, scale, eps, block_tables.stride(0), max(q_len, 1), GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)), NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        HEAD_PAD=head_pad, HALF_PAD=triton.next_power_of_2(head_dim // 2), BLOCK_SIZE=block_size, BLOCK_N=32,
+        SPLITS=splits, IEEE=q.dtype == torch.float32, PER_TOKEN=token_rows is not None, FRESH=fresh is not None,
+        num_warps=4)
     if splits > 1:
         _combine_splits_kernel[(t * num_heads,)](part, lse, out, rows, SPLITS=splits,
                                                   SPLITS_PAD=triton.next_power_of_2(splits), NUM_HEADS=num_heads,
@@ -760,14 +808,14 @@ class FusedKernels:
         self.tuning_times: dict[tuple, dict[tuple[int, int, int] | None, float]] = {}  # ms per candidate tile
 
     def paged_attention(self, q, k_cache, v_cache, block_tables, context_lens, q_len: int, block_size: int,
-                        scale: float, token_rows: torch.Tensor | None = None,
-                        out: torch.Tensor | None = None) -> torch.Tensor:
+                        scale: float, token_rows: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                        fresh: FreshQKV | None = None) -> torch.Tensor:
         """The paged decode kernel (`paged_attention`). MAX_SPLITS splits in batch-invariant mode
         (any batch alike) and for listed tokens (`token_rows`: one kernel variant whatever their
         count, so a mixed step of a new shape compiles nothing)."""
         splits = MAX_SPLITS if self.batch_invariant or token_rows is not None else None
         return paged_attention(q, k_cache, v_cache, block_tables, context_lens, q_len, block_size, scale, splits,
-                               token_rows, out)
+                               token_rows, out, fresh)
 
     def prefill_attention(self, *args, **kwargs):
         """The flash prefill kernel in the table's configuration; a tuning engine autotunes it."""

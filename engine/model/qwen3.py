@@ -4,10 +4,11 @@ Numerics follow transformers' Qwen3 exactly where it decides logits: RMSNorm in 
 cast, q/k RMSNorm per head before RoPE, NeoX RoPE with cos/sin computed in fp32, head_dim from
 the config. Projections are fused (q|k|v, gate|up) so a step launches fewer kernels; the loader
 concatenates the checkpoint's separate tensors into them. On CUDA the elementwise chains run as
-Triton kernels (model/kernels.py, handed in by the runner as `FusedKernels`), and a step of a few rows (decode, verify) is six kernels a
-layer: residual add + RMSNorm + qkv projection, q/k norm + RoPE + KV store, paged attention, o
-projection, residual add + RMSNorm + gate|up projection, SiLU·up + down projection. The CPU path
-is plain torch and exact.
+Triton kernels (model/kernels.py, handed in by the runner as `FusedKernels`), and a step of a few
+rows (decode, verify) is five kernels a layer: residual add + RMSNorm + qkv projection; q/k norm
++ RoPE + KV store + paged attention (then a kernel combining its context splits, where it splits
+them); o projection; residual add + RMSNorm + gate|up projection; SiLU·up + down projection. The
+CPU path is plain torch and exact.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from jetserve.engine.config import INVARIANT_ROWS, TRITON_INTERPRET, ModelConfig
-from jetserve.engine.model.attention import AttentionMetadata, causal_attention, paged_attention
+from jetserve.engine.model.attention import AttentionMetadata, FreshQKV, causal_attention, paged_attention
 
 
 def runs_triton(x: torch.Tensor) -> bool:
@@ -157,16 +158,21 @@ class Attention(KernelUser):
     def forward(self, qkv, rope, kv_cache, meta: AttentionMetadata):
         """From the qkv projection of the normed input (the layer makes it, so that the norm fuses
         into the projection)."""
-        if meta is not None and meta.block_tables is not None:  # CUDA: two fused kernels
+        if meta is not None and meta.block_tables is not None:  # CUDA: fused kernels
             kernels = self.kernels
-            q = kernels.qk_norm_rope_store(qkv, self.q_norm.weight, self.k_norm.weight, *rope,
-                                           meta.slot_mapping, kv_cache[0], kv_cache[1], self.q_norm.eps,
-                                           self.num_heads, self.num_kv_heads, self.head_dim)
+            fresh = FreshQKV(qkv, self.q_norm.weight, self.k_norm.weight, *rope, meta.slot_mapping, self.q_norm.eps)
+            if meta.prefill is None and meta.token_rows is None:  # decodes, verifies: one kernel from qkv on
+                q = qkv.new_empty(qkv.shape[0], self.num_heads, self.head_dim)
+                out = kernels.paged_attention(q, kv_cache[0], kv_cache[1], meta.block_tables, meta.context_lens,
+                                              meta.q_len, meta.block_size, self.scale, fresh=fresh)
+                return self.o_proj(out.flatten(1))
+            q = kernels.qk_norm_rope_store(*fresh[:-1], kv_cache[0], kv_cache[1], fresh.eps, self.num_heads,
+                                           self.num_kv_heads, self.head_dim)
             out = None
             if meta.prefill is not None:  # prefill chunks, alone or with decodes (those are token_rows)
                 out = kernels.prefill_attention(q, kv_cache[0], kv_cache[1], meta.block_tables, meta.query_start_loc,
                                                 meta.context_lens, meta.prefill, self.scale, meta.block_size)
-            if meta.prefill is None or meta.token_rows is not None:
+            if meta.token_rows is not None:
                 out = kernels.paged_attention(q, kv_cache[0], kv_cache[1], meta.block_tables, meta.context_lens,
                                               meta.q_len, meta.block_size, self.scale, token_rows=meta.token_rows,
                                               out=out)

@@ -237,6 +237,27 @@ def prefetched() -> None:
     print("compiled")
 
 
+def attention() -> None:
+    """The paged decode kernel for sm_90 and sm_87, its queries and new keys made from the qkv
+    projection (`fresh`) or given, one token a program or listed: one line each, `attention
+    sm_<arch> <fresh> <per token> <GROUP> <local memory loads and stores (spills)> <barriers>`."""
+    for arch in (90, 87):
+        for fresh, per_token, group in ((True, False, 2), (True, False, 4), (False, False, 2), (False, True, 4)):
+            types = dict(q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", tables_ptr="*i32", ctx_ptr="*i32",
+                         rows_ptr="*i32", out_ptr="*bf16", part_ptr="*fp32", lse_ptr="*fp32", qkv_ptr="*bf16",
+                         qw_ptr="*bf16", kw_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16", slot_ptr="*i32",
+                         scale="fp32", eps="fp32")
+            compiled = compile_for_hopper(
+                kernels._paged_attention_kernel, types,
+                dict(GROUP=group, GROUP_PAD=16, NUM_KV_HEADS=8, HEAD_DIM=128, HEAD_PAD=128, HALF_PAD=64,
+                     BLOCK_SIZE=16, BLOCK_N=32, SPLITS=4, IEEE=False, PER_TOKEN=per_token, FRESH=fresh), arch)
+            sass = compiled.asm["sass"]
+            spills = sum(sass.count(op) for op in ("LDL", "STL"))
+            print(f"attention sm_{arch} {fresh} {per_token} {group} {spills} {sass.count('BAR.SYNC')}")
+    print("compiled")
+
+
 if __name__ == "__main__":
-    {"quant": quant, "quant_dot": quant_dot, "pipelined": pipelined, "prefetched": prefetched}.get(
+    {"quant": quant, "quant_dot": quant_dot, "pipelined": pipelined, "prefetched": prefetched,
+     "attention": attention}.get(
         sys.argv[1] if sys.argv[1:] else "", main)()

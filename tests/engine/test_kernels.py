@@ -123,6 +123,82 @@ def test_paged_attention_splits(monkeypatch, splits, q_len):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("splits", [1, 4, 16])
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_paged_attention_makes_q_and_the_new_keys_from_qkv(monkeypatch, splits, q_len):
+    """A uniform step's attention from the qkv projection (`fresh`) gives what the norm + RoPE +
+    KV store kernel followed by the attention gives, bit for bit in the interpreter, and writes
+    the same keys and values into the cache, every new one before any program reads it (the new
+    slots start as NaN): GQA (3 queries a kv head), head_dim 24, contexts shorter than the splits,
+    new keys across two splits, a padded sequence as a graph pads (one key, the scratch slot).
+    Against torch's norm, RoPE and softmax attention too."""
+    from jetserve.engine.model.attention import FreshQKV, slot_mapping
+    from jetserve.engine.model.qwen3 import RotaryEmbedding, apply_rope
+
+    torch.manual_seed(splits + 10 * q_len)
+    monkeypatch.setattr(kernels, "_num_splits", lambda programs, device: splits)
+    block_size, kv_heads, heads, head_dim, eps, scratch = 4, 2, 6, 24, 1e-6, 29
+    ctx_lens = [3, 1 + q_len, 70, 1]
+    tables = [[7, 1], [3], list(range(8, 8 + 18)), [scratch]]
+    slots = slot_mapping(tables[:3], ctx_lens[:3], [q_len] * 3, block_size) + [scratch * block_size] * q_len
+    positions = [c - q_len + j for c in ctx_lens[:3] for j in range(q_len)] + [0] * q_len
+    cos, sin = RotaryEmbedding(head_dim, 10000.0, 128)(torch.tensor(positions), torch.float32)
+    t = len(ctx_lens) * q_len
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * head_dim, device=DEVICE)
+    q_w, k_w = torch.rand(head_dim, device=DEVICE) + 0.5, torch.rand(head_dim, device=DEVICE) + 0.5
+    fresh = FreshQKV(qkv, q_w, k_w, cos.to(DEVICE), sin.to(DEVICE), torch.tensor(slots, dtype=torch.int32,
+                                                                                  device=DEVICE), eps)
+    k_cache = torch.randn(30 * block_size, kv_heads, head_dim, device=DEVICE)
+    v_cache = torch.randn(30 * block_size, kv_heads, head_dim, device=DEVICE)
+    k_cache[slots], v_cache[slots] = float("nan"), float("nan")
+    width = max(map(len, tables))
+    table_t = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEVICE)
+    lens_t = torch.tensor(ctx_lens, dtype=torch.int32, device=DEVICE)
+    scale = head_dim ** -0.5
+
+    apart_k, apart_v = k_cache.clone(), v_cache.clone()
+    q = kernels.qk_norm_rope_store(*fresh[:-1], apart_k, apart_v, eps, heads, kv_heads, head_dim)
+    apart = kernels.paged_attention(q, apart_k, apart_v, table_t, lens_t, q_len, block_size, scale)
+    scratch_q = torch.full_like(q, float("nan"))
+    fused = kernels.paged_attention(scratch_q, k_cache, v_cache, table_t, lens_t, q_len, block_size, scale,
+                                    fresh=fresh)
+
+    real = slice(0, 3 * q_len)  # the padded sequence's rows and its scratch slot hold anything
+    kept = torch.ones(k_cache.shape[0], dtype=torch.bool)
+    kept[scratch * block_size:] = False
+    exact = dict(rtol=0, atol=0) if DEVICE == "cpu" else dict(rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(fused[real], apart[real], **exact)
+    torch.testing.assert_close(k_cache[kept], apart_k[kept], rtol=0, atol=0)
+    torch.testing.assert_close(v_cache[kept], apart_v[kept], rtol=0, atol=0)
+    assert not fused[real].isnan().any()
+
+    q_t, k_t, v_t = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    rope = fresh.cos.view(t, 1, head_dim), fresh.sin.view(t, 1, head_dim)
+    want_q = apply_rope(rms_norm(q_t.view(t, heads, head_dim), q_w, eps), *rope)
+    want_k = apply_rope(rms_norm(k_t.view(t, kv_heads, head_dim), k_w, eps), *rope)
+    torch.testing.assert_close(k_cache[slots[:3 * q_len]], want_k[real], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(v_cache[slots[:3 * q_len]], v_t[real].view(-1, kv_heads, head_dim), rtol=0, atol=0)
+    want = reference_attention(want_q, k_cache, v_cache, tables, ctx_lens, q_len, block_size, scale)
+    torch.testing.assert_close(fused[real], want[real], rtol=1e-4, atol=1e-4)
+
+
+def test_paged_attention_compiles_for_hopper_and_orin():
+    """The paged decode kernel compiles for sm_90 and Jetson Orin's sm_87 in each form a step
+    launches (queries from the qkv projection with 2 and 4 a kv head, given, listed tokens),
+    with no register spills; the form that makes its queries and new keys synchronizes its
+    threads more often than the others (the per-head norms' reductions, and the barrier between
+    storing the new keys and reading the cache)."""
+    done = compile_for_gpus("attention")
+    lines = [line.split()[1:] for line in done.stdout.splitlines() if line.startswith("attention ")]
+    assert len(lines) == 2 * 4, done.stdout
+    barriers = {}
+    for arch, fresh, per_token, group, spills, bars in lines:
+        assert spills == "0", (arch, fresh, per_token, group)
+        barriers[arch, fresh == "True"] = max(barriers.get((arch, fresh == "True"), 0), int(bars))
+    for arch in ("sm_90", "sm_87"):
+        assert barriers[arch, True] > barriers[arch, False], barriers
+
+
 def test_untimed_where_graphs_are_off():
     """Timing tiles captures CUDA graphs; with graphs off (the runner makes its kernels without
     `tile_timing`) a big weight takes the first tile that fits, untimed; each engine's choices
