@@ -98,6 +98,7 @@ class CPUKernels:
     # Rows the model hands to these methods rather than to its plain torch path (the same ops on a
     # CPU): the most rows a compiled batch program takes (export turns this test into its bound).
     SKINNY_MAX_ROWS = 1024
+    attention_from_qkv = False  # q made apart (qk_norm_rope_store), then `paged_attention`
 
     def __init__(self):
         # While `tracing` (a DecodeStep being exported or checked): each layer's new key and value,
@@ -154,16 +155,12 @@ class CPUKernels:
         return q
 
     def paged_attention(self, q, k_cache, v_cache, block_tables, context_lens, q_len: int, block_size: int,
-                        scale: float, token_rows=None, out=None, fresh=None) -> torch.Tensor:
+                        scale: float, token_rows=None, out=None) -> torch.Tensor:
         """A decode step's attention (q_len 1) through block tables: each block's slots are
         block * block_size + 0..block_size-1 (a broadcast, no division). The steps compiled here
-        are uniform decodes: no token rows (a mixed step's decodes), no output given to write into.
-        `fresh` (attention.FreshQKV): q made from it first, `q` only giving the shape."""
+        are uniform decodes: no token rows (a mixed step's decodes), no output given to write into."""
         if token_rows is not None or out is not None:
             raise ValueError("the CPU programs compile uniform decode steps only")
-        if fresh is not None:
-            q = self.qk_norm_rope_store(*fresh[:-1], k_cache, v_cache, fresh.eps, q.shape[1], k_cache.shape[1],
-                                        q.shape[2])
         batch, blocks = block_tables.shape
         offsets = torch.arange(block_size, device=block_tables.device)
         context_slots = (block_tables.long()[:, :, None] * block_size + offsets).view(batch, blocks * block_size)

@@ -102,70 +102,100 @@ def silu_mul(gate_up: torch.Tensor, pdl: bool = False) -> torch.Tensor:
 
 
 @triton.jit
-def _rope_half(x1, x2, c, s, dtype):
-    """NeoX RoPE on the two halves, rounding like `x * cos + rotate_half(x) * sin`."""
-    o1 = (x1 * c).to(dtype).to(tl.float32) + (-(x2 * s)).to(dtype).to(tl.float32)
-    o2 = (x2 * c).to(dtype).to(tl.float32) + (x1 * s).to(dtype).to(tl.float32)
-    return o1.to(dtype), o2.to(dtype)
-
-
-@triton.jit
-def _norm_rope_head(src, w_ptr, cos_row, sin_row, eps, HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr):
-    """One head of q or k from the qkv projection at `src`: RMSNorm over the head, then RoPE at the
-    token's cos/sin row; its two halves. One function for both kernels that take it, so a row's q
-    and k round alike in either (batch-invariant mode relies on it)."""
+def _head_inputs(src, cs_rows, live, w_ptr, cos_ptr, sin_ptr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
+    """What `_norm_rope` makes heads of, a row each: row i's HEAD_DIM values at `src[i]` and its
+    rotate_half partners, the norm's weights (both orders), cos/sin row `cs_rows[i]`. Loaded
+    apart from the arithmetic, so a kernel can issue all its loads before any sum waits on them."""
     half: tl.constexpr = HEAD_DIM // 2
-    d = tl.arange(0, HALF_PAD)
-    dm = d < half
-    x1 = tl.load(src + d, mask=dm, other=0.0)
-    x2 = tl.load(src + half + d, mask=dm, other=0.0)
-    dtype = x1.dtype
-    w1, w2 = tl.load(w_ptr + d, mask=dm), tl.load(w_ptr + half + d, mask=dm)
-    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-    inv = tl.rsqrt((tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0)) / HEAD_DIM + eps)
-    n1 = (w1.to(tl.float32) * (f1 * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    n2 = (w2.to(tl.float32) * (f2 * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    c = tl.load(cos_row + d, mask=dm).to(tl.float32)
-    s = tl.load(sin_row + d, mask=dm).to(tl.float32)
-    return _rope_half(n1, n2, c, s, dtype)
+    d = tl.arange(0, HEAD_PAD)
+    dm = d < HEAD_DIM
+    partner = tl.where(d < half, d + half, d - half)  # rotate_half's source of each column
+    mask = live[:, None] & dm[None, :]
+    at = cs_rows.to(tl.int64)[:, None] * HEAD_DIM + (d % half)[None, :]
+    return (tl.load(src[:, None] + d[None, :], mask=mask, other=0.0),
+            tl.load(src[:, None] + partner[None, :], mask=mask, other=0.0),
+            tl.load(w_ptr + d, mask=dm, other=0.0), tl.load(w_ptr + partner, mask=dm, other=0.0),
+            tl.load(cos_ptr + at, mask=mask, other=0.0), tl.load(sin_ptr + at, mask=mask, other=0.0))
 
 
 @triton.jit
-def _store_head(dst, o1, o2, HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr):
-    d = tl.arange(0, HALF_PAD)
-    tl.store(dst + d, o1, mask=d < HEAD_DIM // 2)
-    tl.store(dst + HEAD_DIM // 2 + d, o2, mask=d < HEAD_DIM // 2)
+def _norm_rope(x, xp, w, wp, c, s, eps, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
+    """Heads of q or k from `_head_inputs`: RMSNorm over each head, then NeoX RoPE, rounding like
+    `apply_rope(rms_norm(x))` (x * cos + rotate_half(x) * sin); [rows, HEAD_PAD] in the
+    activation dtype, each row's sums its own. One function for both kernels that make q and k
+    (the attention's own for decode steps, `qk_norm_rope_store` for the rest)."""
+    half: tl.constexpr = HEAD_DIM // 2
+    d = tl.arange(0, HEAD_PAD)
+    dtype = x.dtype
+    c, s = c.to(tl.float32), s.to(tl.float32)
+    f, fp = x.to(tl.float32), xp.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(f * f, axis=1) / HEAD_DIM + eps)[:, None]
+    n = (w.to(tl.float32)[None, :] * (f * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    rot = ((wp.to(tl.float32)[None, :] * (fp * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32) * s).to(dtype)
+    rot = tl.where((d < half)[None, :], -rot, rot)
+    return ((n * c).to(dtype).to(tl.float32) + rot.to(tl.float32)).to(dtype)
 
 
 @triton.jit
-def _store_fresh_kv(qkv_row, kw_ptr, cos_row, sin_row, slot, k_cache_ptr, v_cache_ptr, kvh, eps,
-                    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    HALF_PAD: tl.constexpr):
-    """A token's kv head `kvh` into its cache slot: k normed and rotated, v as projected."""
-    k1, k2 = _norm_rope_head(qkv_row + (NUM_HEADS + kvh) * HEAD_DIM, kw_ptr, cos_row, sin_row, eps, HEAD_DIM,
-                             HALF_PAD)
-    dst = slot.to(tl.int64) * NUM_KV_HEADS * HEAD_DIM + kvh * HEAD_DIM
-    _store_head(k_cache_ptr + dst, k1, k2, HEAD_DIM, HALF_PAD)
-    d = tl.arange(0, HALF_PAD)
-    v = qkv_row + (NUM_HEADS + NUM_KV_HEADS + kvh) * HEAD_DIM
-    _store_head(v_cache_ptr + dst, tl.load(v + d, mask=d < HEAD_DIM // 2),
-                tl.load(v + HEAD_DIM // 2 + d, mask=d < HEAD_DIM // 2), HEAD_DIM, HALF_PAD)
+def _kv_inputs(qkv_ptr, tokens, live, slot_ptr, kw_ptr, cos_ptr, sin_ptr, kvh, NUM_HEADS: tl.constexpr,
+               NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
+    """For `_store_kv`: kv head `kvh` of the `live` ones of `tokens` (rows of qkv): k's
+    `_head_inputs`, v, and where in the cache they go."""
+    width: tl.constexpr = (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM  # a qkv row
+    src = qkv_ptr + tokens.to(tl.int64) * width + (NUM_HEADS + kvh) * HEAD_DIM
+    x, xp, w, wp, c, s = _head_inputs(src, tokens, live, kw_ptr, cos_ptr, sin_ptr, HEAD_DIM, HEAD_PAD)
+    d = tl.arange(0, HEAD_PAD)
+    v = tl.load(src[:, None] + NUM_KV_HEADS * HEAD_DIM + d[None, :], mask=live[:, None] & (d < HEAD_DIM)[None, :])
+    dst = tl.load(slot_ptr + tokens, mask=live, other=0).to(tl.int64) * NUM_KV_HEADS * HEAD_DIM + kvh * HEAD_DIM
+    return x, xp, w, wp, c, s, v, dst
+
+
+@triton.jit
+def _store_kv(x, xp, w, wp, c, s, v, dst, live, k_cache_ptr, v_cache_ptr, eps, HEAD_DIM: tl.constexpr,
+              HEAD_PAD: tl.constexpr):
+    """k normed and rotated, and v, into their cache slots `dst` (from `_kv_inputs`)."""
+    d = tl.arange(0, HEAD_PAD)
+    mask = live[:, None] & (d < HEAD_DIM)[None, :]
+    tl.store(k_cache_ptr + dst[:, None] + d[None, :], _norm_rope(x, xp, w, wp, c, s, eps, HEAD_DIM, HEAD_PAD),
+             mask=mask)
+    tl.store(v_cache_ptr + dst[:, None] + d[None, :], v, mask=mask)
+
+
+@triton.jit
+def _query_inputs(qkv_ptr, t, kvh, qw_ptr, cos_ptr, sin_ptr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                  NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
+    """`_head_inputs` of token t's queries of kv head `kvh`: [GROUP_PAD, HEAD_PAD] tiles."""
+    g = tl.arange(0, GROUP_PAD)
+    width: tl.constexpr = (GROUP + 2) * NUM_KV_HEADS * HEAD_DIM
+    src = qkv_ptr + t.to(tl.int64) * width + (kvh * GROUP + g) * HEAD_DIM
+    return _head_inputs(src, t + 0 * g, g < GROUP, qw_ptr, cos_ptr, sin_ptr, HEAD_DIM, HEAD_PAD)
 
 
 @triton.jit
 def _qk_norm_rope_store_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
-                               eps, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                               HALF_PAD: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    row = qkv_ptr + t * (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM
-    if h < NUM_HEADS:
-        o1, o2 = _norm_rope_head(row + h * HEAD_DIM, qw_ptr, cos_ptr + t * HEAD_DIM, sin_ptr + t * HEAD_DIM, eps,
-                                 HEAD_DIM, HALF_PAD)
-        _store_head(q_ptr + (t * NUM_HEADS + h) * HEAD_DIM, o1, o2, HEAD_DIM, HALF_PAD)
-    else:
-        _store_fresh_kv(row, kw_ptr, cos_ptr + t * HEAD_DIM, sin_ptr + t * HEAD_DIM, tl.load(slot_ptr + t),
-                        k_cache_ptr, v_cache_ptr, h - NUM_HEADS, eps, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, HALF_PAD)
+                               eps, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                               HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
+    """Program (t, kvh): token t's queries of kv head kvh into q, its key and value into the cache."""
+    t = tl.program_id(0)
+    kvh = tl.program_id(1)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_PAD)
+    qx, qxp, qw, qwp, qc, qs = _query_inputs(qkv_ptr, t, kvh, qw_ptr, cos_ptr, sin_ptr, GROUP, GROUP_PAD,
+                                             NUM_KV_HEADS, HEAD_DIM, HEAD_PAD)
+    one = g < 1  # the key: a tile of the queries' shape, one row live
+    kx, kxp, kw, kwp, kc, ks, v, dst = _kv_inputs(qkv_ptr, t + 0 * g, one, slot_ptr, kw_ptr, cos_ptr, sin_ptr, kvh,
+                                                  GROUP * NUM_KV_HEADS, NUM_KV_HEADS, HEAD_DIM, HEAD_PAD)
+    q = _norm_rope(qx, qxp, qw, qwp, qc, qs, eps, HEAD_DIM, HEAD_PAD)
+    tl.store(q_ptr + (t.to(tl.int64) * NUM_KV_HEADS * GROUP + kvh * GROUP + g[:, None]) * HEAD_DIM + d[None, :], q,
+             mask=(g < GROUP)[:, None] & (d < HEAD_DIM)[None, :])
+    _store_kv(kx, kxp, kw, kwp, kc, ks, v, dst, one, k_cache_ptr, v_cache_ptr, eps, HEAD_DIM, HEAD_PAD)
+
+
+def _pads(num_heads: int, num_kv_heads: int, head_dim: int) -> dict[str, int]:
+    """A kv head's query rows and a head's columns as the attention kernels tile them (tl.dot's
+    smallest tile is 16 x 16)."""
+    return dict(GROUP_PAD=max(16, triton.next_power_of_2(num_heads // num_kv_heads)),
+                HEAD_PAD=max(16, triton.next_power_of_2(head_dim)))
 
 
 def qk_norm_rope_store(qkv, q_weight, k_weight, cos, sin, slot_mapping, k_cache, v_cache, eps: float,
@@ -175,10 +205,9 @@ def qk_norm_rope_store(qkv, q_weight, k_weight, cos, sin, slot_mapping, k_cache,
     verify step does this inside its attention kernel instead (`paged_attention`'s `fresh`)."""
     t = qkv.shape[0]
     q = torch.empty(t, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
-    _qk_norm_rope_store_kernel[(t, num_heads + num_kv_heads)](
-        qkv, q_weight, k_weight, cos, sin, slot_mapping, q, k_cache, v_cache, eps,
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        HALF_PAD=triton.next_power_of_2(head_dim // 2))
+    _qk_norm_rope_store_kernel[(t, num_kv_heads)](
+        qkv, q_weight, k_weight, cos, sin, slot_mapping, q, k_cache, v_cache, eps, GROUP=num_heads // num_kv_heads,
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, **_pads(num_heads, num_kv_heads, head_dim))
     return q
 
 
@@ -188,8 +217,7 @@ def qk_norm_rope_store(qkv, q_weight, k_weight, cos, sin, slot_mapping, k_cache,
 def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, ctx_ptr, rows_ptr, out_ptr, part_ptr,
                             lse_ptr, qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, slot_ptr, scale, eps, table_stride,
                             q_len, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-                            HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, HALF_PAD: tl.constexpr,
-                            BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+                            HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
                             IEEE: tl.constexpr, PER_TOKEN: tl.constexpr, FRESH: tl.constexpr):
     t = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -211,24 +239,23 @@ def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, ctx_ptr
     d = tl.arange(0, HEAD_PAD)
     heads = kvh * GROUP + g
     row = tl.maximum(token, 0).to(tl.int64) * NUM_KV_HEADS * GROUP * HEAD_DIM
-    if FRESH:  # uniform steps: q and the new keys straight from the qkv projection (`fresh_qkv`)
-        width: tl.constexpr = (GROUP + 2) * NUM_KV_HEADS * HEAD_DIM  # a qkv row
-        at_t = t.to(tl.int64)
-        for i in tl.static_range(GROUP):  # this kv head's queries, into q (scratch: read back below)
-            o1, o2 = _norm_rope_head(qkv_ptr + at_t * width + (kvh * GROUP + i) * HEAD_DIM, qw_ptr,
-                                     cos_ptr + at_t * HEAD_DIM, sin_ptr + at_t * HEAD_DIM, eps, HEAD_DIM, HALF_PAD)
-            _store_head(q_ptr + row + (kvh * GROUP + i) * HEAD_DIM, o1, o2, HEAD_DIM, HALF_PAD)
-        # The new keys among those this program reads: into the cache before it reads them. The
-        # programs of the sequence's last token read them all between their splits; others that
-        # read one write the same values again.
-        for new in range(tl.maximum(lo, first), hi):
-            r = (b * q_len + new - first).to(tl.int64)
-            _store_fresh_kv(qkv_ptr + r * width, kw_ptr, cos_ptr + r * HEAD_DIM, sin_ptr + r * HEAD_DIM,
-                            tl.load(slot_ptr + r), k_cache_ptr, v_cache_ptr, kvh, eps, GROUP * NUM_KV_HEADS,
-                            NUM_KV_HEADS, HEAD_DIM, HALF_PAD)
-        tl.debug_barrier()  # the program's stores seen by all its threads
     q_mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
-    q = tl.load(q_ptr + row + heads[:, None] * HEAD_DIM + d[None, :], mask=q_mask, other=0.0)
+    if FRESH:  # uniform steps: q and the new keys straight from the qkv projection (`fresh`)
+        # The new keys among those this program reads, into the cache before it reads them: the
+        # programs of a sequence's last token read them all between their splits, and others
+        # that read one store the same values again. Every load first, then the arithmetic.
+        new = tl.maximum(lo, first) + g
+        live = new < hi
+        kx, kxp, kw, kwp, kc, ks, new_v, dst = _kv_inputs(qkv_ptr, b * q_len + new - first, live, slot_ptr, kw_ptr,
+                                                          cos_ptr, sin_ptr, kvh, GROUP * NUM_KV_HEADS, NUM_KV_HEADS,
+                                                          HEAD_DIM, HEAD_PAD)
+        qx, qxp, qw, qwp, qc, qs = _query_inputs(qkv_ptr, t, kvh, qw_ptr, cos_ptr, sin_ptr, GROUP, GROUP_PAD,
+                                                 NUM_KV_HEADS, HEAD_DIM, HEAD_PAD)
+        _store_kv(kx, kxp, kw, kwp, kc, ks, new_v, dst, live, k_cache_ptr, v_cache_ptr, eps, HEAD_DIM, HEAD_PAD)
+        tl.debug_barrier()  # the stores seen by all the program's threads
+        q = _norm_rope(qx, qxp, qw, qwp, qc, qs, eps, HEAD_DIM, HEAD_PAD)
+    else:
+        q = tl.load(q_ptr + row + heads[:, None] * HEAD_DIM + d[None, :], mask=q_mask, other=0.0)
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_PAD], tl.float32)
@@ -308,34 +335,37 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, q_len: int,
     sequence, keys it sees; row -1: padding, nothing written), for steps of any mix: every token
     (batch-invariant mode's prefill chunks) or a mixed step's decodes (attention.decode_rows);
     then q_len is unused and only the listed rows of `out` (given, or new) are written.
-    `fresh` (uniform steps): q is scratch, and each program first makes its queries and the new
-    keys it reads from the qkv projection, as `qk_norm_rope_store` would have."""
-    num_heads, head_dim = q.shape[1:]
-    t = q.shape[0] if token_rows is None else token_rows.shape[0]
-    num_kv_heads = k_cache.shape[1]
-    group = num_heads // num_kv_heads
-    out = torch.empty_like(q) if out is None else out
+    `fresh` (uniform steps; q is then None): each program makes its queries, and stores the new
+    keys it reads, from the qkv projection, as `qk_norm_rope_store` would have."""
+    num_kv_heads, head_dim = k_cache.shape[1:]
+    if fresh is None:
+        tokens, num_heads, dtype = q.shape[0], q.shape[1], q.dtype
+    elif token_rows is not None:
+        raise ValueError("listed tokens take q made apart (qk_norm_rope_store)")
+    else:
+        tokens, dtype = fresh.qkv.shape[0], fresh.qkv.dtype
+        num_heads = fresh.qkv.shape[1] // head_dim - 2 * num_kv_heads
+    t = tokens if token_rows is None else token_rows.shape[0]
+    device = k_cache.device
+    out = torch.empty(tokens, num_heads, head_dim, dtype=dtype, device=device) if out is None else out
     if t == 0:
         return out
-    if fresh is not None and token_rows is not None:
-        raise ValueError("listed tokens take q made apart (qk_norm_rope_store)")
-    splits = num_splits or _num_splits(t * num_kv_heads, q.device)
-    part = torch.empty(t, num_heads, splits, head_dim, dtype=torch.float32, device=q.device) if splits > 1 else out
-    lse = torch.empty(t, num_heads, splits, dtype=torch.float32, device=q.device) if splits > 1 else out
-    head_pad = max(16, triton.next_power_of_2(head_dim))
+    pads = _pads(num_heads, num_kv_heads, head_dim)
+    assert fresh is None or q_len <= pads["GROUP_PAD"], "a program stores a sequence's new keys as one tile"
+    splits = num_splits or _num_splits(t * num_kv_heads, device)
+    part = torch.empty(t, num_heads, splits, head_dim, dtype=torch.float32, device=device) if splits > 1 else out
+    lse = torch.empty(t, num_heads, splits, dtype=torch.float32, device=device) if splits > 1 else out
     rows = context_lens if token_rows is None else token_rows
-    qkv, q_weight, k_weight, cos, sin, slots, eps = fresh or (q, q, q, q, q, context_lens, 0.0)
+    qkv, q_weight, k_weight, cos, sin, slots, eps = fresh or (out, out, out, out, out, context_lens, 0.0)
     _paged_attention_kernel[(t, num_kv_heads, splits)](
-        q, k_cache, v_cache, block_tables, context_lens, rows, out, part, lse, qkv, q_weight, k_weight, cos, sin,
-        slots, scale, eps, block_tables.stride(0), max(q_len, 1), GROUP=group,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)), NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        HEAD_PAD=head_pad, HALF_PAD=triton.next_power_of_2(head_dim // 2), BLOCK_SIZE=block_size, BLOCK_N=32,
-        SPLITS=splits, IEEE=q.dtype == torch.float32, PER_TOKEN=token_rows is not None, FRESH=fresh is not None,
-        num_warps=4)
+        out if fresh is not None else q, k_cache, v_cache, block_tables, context_lens, rows, out, part, lse, qkv, q_weight,
+        k_weight, cos, sin, slots, scale, eps, block_tables.stride(0), max(q_len, 1), GROUP=num_heads // num_kv_heads,
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=32, SPLITS=splits,
+        IEEE=dtype == torch.float32, PER_TOKEN=token_rows is not None, FRESH=fresh is not None, num_warps=4, **pads)
     if splits > 1:
         _combine_splits_kernel[(t * num_heads,)](part, lse, out, rows, SPLITS=splits,
                                                   SPLITS_PAD=triton.next_power_of_2(splits), NUM_HEADS=num_heads,
-                                                  HEAD_DIM=head_dim, HEAD_PAD=head_pad,
+                                                  HEAD_DIM=head_dim, HEAD_PAD=pads["HEAD_PAD"],
                                                   PER_TOKEN=token_rows is not None)
     return out
 
@@ -786,6 +816,10 @@ class FusedKernels:
     the norms already reduce each row by itself."""
 
     SKINNY_MAX_ROWS = SKINNY_MAX_ROWS
+    # Decode and verify steps' attention makes q and stores the new keys itself (`paged_attention`'s
+    # `fresh`), a launch less a layer; not in batch-invariant mode, whose every row takes the
+    # kernel that makes a prefill row's, so that a position's q rounds alike in any step.
+    attention_from_qkv = True
     rms_norm = staticmethod(rms_norm)
     silu_mul = staticmethod(silu_mul)
     qk_norm_rope_store = staticmethod(qk_norm_rope_store)
@@ -797,6 +831,7 @@ class FusedKernels:
         self.batch_invariant = batch_invariant
         if batch_invariant:  # every product takes the fused kernel: one reduction order for any row count
             self.SKINNY_MAX_ROWS = INVARIANT_MAX_ROWS
+            self.attention_from_qkv = False
         self.tile_timing = tile_timing
         self.tile_cache = tile_cache  # choices `jetserve tune` timed here: taken before the table's
         self.table = table or EMPTY

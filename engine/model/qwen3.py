@@ -161,9 +161,8 @@ class Attention(KernelUser):
         if meta is not None and meta.block_tables is not None:  # CUDA: fused kernels
             kernels = self.kernels
             fresh = FreshQKV(qkv, self.q_norm.weight, self.k_norm.weight, *rope, meta.slot_mapping, self.q_norm.eps)
-            if meta.prefill is None and meta.token_rows is None:  # decodes, verifies: one kernel from qkv on
-                q = qkv.new_empty(qkv.shape[0], self.num_heads, self.head_dim)
-                out = kernels.paged_attention(q, kv_cache[0], kv_cache[1], meta.block_tables, meta.context_lens,
+            if meta.prefill is None and meta.token_rows is None and kernels.attention_from_qkv:  # decode, verify
+                out = kernels.paged_attention(None, kv_cache[0], kv_cache[1], meta.block_tables, meta.context_lens,
                                               meta.q_len, meta.block_size, self.scale, fresh=fresh)
                 return self.o_proj(out.flatten(1))
             q = kernels.qk_norm_rope_store(*fresh[:-1], kv_cache[0], kv_cache[1], fresh.eps, self.num_heads,
@@ -172,7 +171,7 @@ class Attention(KernelUser):
             if meta.prefill is not None:  # prefill chunks, alone or with decodes (those are token_rows)
                 out = kernels.prefill_attention(q, kv_cache[0], kv_cache[1], meta.block_tables, meta.query_start_loc,
                                                 meta.context_lens, meta.prefill, self.scale, meta.block_size)
-            if meta.token_rows is not None:
+            if meta.prefill is None or meta.token_rows is not None:
                 out = kernels.paged_attention(q, kv_cache[0], kv_cache[1], meta.block_tables, meta.context_lens,
                                               meta.q_len, meta.block_size, self.scale, token_rows=meta.token_rows,
                                               out=out)

@@ -249,7 +249,7 @@ def attention() -> None:
                          scale="fp32", eps="fp32")
             compiled = compile_for_hopper(
                 kernels._paged_attention_kernel, types,
-                dict(GROUP=group, GROUP_PAD=16, NUM_KV_HEADS=8, HEAD_DIM=128, HEAD_PAD=128, HALF_PAD=64,
+                dict(GROUP=group, GROUP_PAD=16, NUM_KV_HEADS=8, HEAD_DIM=128, HEAD_PAD=128,
                      BLOCK_SIZE=16, BLOCK_N=32, SPLITS=4, IEEE=False, PER_TOKEN=per_token, FRESH=fresh), arch)
             sass = compiled.asm["sass"]
             spills = sum(sass.count(op) for op in ("LDL", "STL"))
