@@ -217,8 +217,9 @@ def qk_norm_rope_store(qkv, q_weight, k_weight, cos, sin, slot_mapping, k_cache,
 def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, ctx_ptr, rows_ptr, out_ptr, part_ptr,
                             lse_ptr, qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, slot_ptr, scale, eps, table_stride,
                             q_len, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-                            HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-                            IEEE: tl.constexpr, PER_TOKEN: tl.constexpr, FRESH: tl.constexpr):
+                            HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                            BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr, PER_TOKEN: tl.constexpr,
+                            FRESH: tl.constexpr):
     t = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -356,12 +357,14 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, q_len: int,
     part = torch.empty(t, num_heads, splits, head_dim, dtype=torch.float32, device=device) if splits > 1 else out
     lse = torch.empty(t, num_heads, splits, dtype=torch.float32, device=device) if splits > 1 else out
     rows = context_lens if token_rows is None else token_rows
-    qkv, q_weight, k_weight, cos, sin, slots, eps = fresh or (out, out, out, out, out, context_lens, 0.0)
+    makes_q = fresh is not None
+    if not makes_q:  # the kernel's pointers for making q go unread: any tensor
+        fresh = FreshQKV(q, q, q, q, q, context_lens, 0.0)
     _paged_attention_kernel[(t, num_kv_heads, splits)](
-        out if fresh is not None else q, k_cache, v_cache, block_tables, context_lens, rows, out, part, lse, qkv, q_weight,
-        k_weight, cos, sin, slots, scale, eps, block_tables.stride(0), max(q_len, 1), GROUP=num_heads // num_kv_heads,
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=32, SPLITS=splits,
-        IEEE=dtype == torch.float32, PER_TOKEN=token_rows is not None, FRESH=fresh is not None, num_warps=4, **pads)
+        out if makes_q else q, k_cache, v_cache, block_tables, context_lens, rows, out, part, lse, *fresh[:-1], scale,
+        fresh.eps, block_tables.stride(0), max(q_len, 1), GROUP=num_heads // num_kv_heads, NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=32, SPLITS=splits, IEEE=dtype == torch.float32,
+        PER_TOKEN=token_rows is not None, FRESH=makes_q, num_warps=4, **pads)
     if splits > 1:
         _combine_splits_kernel[(t * num_heads,)](part, lse, out, rows, SPLITS=splits,
                                                   SPLITS_PAD=triton.next_power_of_2(splits), NUM_HEADS=num_heads,
