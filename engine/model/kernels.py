@@ -182,13 +182,13 @@ def _qk_norm_rope_store_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, slot_p
     d = tl.arange(0, HEAD_PAD)
     qx, qxp, qw, qwp, qc, qs = _query_inputs(qkv_ptr, t, kvh, qw_ptr, cos_ptr, sin_ptr, GROUP, GROUP_PAD,
                                              NUM_KV_HEADS, HEAD_DIM, HEAD_PAD)
-    one = g < 1  # the key: a tile of the queries' shape, one row live
-    kx, kxp, kw, kwp, kc, ks, v, dst = _kv_inputs(qkv_ptr, t + 0 * g, one, slot_ptr, kw_ptr, cos_ptr, sin_ptr, kvh,
+    one = tl.arange(0, 1)  # the key: a tile of one row
+    kx, kxp, kw, kwp, kc, ks, v, dst = _kv_inputs(qkv_ptr, t + one, one < 1, slot_ptr, kw_ptr, cos_ptr, sin_ptr, kvh,
                                                   GROUP * NUM_KV_HEADS, NUM_KV_HEADS, HEAD_DIM, HEAD_PAD)
     q = _norm_rope(qx, qxp, qw, qwp, qc, qs, eps, HEAD_DIM, HEAD_PAD)
     tl.store(q_ptr + (t.to(tl.int64) * NUM_KV_HEADS * GROUP + kvh * GROUP + g[:, None]) * HEAD_DIM + d[None, :], q,
              mask=(g < GROUP)[:, None] & (d < HEAD_DIM)[None, :])
-    _store_kv(kx, kxp, kw, kwp, kc, ks, v, dst, one, k_cache_ptr, v_cache_ptr, eps, HEAD_DIM, HEAD_PAD)
+    _store_kv(kx, kxp, kw, kwp, kc, ks, v, dst, one < 1, k_cache_ptr, v_cache_ptr, eps, HEAD_DIM, HEAD_PAD)
 
 
 def _pads(num_heads: int, num_kv_heads: int, head_dim: int) -> dict[str, int]:
@@ -205,9 +205,11 @@ def qk_norm_rope_store(qkv, q_weight, k_weight, cos, sin, slot_mapping, k_cache,
     verify step does this inside its attention kernel instead (`paged_attention`'s `fresh`)."""
     t = qkv.shape[0]
     q = torch.empty(t, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    group = num_heads // num_kv_heads
     _qk_norm_rope_store_kernel[(t, num_kv_heads)](
-        qkv, q_weight, k_weight, cos, sin, slot_mapping, q, k_cache, v_cache, eps, GROUP=num_heads // num_kv_heads,
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, **_pads(num_heads, num_kv_heads, head_dim))
+        qkv, q_weight, k_weight, cos, sin, slot_mapping, q, k_cache, v_cache, eps, GROUP=group,
+        GROUP_PAD=triton.next_power_of_2(group), NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        HEAD_PAD=_pads(num_heads, num_kv_heads, head_dim)["HEAD_PAD"])  # no dot here: no 16-row tile
     return q
 
 
@@ -219,7 +221,7 @@ def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, ctx_ptr
                             q_len, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                             HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                             BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr, PER_TOKEN: tl.constexpr,
-                            FRESH: tl.constexpr):
+                            FRESH: tl.constexpr, FRESH_ROWS: tl.constexpr):
     t = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -242,16 +244,17 @@ def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, ctx_ptr
     row = tl.maximum(token, 0).to(tl.int64) * NUM_KV_HEADS * GROUP * HEAD_DIM
     q_mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
     if FRESH:  # uniform steps: q and the new keys straight from the qkv projection (`fresh`)
-        # The new keys among those this program reads, into the cache before it reads them: the
-        # programs of a sequence's last token read them all between their splits, and others
-        # that read one store the same values again. Every load first, then the arithmetic.
-        new = tl.maximum(lo, first) + g
+        qx, qxp, qw, qwp, qc, qs = _query_inputs(qkv_ptr, t, kvh, qw_ptr, cos_ptr, sin_ptr, GROUP, GROUP_PAD,
+                                                 NUM_KV_HEADS, HEAD_DIM, HEAD_PAD)  # in flight meanwhile
+        # The new keys among those this program reads (none in most programs), into the cache
+        # before it reads them: the programs of a sequence's last token read them all between
+        # their splits, and others that read one store the same values again.
+        rows = tl.arange(0, FRESH_ROWS)
+        new = tl.maximum(lo, first) + rows
         live = new < hi
         kx, kxp, kw, kwp, kc, ks, new_v, dst = _kv_inputs(qkv_ptr, b * q_len + new - first, live, slot_ptr, kw_ptr,
                                                           cos_ptr, sin_ptr, kvh, GROUP * NUM_KV_HEADS, NUM_KV_HEADS,
                                                           HEAD_DIM, HEAD_PAD)
-        qx, qxp, qw, qwp, qc, qs = _query_inputs(qkv_ptr, t, kvh, qw_ptr, cos_ptr, sin_ptr, GROUP, GROUP_PAD,
-                                                 NUM_KV_HEADS, HEAD_DIM, HEAD_PAD)
         _store_kv(kx, kxp, kw, kwp, kc, ks, new_v, dst, live, k_cache_ptr, v_cache_ptr, eps, HEAD_DIM, HEAD_PAD)
         tl.debug_barrier()  # the stores seen by all the program's threads
         q = _norm_rope(qx, qxp, qw, qwp, qc, qs, eps, HEAD_DIM, HEAD_PAD)
@@ -352,7 +355,6 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, q_len: int,
     if t == 0:
         return out
     pads = _pads(num_heads, num_kv_heads, head_dim)
-    assert fresh is None or q_len <= pads["GROUP_PAD"], "a program stores a sequence's new keys as one tile"
     splits = num_splits or _num_splits(t * num_kv_heads, device)
     part = torch.empty(t, num_heads, splits, head_dim, dtype=torch.float32, device=device) if splits > 1 else out
     lse = torch.empty(t, num_heads, splits, dtype=torch.float32, device=device) if splits > 1 else out
@@ -360,11 +362,15 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, q_len: int,
     makes_q = fresh is not None
     if not makes_q:  # the kernel's pointers for making q go unread: any tensor
         fresh = FreshQKV(q, q, q, q, q, context_lens, 0.0)
+    # A program stores at most q_len new keys, in one tile: one row at q_len 1 (a decode; Triton
+    # compiles q_len == 1 apart anyway), else a tile of the queries' rows.
+    assert q_len <= pads["GROUP_PAD"], "uniform steps are at most MAX_UNIFORM_Q tokens a sequence"
+    fresh_rows = 1 if q_len == 1 else pads["GROUP_PAD"]
     _paged_attention_kernel[(t, num_kv_heads, splits)](
         out if makes_q else q, k_cache, v_cache, block_tables, context_lens, rows, out, part, lse, *fresh[:-1], scale,
         fresh.eps, block_tables.stride(0), max(q_len, 1), GROUP=num_heads // num_kv_heads, NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=32, SPLITS=splits, IEEE=dtype == torch.float32,
-        PER_TOKEN=token_rows is not None, FRESH=makes_q, num_warps=4, **pads)
+        PER_TOKEN=token_rows is not None, FRESH=makes_q, FRESH_ROWS=fresh_rows, num_warps=4, **pads)
     if splits > 1:
         _combine_splits_kernel[(t * num_heads,)](part, lse, out, rows, SPLITS=splits,
                                                   SPLITS_PAD=triton.next_power_of_2(splits), NUM_HEADS=num_heads,

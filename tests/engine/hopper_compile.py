@@ -242,7 +242,8 @@ def attention() -> None:
     projection (`fresh`) or given, one token a program or listed: one line each, `attention
     sm_<arch> <fresh> <per token> <GROUP> <local memory loads and stores (spills)> <barriers>`."""
     for arch in (90, 87):
-        for fresh, per_token, group in ((True, False, 2), (True, False, 4), (False, False, 2), (False, True, 4)):
+        for fresh, per_token, group, rows in ((True, False, 2, 1), (True, False, 4, 16), (False, False, 2, 1),
+                                              (False, True, 4, 1)):
             types = dict(q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", tables_ptr="*i32", ctx_ptr="*i32",
                          rows_ptr="*i32", out_ptr="*bf16", part_ptr="*fp32", lse_ptr="*fp32", qkv_ptr="*bf16",
                          qw_ptr="*bf16", kw_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16", slot_ptr="*i32",
@@ -250,7 +251,8 @@ def attention() -> None:
             compiled = compile_for_hopper(
                 kernels._paged_attention_kernel, types,
                 dict(GROUP=group, GROUP_PAD=16, NUM_KV_HEADS=8, HEAD_DIM=128, HEAD_PAD=128,
-                     BLOCK_SIZE=16, BLOCK_N=32, SPLITS=4, IEEE=False, PER_TOKEN=per_token, FRESH=fresh), arch)
+                     BLOCK_SIZE=16, BLOCK_N=32, SPLITS=4, IEEE=False, PER_TOKEN=per_token, FRESH=fresh,
+                     FRESH_ROWS=rows), arch)
             sass = compiled.asm["sass"]
             spills = sum(sass.count(op) for op in ("LDL", "STL"))
             print(f"attention sm_{arch} {fresh} {per_token} {group} {spills} {sass.count('BAR.SYNC')}")
