@@ -238,16 +238,21 @@ def prefetched() -> None:
 
 
 def attention() -> None:
-    """The paged decode kernel for sm_90 and sm_87, its queries and new keys made from the qkv
-    projection (`fresh`) or given, one token a program or listed: one line each, `attention
-    sm_<arch> <fresh> <per token> <GROUP> <local memory loads and stores (spills)> <barriers>`."""
+    """The paged decode kernel for sm_90 and sm_87 in each form a step launches: q given (`given`),
+    listed tokens (`listed`), q and the new keys made from the qkv projection at a decode
+    (`decode`, one new key a program at most) and at a verify (`verify`). One line each,
+    `attention sm_<arch> <form> <GROUP> <local memory loads and stores (spills)> <barriers>
+    <instructions> <instructions in the key loop>`."""
+    from tools.sass_count import _INSTR, inner_loop
+
+    types = dict(q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", tables_ptr="*i32", ctx_ptr="*i32",
+                 rows_ptr="*i32", out_ptr="*bf16", part_ptr="*fp32", lse_ptr="*fp32", qkv_ptr="*bf16",
+                 qw_ptr="*bf16", kw_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16", slot_ptr="*i32",
+                 scale="fp32", eps="fp32")
+    forms = {"given": (False, False, 1), "listed": (False, True, 1), "decode": (True, False, 1),
+             "verify": (True, False, 16)}
     for arch in (90, 87):
-        for fresh, per_token, group, rows in ((True, False, 2, 1), (True, False, 4, 16), (False, False, 2, 1),
-                                              (False, True, 4, 1)):
-            types = dict(q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", tables_ptr="*i32", ctx_ptr="*i32",
-                         rows_ptr="*i32", out_ptr="*bf16", part_ptr="*fp32", lse_ptr="*fp32", qkv_ptr="*bf16",
-                         qw_ptr="*bf16", kw_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16", slot_ptr="*i32",
-                         scale="fp32", eps="fp32")
+        for (form, (fresh, per_token, rows)), group in [(f, g) for f in forms.items() for g in (2, 4)]:
             compiled = compile_for_hopper(
                 kernels._paged_attention_kernel, types,
                 dict(GROUP=group, GROUP_PAD=16, NUM_KV_HEADS=8, HEAD_DIM=128, HEAD_PAD=128,
@@ -255,7 +260,9 @@ def attention() -> None:
                      FRESH_ROWS=rows), arch)
             sass = compiled.asm["sass"]
             spills = sum(sass.count(op) for op in ("LDL", "STL"))
-            print(f"attention sm_{arch} {fresh} {per_token} {group} {spills} {sass.count('BAR.SYNC')}")
+            size = sum(1 for line in sass.splitlines() if _INSTR.match(line))
+            print(f"attention sm_{arch} {form} {group} {spills} {sass.count('BAR.SYNC')} {size} "
+                  f"{len(inner_loop(sass))}")
     print("compiled")
 
 
