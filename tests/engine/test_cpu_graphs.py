@@ -8,7 +8,7 @@ CPU engines eagerly (tests/conftest.py sets TORCH_COMPILE_DISABLE)."""
 
 import logging
 import os
-import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -241,13 +241,12 @@ def test_cpu_default_and_switches(tiny, monkeypatch):
 def test_the_default_drafting_config_decodes_at_plain_speed(compile_env, tmp_path, monkeypatch):
     """The default drafting config (adaptive, 3 drafts) against no drafting, both compiled, on the
     CPU: an eager drafting step cannot pay beside the compiled plain step, so the policy keeps
-    drafting off (no draft; every decode step is the compiled program, as without drafting) and
-    the engine decodes at >= 0.95x plain's tokens a second. Timed in interleaved rounds (each on
-    fresh prompts, the same for both engines), the median of the rounds' ratios; on one thread, by
-    its CPU time, so that a neighbour taking a core away does not weigh on one engine's rounds more
-    than on the other's (with two threads, each round waits for the slower). A program cache of its
-    own: what it times are the programs its two engines compile and load, never entries the
-    module's other engines wrote, pruned or are still writing."""
+    drafting off and the engine does plain's work, which is what decoding at plain speed takes:
+    no draft; every decode step the compiled program plain replays, on the same rows; and host
+    work within 5% of plain's, counted as the Python and C calls each engine makes on the same
+    prompts. Counted, not timed: a count holds on a loaded CI box, where a 5% timing margin did
+    not (the benchmarks time it). A program cache of its own: what it counts are the programs its
+    two engines compile and load, never entries the module's other engines wrote."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     path = build_drafting_model(tmp_path / "drafting", mtp_layers=1)
     common = dict(max_num_seqs=4, cudagraph_capture_sizes=[1, 4], enable_prefix_caching=False)
@@ -261,23 +260,25 @@ def test_the_default_drafting_config_decodes_at_plain_speed(compile_env, tmp_pat
         graphs.replay = lambda key, n, run=run, seen=replays[name]: seen.append(key) or run(key, n)
     params = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
     gen = torch.Generator().manual_seed(0)
-    seconds = {name: [] for name in engines}
-    rounds = 20  # of about 0.1 s each, each engine's on the same prompts: the pairs' ratios
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        for round_ in range(rounds):
-            prompts = [{"prompt_token_ids": torch.randint(1, 64, (6 + i,), generator=gen).tolist()} for i in range(4)]
-            outputs = {}
-            for name in sorted(engines, reverse=round_ % 2 == 1):  # either goes first in turn
-                start = time.thread_time()
-                outputs[name] = [o.outputs[0].token_ids
-                                 for o in engines[name].generate(prompts, params, use_tqdm=False)]
-                seconds[name].append(time.thread_time() - start)
-            assert outputs["default"] == outputs["plain"]
-    finally:
-        torch.set_num_threads(threads)
+    calls = dict.fromkeys(engines, 0)
+    rounds = 4
+    for _ in range(rounds):
+        prompts = [{"prompt_token_ids": torch.randint(1, 64, (6 + i,), generator=gen).tolist()} for i in range(4)]
+        outputs = {}
+        for name, llm in engines.items():
+            count = [0]
+
+            def profile(frame, event, arg, count=count):
+                count[0] += event in ("call", "c_call")
+
+            sys.setprofile(profile)
+            try:
+                outputs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            finally:
+                sys.setprofile(None)
+            calls[name] += count[0]
+        assert outputs["default"] == outputs["plain"]
     assert engines["default"].engine.stats().num_drafts == 0
     assert replays["default"] == replays["plain"] and len(replays["plain"]) == rounds * (params.max_tokens - 1)
-    ratio = statistics.median(p / d for p, d in zip(seconds["plain"], seconds["default"]))
-    assert ratio >= 0.95, seconds
+    print(calls)
+    assert calls["default"] <= 1.05 * calls["plain"], calls
