@@ -143,7 +143,7 @@ def _engine(args, model_dir, device, budget, target):
         model=model_dir, device=str(device), max_model_len=length, max_num_seqs=args.streams + 1,
         enable_chunked_prefill=chunked, max_step_latency_ms=target or 0,
         max_num_batched_tokens=(args.target_budget if target else budget) if chunked else length,
-        num_kv_blocks=(args.streams + 1) * -(-length // 16) + 1, cudagraph_capture_sizes=[args.streams],
+        num_kv_blocks=(args.streams + 1) * -(-length // 16) + 1, cudagraph_capture_sizes=[max(1, args.streams)],
         cudagraph_mode=args.cudagraph_mode).resolve())
 
 

@@ -480,9 +480,11 @@ class EngineArgs:
             raise ValueError("model must name a checkpoint directory")
         for name in ("max_num_seqs", "block_size", "max_waiting"):
             _positive(name, getattr(self, name))
-        for name in ("max_model_len", "max_num_batched_tokens", "num_kv_blocks"):
+        for name in ("max_model_len", "max_num_batched_tokens", "num_kv_blocks", "max_cudagraph_capture_size"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
+        for size in self.cudagraph_capture_sizes or ():  # a 0 would leave no bucket to pad a step to
+            _positive("each of cudagraph_capture_sizes", size)
         if self.cudagraph_mode not in CUDAGRAPH_MODES:
             raise ValueError(f"cudagraph_mode must be one of {CUDAGRAPH_MODES}, got {self.cudagraph_mode!r}")
         if self.backend not in ("torch", "tensorrt-llm"):

@@ -125,6 +125,11 @@ def main() -> None:
                     times = "  ".join(f"{key[:-3]} {value:6.1f}" for key, value in row.items() if key.endswith("_us"))
                     print(f"{shape:10} {name:7} {fmt} rows {m:2}: {times}  {row.get('gemlite_error', '')}", flush=True)
                     save(rows_out)
+    try:  # the configs its autotuning chose, for a backend that ships them instead of tuning at start
+        from gemlite.core import GemLiteLinearTriton
+        GemLiteLinearTriton.cache_config(os.path.join(OUT, "gemlite-configs.json"))
+    except Exception as err:
+        print(f"gemlite configs not saved: {type(err).__name__}: {err}")
 
 
 def save(rows: list[dict]) -> None:

@@ -109,6 +109,10 @@ def test_bad_prompts_and_engine_args_are_clear_errors(tiny):
         LLM(str(path), gpu_memory_utilization=1.5)
     with pytest.raises(ValueError, match="dtype"):
         LLM(str(path), dtype="float8")
+    with pytest.raises(ValueError, match="cudagraph_capture_sizes must be an integer >= 1, got 0"):
+        LLM(str(path), cudagraph_capture_sizes=[4, 0])
+    with pytest.raises(ValueError, match="max_cudagraph_capture_size"):
+        LLM(str(path), max_cudagraph_capture_size=-1)
     with pytest.raises(ValueError, match="without chunked prefill"):
         LLM(str(path), enable_chunked_prefill=False, max_num_batched_tokens=8)
 
