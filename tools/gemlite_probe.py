@@ -80,9 +80,9 @@ def main() -> None:
     table = for_device(DEV)
     rows_out = []
     for shape in SHAPES:
-        for name, (prologue, n, k) in shape_projections(shape).items():
-            if name == "lm_head":
-                continue
+        products = [(name, spec) for name, spec in shape_projections(shape).items() if name != "lm_head"]
+        # the largest first: a probe cut short by its time limit keeps the products that weigh most in a step
+        for name, (prologue, n, k) in sorted(products, key=lambda p: -p[1][1] * p[1][2]):
             for fmt in FORMATS:
                 for m in ROWS:
                     x, w, residual, norm = operands(prologue, n, k, fmt, DEV, m)
