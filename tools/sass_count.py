@@ -270,7 +270,7 @@ def main() -> None:
             f.write(json.dumps(doc, indent=1) + "\n")
         print(json.dumps(doc))
         return
-    cases = [  # (label, tile, bits (16: bf16), group, zeros, K)
+    cases = [  # (label, tile, bits (16: bf16), group, zeros, K[, input rows: 1])
         ("bf16, FMA tile (4,1024,4)", Tile(4, 1024, 4), 16, 0, False, 2560),
         ("bf16, FMA tile (4,1024,4), 3 stages, K 9728", Tile(4, 1024, 4, stages=3), 16, 0, False, 9728),
         ("bf16, dot (64,128,4), 16 rows", Tile(64, 128, 4, dot=True), 16, 0, False, 2560),
@@ -282,20 +282,22 @@ def main() -> None:
         ("int4 g128 asym, dot (64,16,4)", Tile(64, 16, 4, dot=True), 4, 128, True, 2560),
         ("int4 g128 asym, dot (64,16,4), 4 stages", Tile(64, 16, 4, dot=True, stages=4), 4, 128, True, 2560),
         ("int4 g128 asym, dot (128,16,4), 4 stages", Tile(128, 16, 4, dot=True, stages=4), 4, 128, True, 2560),
+        ("int4 g128 asym, dot (64,16,4), 8 rows", Tile(64, 16, 4, dot=True), 4, 128, True, 2560, 8),
         ("int8 per-row sym, FMA tile (8,128,4)", Tile(8, 128, 4), 8, 2560, False, 2560),
         ("int8 per-row sym, one-row (32,64,4)", Tile(32, 64, 4, one_row=True), 8, 2560, False, 2560),
         ("int8 per-row sym, one-row (32,64,4), 3 stages", Tile(32, 64, 4, one_row=True, stages=3), 8, 2560, False,
          2560),
         ("int8 per-row sym, dot (64,16,4)", Tile(64, 16, 4, dot=True), 8, 2560, False, 2560),
         ("int8 per-row sym, dot (64,16,4), 4 stages", Tile(64, 16, 4, dot=True, stages=4), 8, 2560, False, 2560),
+        ("int8 per-row sym, dot (64,16,4), 8 rows", Tile(64, 16, 4, dot=True), 8, 2560, False, 2560, 8),
     ]
     print("kernel | instructions a weight | registers | shared KB | cp.async | programs an SM | weight KB in flight an SM")
     for arch in args.arch:
-        for label, tile, bits, group, zeros, k in cases:
+        for label, tile, bits, group, zeros, k, *rows in cases:
             if bits == 16:
                 c = bf16_loop(tile, k, rows=16 if tile.dot else 1, arch=arch)
             else:
-                c = quant_loop(tile, bits, group, zeros, k, arch=arch)
+                c = quant_loop(tile, bits, group, zeros, k, rows=rows[0] if rows else 1, arch=arch)
             programs = programs_an_sm(c, tile.warps, arch)
             step = tile.block_n * tile.block_k * (2 if bits == 16 else 4)  # bytes of weights a step
             # steps requested ahead: the pipeline's, else the register prefetch's (the one-row kernel's two

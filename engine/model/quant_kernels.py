@@ -334,18 +334,52 @@ def _quant_gemv_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_ptr
 
 
 @triton.jit
-def _nibbles(words, MAGIC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
-    """The eight nibbles of each word [BLOCK_N, BLOCK_W] as 16-bit floats MAGIC_VALUE + q, exact:
-    each pair (nibble t, t + 4) masked where it lies in the two half words of one 32-bit value and
-    OR-ed into the bits of the float MAGIC_VALUE (128.0 for bf16, 1024.0 for fp16) in both halves,
-    one logic instruction for two weights, no conversion instruction. [BLOCK_N, 8 BLOCK_W]: slot
-    8 j + 4 a + 2 b + h holds nibble a + 2 b + 4 h of word j (`_slots`)."""
+def _nibbles(words, bias, MAGIC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+    """The eight nibbles of each word [BLOCK_N, BLOCK_W] as 16-bit floats MAGIC_VALUE + 16 + q - z,
+    exact (`_nibble_bias`): each pair (nibble t, t + 4) masked where it lies in the two half words
+    of one 32-bit value and added to `bias`, which holds the bits of the float MAGIC_VALUE (128.0
+    for bf16, 1024.0 for fp16) plus 16 - z in both halves: two integer instructions for two
+    weights, no conversion instruction (the sum, 1 to 31, stays below MAGIC's lowest bit).
+    [BLOCK_N, 8 BLOCK_W]: slot 8 j + 4 a + 2 b + h holds nibble a + 2 b + 4 h of word j
+    (`_slots`)."""
     pairs = tl.join(words, words >> 4)
     pairs = tl.join(pairs, pairs >> 8)  # [BLOCK_N, BLOCK_W, a, b]: the word shifted by 4 a + 8 b
-    p = (pairs & 0x000F000F) | MAGIC
+    p = (pairs & 0x000F000F) + bias
     lo = p.to(tl.int16).to(tl.float16 if MAGIC == 0x64006400 else tl.bfloat16, bitcast=True)
     hi = (p >> 16).to(tl.int16).to(tl.float16 if MAGIC == 0x64006400 else tl.bfloat16, bitcast=True)
     return tl.reshape(tl.join(lo, hi), [BLOCK_N, 8 * BLOCK_W])
+
+
+@triton.jit
+def _nibble_bias(zero, MAGIC: tl.constexpr, BITS: tl.constexpr):
+    """`_nibbles`' bias for rows whose zero points are `zero` (int32 [BLOCK_N]), [BLOCK_N, 1, a, 1]:
+    MAGIC plus 16 - the zero point's nibble that nibble a of a word pairs with, in both half
+    words (INT8: z = 16 z_hi + z_lo, the low nibble (a = 0) takes z_lo, the high one z_hi; INT4:
+    z, whichever nibble). The zero point thus comes off each weight in the integers, where the
+    bits are made, and the dot needs no sum of its inputs: such a sum is a reduction across the
+    threads every step, a chain of shuffles between the loads and the dot."""
+    if BITS == 8:
+        z_hi = zero // 16
+        both = tl.join(zero - 16 * z_hi, z_hi)  # [BLOCK_N, a]
+    else:
+        both = tl.join(zero, zero)
+    return (MAGIC + (16 - both) * 0x00010001)[:, None, :, None]
+
+
+@triton.jit
+def _slot_offsets(unit, dtype: tl.constexpr, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr):
+    """What comes off each slot of `_nibbles` after it is a float, [1, slots] in `dtype`: the
+    magic value, and 16 (stored zero points, `_nibble_bias`) or the symmetric formats' zero
+    point's nibble for the slot (INT8: 128 = 16 * 8 + 0; INT4: 8), an immediate the same for
+    every row, where its bias is MAGIC alone (an OR)."""
+    magic_value: tl.constexpr = 1024.0 if dtype == tl.float16 else 128.0
+    if HAS_ZEROS:
+        offsets = tl.zeros(unit.shape, tl.float32) + (magic_value + 16.0)
+    elif BITS == 8:
+        offsets = tl.where(unit, magic_value, magic_value + 8.0)
+    else:
+        offsets = tl.zeros(unit.shape, tl.float32) + (magic_value + 8.0)
+    return offsets.to(dtype)[None, :]
 
 
 @triton.jit
@@ -362,46 +396,48 @@ def _slots(w0, BITS: tl.constexpr, BLOCK_W: tl.constexpr):
 
 
 @triton.jit
-def _dot16(w, a, INTERPRETED: tl.constexpr):
-    """w @ a for 16-bit floats, fp32 sums. Triton's interpreter multiplies 16-bit floats' bit
-    patterns in tl.dot, so it takes them in fp32 there: the same products (exact either way)."""
+def _dot16(w, offsets, a, INTERPRETED: tl.constexpr):
+    """(w - offsets) @ a for 16-bit floats, fp32 sums. Triton's interpreter does 16-bit floats'
+    arithmetic on their bit patterns, so it takes them in fp32 there: the same values (the
+    difference and the products are exact either way)."""
     if INTERPRETED:
-        return tl.dot(w.to(tl.float32), a.to(tl.float32), input_precision="ieee")
-    return tl.dot(w, a)
+        return tl.dot(w.to(tl.float32) - offsets.to(tl.float32), a.to(tl.float32), input_precision="ieee")
+    return tl.dot(w - offsets, a)
 
 
 @triton.jit
-def _dot_step(acc, a_total, words, w0, x_ptr, res_ptr, res_out_ptr, norm_w_ptr, s_ptr, z_ptr, rows, row_mask, n_in,
-              inv, store_sum, K: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr, SILU: tl.constexpr,
+def _dot_step(acc, bias, words, w0, x_ptr, res_ptr, res_out_ptr, norm_w_ptr, s_ptr, z_ptr, rows, row_mask, n_in, inv,
+              store_sum, K: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr, SILU: tl.constexpr,
               BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, DOT_M: tl.constexpr, INTERPRETED: tl.constexpr):
     """One step of `_quant_dot_kernel`: `words` [BLOCK_N, BLOCK_W] from word w0 of rows n_in times
-    the input rows' matching columns, added to acc [BLOCK_N, DOT_M] (scaled, its group's offset
-    off) or, with one group a row, to acc and the inputs' sums a_total, whose offset and scale
-    come once at the end."""
+    the input rows' matching columns, added to acc [BLOCK_N, DOT_M], scaled by its group's scales
+    where a row has several groups (with one, the kernel scales once at the end). The zero points
+    come off the weights as their bits are made (`_nibble_bias`: `bias`, the rows' own where they
+    have one group, else this step's group's)."""
     FIELDS: tl.constexpr = 32 // BITS
     GROUPS: tl.constexpr = K // GROUP
     dtype = x_ptr.dtype.element_ty
     HALF: tl.constexpr = dtype == tl.float16
     MAGIC: tl.constexpr = 0x64006400 if HALF else 0x43004300
-    OFFSET: tl.constexpr = (1024.0 if HALF else 128.0) * (17 if BITS == 8 else 1)  # sum over an integer's nibbles
     cols, unit = _slots(w0, BITS, BLOCK_W)
     a = input_chunk(x_ptr, res_ptr, res_out_ptr, rows, cols, row_mask[:, None] & (cols < K)[None, :], K, store_sum,
                     ADD, SILU, dtype)
     if NORM:
         a = normalized(a, inv, norm_w_ptr, cols, cols < K, dtype)
-    a_sum = tl.sum(tl.where(unit[None, :], a.to(tl.float32), 0.0), axis=1)  # each column once
     if BITS == 8:  # a high nibble's input: its column's times 16 (exact)
         a = tl.where(unit[None, :], a, (a.to(tl.float32) * 16.0).to(dtype))
     if BLOCK_M < DOT_M:
         a = tl.reshape(tl.broadcast_to(a[None, :, :], [DOT_M // BLOCK_M, BLOCK_M, 8 * BLOCK_W]), [DOT_M, 8 * BLOCK_W])
-        a_sum = tl.reshape(tl.broadcast_to(a_sum[None, :], [DOT_M // BLOCK_M, BLOCK_M]), [DOT_M])
-    part = _dot16(_nibbles(words, MAGIC, BLOCK_N, BLOCK_W), tl.trans(a), INTERPRETED)
-    if GROUPS == 1:
-        return acc + part, a_total + a_sum
-    at = n_in * GROUPS + w0 // (GROUP // FIELDS)
-    zero = tl.load(z_ptr + at).to(tl.float32) if HAS_ZEROS else tl.zeros([BLOCK_N], tl.float32) + (1 << (BITS - 1))
-    return acc + (part - (OFFSET + zero)[:, None] * a_sum[None, :]) * tl.load(s_ptr + at)[:, None], a_total
+    scale = tl.full([BLOCK_N], 1.0, tl.float32)  # with one group a row, applied once at the end
+    if GROUPS > 1:
+        at = n_in * GROUPS + w0 // (GROUP // FIELDS)
+        if HAS_ZEROS:
+            bias = _nibble_bias(tl.load(z_ptr + at).to(tl.int32), MAGIC, BITS)
+        scale = tl.load(s_ptr + at)
+    part = _dot16(_nibbles(words, bias, MAGIC, BLOCK_N, BLOCK_W), _slot_offsets(unit, dtype, BITS, HAS_ZEROS),
+                  tl.trans(a), INTERPRETED)
+    return acc + part if GROUPS == 1 else acc + part * scale[:, None]
 
 
 # M not specialized on its divisibility by 16, which varies step to step (a compile each class, first
@@ -434,7 +470,6 @@ def _quant_dot_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,
     KW: tl.constexpr = K // FIELDS
     GROUPS: tl.constexpr = K // GROUP
     dtype = x_ptr.dtype.element_ty
-    OFFSET: tl.constexpr = (1024.0 if dtype == tl.float16 else 128.0) * (17 if BITS == 8 else 1)  # as _dot_step's
     w_lo = tl.program_id(1) * KW_SPLIT
     w_hi = tl.minimum(w_lo + KW_SPLIT, KW)
     rows = tl.arange(0, BLOCK_M)
@@ -454,25 +489,25 @@ def _quant_dot_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,
     if NORM:  # first pass: each row's mean square
         inv = row_inv_rms(x_ptr, res_ptr, res_out_ptr, rows, row_mask, K, eps, ADD, SILU, dtype, BLOCK_M,
                           NORM_BLOCK)
-    if GROUPS == 1:
-        zero = tl.load(z_ptr + n_in).to(tl.float32) if HAS_ZEROS else tl.zeros([BLOCK_N], tl.float32) + (
-            1 << (BITS - 1))
+    MAGIC: tl.constexpr = 0x64006400 if dtype == tl.float16 else 0x43004300  # as _nibbles'
+    bias = MAGIC  # stored zero points: the rows' bias, once where a row has one group (else a step's, _dot_step)
+    if HAS_ZEROS and GROUPS == 1:
+        bias = _nibble_bias(tl.load(z_ptr + n_in).to(tl.int32), MAGIC, BITS)
     acc = tl.zeros([BLOCK_N, DOT_M], tl.float32)
-    a_total = tl.zeros([DOT_M], tl.float32)
     if STAGES > 0:  # Triton's pipeline requests the words STAGES - 1 steps ahead, into shared memory
         for w0 in tl.range(w_lo, w_hi, BLOCK_W, num_stages=STAGES):
-            acc, a_total = _dot_step(acc, a_total, tl.load(tile_words + w0), w0, x_ptr, res_ptr, res_out_ptr,
+            acc = _dot_step(acc, bias, tl.load(tile_words + w0), w0, x_ptr, res_ptr, res_out_ptr,
                                      norm_w_ptr, s_ptr, z_ptr, rows, row_mask, n_in, inv, pid == 0, K, NORM, ADD,
                                      SILU, BITS, GROUP, HAS_ZEROS, BLOCK_M, BLOCK_N, BLOCK_W, DOT_M, INTERPRETED)
     else:
         for w0 in range(w_lo, w_hi, BLOCK_W):
             cur = words
             words = tl.load(tile_words + tl.minimum(w0 + BLOCK_W, w_hi - BLOCK_W))  # the next step's, in flight
-            acc, a_total = _dot_step(acc, a_total, cur, w0, x_ptr, res_ptr, res_out_ptr, norm_w_ptr, s_ptr, z_ptr,
+            acc = _dot_step(acc, bias, cur, w0, x_ptr, res_ptr, res_out_ptr, norm_w_ptr, s_ptr, z_ptr,
                                      rows, row_mask, n_in, inv, pid == 0, K, NORM, ADD, SILU, BITS, GROUP, HAS_ZEROS,
                                      BLOCK_M, BLOCK_N, BLOCK_W, DOT_M, INTERPRETED)
     if GROUPS == 1:
-        acc = (acc - (OFFSET + zero)[:, None] * a_total[None, :]) * tl.load(s_ptr + n_in)[:, None]
+        acc = acc * tl.load(s_ptr + n_in)[:, None]
     out_rows = tl.arange(0, DOT_M)
     mask = n_mask[:, None] & (out_rows < M)[None, :]
     if KW_SPLIT >= KW:
