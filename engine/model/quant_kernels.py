@@ -454,13 +454,12 @@ def _quant_dot_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,
     the dot's DOT_M >= 16 rows (free: the weights' bytes bound the product, each read once for
     all rows; the copies' results are not stored).
 
-    The weights become the dot's 16-bit operand with about one instruction a weight (`_nibbles`:
-    INT4 a nibble a weight; INT8 two nibbles, the high one's input times 16, exact), and the dot
-    sums inputs times MAGIC_VALUE + q with fp32 accumulation; the offset and the zero point come
-    off once a group and row: sum_k a_k (q_k - z) = sum_k a_k (MAGIC + q_k) - (MAGIC + z) sum_k
-    a_k (the offset large beside q, so the fp32 sum keeps some 16 bits of the products' where
-    the bf16 output keeps 8). Scales once a group and row after each step (a step is at most a
-    group: BLOCK_W divides the group's words), or once a row at the end. Program (i, j) takes
+    The weights become the dot's 16-bit operand with a few instructions for two (`_nibbles`:
+    INT4 a nibble a weight; INT8 two nibbles, the high one's input times 16, exact), each slot
+    already its share of q - z, a small integer exact in 16 bits (`_nibble_bias`,
+    `_slot_offsets`), and the dot sums inputs times q - z with fp32 accumulation. Scales once a
+    group and row after each step (a step is at most a group: BLOCK_W divides the group's
+    words), or once a row at the end. Program (i, j) takes
     words [j KW_SPLIT, (j + 1) KW_SPLIT) as in `_quant_skinny_kernel`. The next step's words are
     in flight while a step multiplies (STAGES 0), or STAGES - 1 steps' in shared memory through
     Triton's pipeline (kernels.Tile.stages); with PREFETCH (kernels.Tile.prefetch), all the
