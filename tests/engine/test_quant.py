@@ -296,7 +296,7 @@ def test_quant_gemv_kernel(bits, group, sym):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=f"{prologue} {tile}")
 
 
-DOT_FORMATS = [(8, -1, True), (4, 128, False), (8, 128, False), (4, 128, True), (4, 256, False)]
+DOT_FORMATS = [(8, -1, True), (8, -1, False), (4, 128, False), (8, 128, False), (4, 128, True), (4, 256, False)]
 
 
 @pytest.mark.parametrize("bits,group,sym", DOT_FORMATS)
