@@ -335,11 +335,12 @@ def _quant_gemv_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_ptr
 
 @triton.jit
 def _nibbles(words, bias, MAGIC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
-    """The eight nibbles of each word [BLOCK_N, BLOCK_W] as 16-bit floats MAGIC_VALUE + 16 + q - z,
-    exact (`_nibble_bias`): each pair (nibble t, t + 4) masked where it lies in the two half words
-    of one 32-bit value and added to `bias`, which holds the bits of the float MAGIC_VALUE (128.0
-    for bf16, 1024.0 for fp16) plus 16 - z in both halves: two integer instructions for two
-    weights, no conversion instruction (the sum, 1 to 31, stays below MAGIC's lowest bit).
+    """The eight nibbles of each word [BLOCK_N, BLOCK_W] as 16-bit floats MAGIC_VALUE + q (+ 16 - z
+    for stored zero points), exact: each pair (nibble t, t + 4) masked where it lies in the two
+    half words of one 32-bit value and added to `bias`, the bits of the float MAGIC_VALUE (128.0
+    for bf16, 1024.0 for fp16) in both halves, plus 16 - z there for stored zero points
+    (`_nibble_bias`; the sum, at most 31, stays below MAGIC's lowest bit, and with MAGIC alone
+    the add is an OR, one logic instruction with the mask): no conversion instruction.
     [BLOCK_N, 8 BLOCK_W]: slot 8 j + 4 a + 2 b + h holds nibble a + 2 b + 4 h of word j
     (`_slots`)."""
     pairs = tl.join(words, words >> 4)
@@ -459,11 +460,11 @@ def _quant_dot_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,
     already its share of q - z, a small integer exact in 16 bits (`_nibble_bias`,
     `_slot_offsets`), and the dot sums inputs times q - z with fp32 accumulation. Scales once a
     group and row after each step (a step is at most a group: BLOCK_W divides the group's
-    words), or once a row at the end. Program (i, j) takes
-    words [j KW_SPLIT, (j + 1) KW_SPLIT) as in `_quant_skinny_kernel`. The next step's words are
-    in flight while a step multiplies (STAGES 0), or STAGES - 1 steps' in shared memory through
-    Triton's pipeline (kernels.Tile.stages); with PREFETCH (kernels.Tile.prefetch), all the
-    program's words are asked of L2 first."""
+    words), or once a row at the end. Program (i, j) takes words [j KW_SPLIT, (j + 1) KW_SPLIT)
+    as in `_quant_skinny_kernel`. The next step's words are in flight while a step multiplies
+    (STAGES 0), or STAGES - 1 steps' in shared memory through Triton's pipeline
+    (kernels.Tile.stages); with PREFETCH (kernels.Tile.prefetch), all the program's words are
+    asked of L2 first."""
     pid = tl.program_id(0)
     FIELDS: tl.constexpr = 32 // BITS
     KW: tl.constexpr = K // FIELDS
@@ -489,22 +490,24 @@ def _quant_dot_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,
         inv = row_inv_rms(x_ptr, res_ptr, res_out_ptr, rows, row_mask, K, eps, ADD, SILU, dtype, BLOCK_M,
                           NORM_BLOCK)
     MAGIC: tl.constexpr = 0x64006400 if dtype == tl.float16 else 0x43004300  # as _nibbles'
-    bias = MAGIC  # stored zero points: the rows' bias, once where a row has one group (else a step's, _dot_step)
+    # _nibbles' bias: MAGIC alone for a constant zero point; stored ones' made here where a row has
+    # one group, else each step's (_dot_step)
+    bias = MAGIC
     if HAS_ZEROS and GROUPS == 1:
         bias = _nibble_bias(tl.load(z_ptr + n_in).to(tl.int32), MAGIC, BITS)
     acc = tl.zeros([BLOCK_N, DOT_M], tl.float32)
     if STAGES > 0:  # Triton's pipeline requests the words STAGES - 1 steps ahead, into shared memory
         for w0 in tl.range(w_lo, w_hi, BLOCK_W, num_stages=STAGES):
-            acc = _dot_step(acc, bias, tl.load(tile_words + w0), w0, x_ptr, res_ptr, res_out_ptr,
-                                     norm_w_ptr, s_ptr, z_ptr, rows, row_mask, n_in, inv, pid == 0, K, NORM, ADD,
-                                     SILU, BITS, GROUP, HAS_ZEROS, BLOCK_M, BLOCK_N, BLOCK_W, DOT_M, INTERPRETED)
+            acc = _dot_step(acc, bias, tl.load(tile_words + w0), w0, x_ptr, res_ptr, res_out_ptr, norm_w_ptr, s_ptr,
+                            z_ptr, rows, row_mask, n_in, inv, pid == 0, K, NORM, ADD, SILU, BITS, GROUP, HAS_ZEROS,
+                            BLOCK_M, BLOCK_N, BLOCK_W, DOT_M, INTERPRETED)
     else:
         for w0 in range(w_lo, w_hi, BLOCK_W):
             cur = words
             words = tl.load(tile_words + tl.minimum(w0 + BLOCK_W, w_hi - BLOCK_W))  # the next step's, in flight
-            acc = _dot_step(acc, bias, cur, w0, x_ptr, res_ptr, res_out_ptr, norm_w_ptr, s_ptr, z_ptr,
-                                     rows, row_mask, n_in, inv, pid == 0, K, NORM, ADD, SILU, BITS, GROUP, HAS_ZEROS,
-                                     BLOCK_M, BLOCK_N, BLOCK_W, DOT_M, INTERPRETED)
+            acc = _dot_step(acc, bias, cur, w0, x_ptr, res_ptr, res_out_ptr, norm_w_ptr, s_ptr, z_ptr, rows,
+                            row_mask, n_in, inv, pid == 0, K, NORM, ADD, SILU, BITS, GROUP, HAS_ZEROS, BLOCK_M,
+                            BLOCK_N, BLOCK_W, DOT_M, INTERPRETED)
     if GROUPS == 1:
         acc = acc * tl.load(s_ptr + n_in)[:, None]
     out_rows = tl.arange(0, DOT_M)
