@@ -9,9 +9,9 @@ bandwidth. Two tables:
   integers, scales and zero points);
 - engine: per shape and method the TPOT (median step over fresh prompts, each repeat, min and
   median over repeats) and the graph replay alone, the bytes read a token (from the memory
-  plan's meta model), the H200 roofline and the measured share of it, and for each Jetson board
-  the bandwidth floor and that floor scaled by the H200's measured ratio (a board reaching the
-  same share of its bandwidth).
+  plan's meta model), this GPU's roofline (its measured read bandwidth) and the measured share of
+  it, and for each Jetson board the bandwidth floor and that floor scaled by the measured ratio (a
+  board reaching the same share of its bandwidth).
 Every kernel variant is compiled first by a pool of processes (Triton's on-disk cache then
 serves the timing process): compiled one after another they take minutes.
 """
@@ -321,15 +321,19 @@ def run(args) -> dict:
                 out[method] = {
                     "tpot_ms": {"min": round(min(tpots), 4), "median": round(median(tpots), 4)},
                     "graph_replay_ms": {"min": round(min(replays), 4), "median": round(median(replays), 4)},
-                    "bytes_read_per_token": read, "h200_roofline_ms": round(roofline, 4),
+                    "bytes_read_per_token": read, "roofline_ms": round(roofline, 4),
                     "measured_over_roofline": round(ratio, 2), "tiles": tiles,
                     "jetson_ms_per_token": {name: {"bandwidth_floor": round(read / b.bandwidth * 1e3, 2),
-                                                   "at_h200_ratio": round(read / b.bandwidth * 1e3 * ratio, 2)}
+                                                   "at_measured_ratio": round(read / b.bandwidth * 1e3 * ratio, 2)}
                                             for name, b in BOARDS.items()}}
                 tqdm.write(f"[quant] {shape} {method}: {out[method]['tpot_ms']} ms/token, replay "
                            f"{out[method]['graph_replay_ms']}")
                 write_results(args.out, result, {"quant": _plot(result), "kernels": plot_kernels(result)})
     return result
+
+
+def _gpu(result) -> str:
+    return result["env"].get("gpu", result["env"].get("device", "?"))
 
 
 def _figure(shapes, width):
@@ -350,8 +354,8 @@ def _plot(result):
         methods = result["shapes"][shape]
         names = list(methods)
         ax.bar(names, [methods[m]["tpot_ms"]["min"] for m in names], label="TPOT (engine step)")
-        ax.plot(names, [methods[m]["h200_roofline_ms"] for m in names], "k_", markersize=30, label="bandwidth floor")
-        ax.set_title(f"{shape}, H200, batch 1")
+        ax.plot(names, [methods[m]["roofline_ms"] for m in names], "k_", markersize=30, label="bandwidth floor")
+        ax.set_title(f"{shape}, {_gpu(result)}, batch 1")
         ax.set_ylabel("ms / token")
         ax.legend()
     return fig
@@ -370,7 +374,7 @@ def plot_kernels(result):
             ax.bar(xs, ys, width=0.27, label=method)
         ax.axhline(result["read_bandwidth_GBps"], color="k", linestyle="--", label="read bandwidth")
         ax.set_xticks(range(len(projections)), projections)
-        ax.set_title(f"{shape} kernels alone, H200, batch 1")
+        ax.set_title(f"{shape} kernels alone, {_gpu(result)}, batch 1")
         ax.set_ylabel("GB/s of weights read")
         ax.legend()
     return fig
