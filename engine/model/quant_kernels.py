@@ -341,8 +341,10 @@ def _nibbles(words, bias, MAGIC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: t
     for bf16, 1024.0 for fp16) in both halves, plus 16 - z there for stored zero points
     (`_nibble_bias`; the sum, at most 31, stays below MAGIC's lowest bit, and with MAGIC alone
     the add is an OR, one logic instruction with the mask): no conversion instruction.
-    [BLOCK_N, 8 BLOCK_W]: slot 8 j + 4 a + 2 b + h holds nibble a + 2 b + 4 h of word j
-    (`_slots`)."""
+    [BLOCK_N, 8 BLOCK_W]: slot 8 j + 4 a + 2 b + c holds nibble a + 2 b + 4 c of word j, each
+    word's eight slots together in the thread that loaded it, so they reach shared memory (on
+    their way to the tensor cores) in 16-byte stores; the inputs follow this order
+    (`_slot_columns`, `_int8_slot_inputs`)."""
     pairs = tl.join(words, words >> 4)
     pairs = tl.join(pairs, pairs >> 8)  # [BLOCK_N, BLOCK_W, a, b]: the word shifted by 4 a + 8 b
     p = (pairs & 0x000F000F) + bias
@@ -368,32 +370,44 @@ def _nibble_bias(zero, MAGIC: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
-def _slot_offsets(unit, dtype: tl.constexpr, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr):
+def _slot_offsets(dtype: tl.constexpr, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_W: tl.constexpr):
     """What comes off each slot of `_nibbles` after it is a float, [1, slots] in `dtype`: the
     magic value, and 16 (stored zero points, `_nibble_bias`) or the symmetric formats' zero
-    point's nibble for the slot (INT8: 128 = 16 * 8 + 0; INT4: 8), an immediate the same for
-    every row, where its bias is MAGIC alone (an OR)."""
+    point's nibble for the slot (INT8: 128 = 16 * 8 + 0, so 8 off the high nibbles (a = 1) and
+    none off the low; INT4: 8), an immediate the same for every row, where its bias is MAGIC
+    alone (an OR)."""
     magic_value: tl.constexpr = 1024.0 if dtype == tl.float16 else 128.0
+    slot = tl.arange(0, 8 * BLOCK_W)
     if HAS_ZEROS:
-        offsets = tl.zeros(unit.shape, tl.float32) + (magic_value + 16.0)
+        offsets = tl.zeros(slot.shape, tl.float32) + (magic_value + 16.0)
     elif BITS == 8:
-        offsets = tl.where(unit, magic_value, magic_value + 8.0)
+        offsets = tl.where((slot // 4) % 2 == 0, magic_value, magic_value + 8.0)
     else:
-        offsets = tl.zeros(unit.shape, tl.float32) + (magic_value + 8.0)
+        offsets = tl.zeros(slot.shape, tl.float32) + (magic_value + 8.0)
     return offsets.to(dtype)[None, :]
 
 
 @triton.jit
-def _slots(w0, BITS: tl.constexpr, BLOCK_W: tl.constexpr):
-    """For each slot of `_nibbles` (words from w0): the input column its nibble multiplies and
-    the nibble's weight within its integer (INT4: 1; INT8: 1 for the low nibble, 16 the high)."""
-    FIELDS: tl.constexpr = 32 // BITS
+def _slot_columns(w0, BLOCK_W: tl.constexpr):
+    """INT4: the input column each slot of `_nibbles` (words from w0) multiplies, quant.py's span
+    layout putting field f of word 16 s + j on column 128 s + 16 f + j, and slot 8 j + 4 a + 2 b
+    + c holding field a + 2 b + 4 c. Gathered in this order, each input is read once."""
     k = tl.arange(0, 8 * BLOCK_W)
     word = w0 + k // 8
-    nibble = (k // 4) % 2 + 2 * ((k // 2) % 2) + 4 * (k % 2)
-    field = nibble if BITS == 4 else nibble // 2
-    cols = (word // 16) * (16 * FIELDS) + field * 16 + word % 16  # quant.py's span layout
-    return cols, (nibble % 2 == 0) | (BITS == 4)
+    return (word // 16) * 128 + ((k // 4) % 2 + 2 * ((k // 2) % 2) + 4 * (k % 2)) * 16 + word % 16
+
+
+@triton.jit
+def _int8_slot_inputs(a, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr):
+    """INT8's inputs [BLOCK_M, 4 BLOCK_W], a step's columns as they lie, in `_nibbles`' slot order
+    [BLOCK_M, 8 BLOCK_W]: slot 8 j + 4 a + 2 b + c holds nibble a of field b + 2 c of word j, on
+    column 64 s + 16 (b + 2 c) + j (word 16 s + j), the high nibble's input its column's times 16
+    (exact). Each column is in two slots: read once and reordered here (the inputs are an eighth
+    of the weights' slots), where gathering them in slot order reads each twice and does the
+    prologue's work twice."""
+    a = tl.join(a, (a.to(tl.float32) * 16.0).to(a.dtype))  # [m, column, a]
+    a = tl.reshape(tl.permute(a, (0, 2, 1)), [BLOCK_M, 2, BLOCK_W // 16, 2, 2, 16])  # [m, a, s, c, b, j]
+    return tl.reshape(tl.permute(a, (0, 2, 5, 1, 4, 3)), [BLOCK_M, 8 * BLOCK_W])
 
 
 @triton.jit
@@ -418,16 +432,17 @@ def _dot_step(acc, bias, words, w0, x_ptr, res_ptr, res_out_ptr, norm_w_ptr, s_p
     have one group, else this step's group's)."""
     FIELDS: tl.constexpr = 32 // BITS
     GROUPS: tl.constexpr = K // GROUP
+    tl.static_assert(BLOCK_W % 16 == 0, "a step of whole spans (_nibbles)")
     dtype = x_ptr.dtype.element_ty
     HALF: tl.constexpr = dtype == tl.float16
     MAGIC: tl.constexpr = 0x64006400 if HALF else 0x43004300
-    cols, unit = _slots(w0, BITS, BLOCK_W)
-    a = input_chunk(x_ptr, res_ptr, res_out_ptr, rows, cols, row_mask[:, None] & (cols < K)[None, :], K, store_sum,
-                    ADD, SILU, dtype)
+    # K a whole number of steps: every column < K
+    cols = w0 * FIELDS + tl.arange(0, FIELDS * BLOCK_W) if BITS == 8 else _slot_columns(w0, BLOCK_W)
+    a = input_chunk(x_ptr, res_ptr, res_out_ptr, rows, cols, row_mask[:, None], K, store_sum, ADD, SILU, dtype)
     if NORM:
         a = normalized(a, inv, norm_w_ptr, cols, cols < K, dtype)
-    if BITS == 8:  # a high nibble's input: its column's times 16 (exact)
-        a = tl.where(unit[None, :], a, (a.to(tl.float32) * 16.0).to(dtype))
+    if BITS == 8:
+        a = _int8_slot_inputs(a, BLOCK_M, BLOCK_W)
     if BLOCK_M < DOT_M:
         a = tl.reshape(tl.broadcast_to(a[None, :, :], [DOT_M // BLOCK_M, BLOCK_M, 8 * BLOCK_W]), [DOT_M, 8 * BLOCK_W])
     scale = tl.full([BLOCK_N], 1.0, tl.float32)  # with one group a row, applied once at the end
@@ -436,7 +451,7 @@ def _dot_step(acc, bias, words, w0, x_ptr, res_ptr, res_out_ptr, norm_w_ptr, s_p
         if HAS_ZEROS:
             bias = _nibble_bias(tl.load(z_ptr + at).to(tl.int32), MAGIC, BITS)
         scale = tl.load(s_ptr + at)
-    part = _dot16(_nibbles(words, bias, MAGIC, BLOCK_N, BLOCK_W), _slot_offsets(unit, dtype, BITS, HAS_ZEROS),
+    part = _dot16(_nibbles(words, bias, MAGIC, BLOCK_N, BLOCK_W), _slot_offsets(dtype, BITS, HAS_ZEROS, BLOCK_W),
                   tl.trans(a), INTERPRETED)
     return acc + part if GROUPS == 1 else acc + part * scale[:, None]
 
@@ -502,7 +517,9 @@ def _quant_dot_kernel(x_ptr, res_ptr, norm_w_ptr, qw_ptr, s_ptr, z_ptr, out_ptr,
                             z_ptr, rows, row_mask, n_in, inv, pid == 0, K, NORM, ADD, SILU, BITS, GROUP, HAS_ZEROS,
                             BLOCK_M, BLOCK_N, BLOCK_W, DOT_M, INTERPRETED)
     else:
-        for w0 in range(w_lo, w_hi, BLOCK_W):
+        # num_stages=1: the words' register prefetch alone; Triton would pipeline the inputs' loads
+        # (through shared memory, with its bookkeeping in the loop) for inputs L2 holds
+        for w0 in tl.range(w_lo, w_hi, BLOCK_W, num_stages=1):
             cur = words
             words = tl.load(tile_words + tl.minimum(w0 + BLOCK_W, w_hi - BLOCK_W))  # the next step's, in flight
             acc = _dot_step(acc, bias, cur, w0, x_ptr, res_ptr, res_out_ptr, norm_w_ptr, s_ptr, z_ptr, rows,
