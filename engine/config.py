@@ -31,6 +31,7 @@ DEFAULT_CHUNK_BUDGET = 512  # tokens a step with chunked prefill computes at mos
 DEFAULT_STEP_LATENCY_MS: float | None = 7.5
 DEFAULT_TARGET_BUDGET = 2048
 MAX_STEP_LATENCY_MS = 1000.0  # a target beyond a second paces nothing a user would notice
+MAX_GRAPH_WARMUP_STEPS = 100  # eager runs before a capture: one or two settle lazy allocations, more delay the start
 # Batch-invariant mode (docs/engine.md, "Batch-invariant mode"): on by default where it costs at
 # most 5% of decode speed. A GPU's default awaits `jetserve bench mtp --batch-invariant` on it, so
 # off until then; on a CPU it costs the compiled decode steps (they reduce in their own order), far
@@ -422,8 +423,8 @@ class EngineArgs:
         None, "batch sizes to capture (on a CPU: to compile), e.g. 1 2 4 8", type=_int_list, nargs="+",
         action=_IntList, aliases=("--cuda-graph-batch-sizes",))
     max_cudagraph_capture_size: int | None = setting(None, type=int, aliases=("--cuda-graph-max-batch-size",))
-    cuda_graph_num_warmup_steps: int = setting(2, "eager runs of each step shape before its CUDA graph is captured",
-                                               type=int)
+    cuda_graph_num_warmup_steps: int = setting(
+        2, f"eager runs of each step shape before its CUDA graph is captured (0-{MAX_GRAPH_WARMUP_STEPS})", type=int)
     # vLLM's: "full" graphs every step (mixed ones by token count); "full_decode_only".
     cudagraph_mode: str = setting(
         "full", "FULL: every step replays a CUDA graph (steps with prefill chunks bucketed by token count, "
@@ -485,6 +486,10 @@ class EngineArgs:
                 _positive(name, getattr(self, name))
         for size in self.cudagraph_capture_sizes or ():  # a 0 would leave no bucket to pad a step to
             _positive("each of cudagraph_capture_sizes", size)
+        warmups = self.cuda_graph_num_warmup_steps
+        if isinstance(warmups, bool) or not isinstance(warmups, int) or not 0 <= warmups <= MAX_GRAPH_WARMUP_STEPS:
+            raise ValueError(f"cuda_graph_num_warmup_steps must be an integer in [0, {MAX_GRAPH_WARMUP_STEPS}], "
+                             f"got {warmups!r}")
         if self.cudagraph_mode not in CUDAGRAPH_MODES:
             raise ValueError(f"cudagraph_mode must be one of {CUDAGRAPH_MODES}, got {self.cudagraph_mode!r}")
         if self.backend not in ("torch", "tensorrt-llm"):

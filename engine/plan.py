@@ -119,7 +119,9 @@ class MemoryPlan:
         q = config.quantization
         rows = [
             ("weights", self.weights, q.method if q else config.dtype),
-            ("KV cache", self.kv_cache, f"{config.max_model_len} tokens x {config.max_num_seqs} seqs, {config.dtype}"),
+            ("KV cache", self.kv_cache, f"{config.num_kv_blocks} blocks of {config.block_size} tokens (num_kv_blocks), "
+                                        f"{config.dtype}" if config.num_kv_blocks else
+                                        f"{config.max_model_len} tokens x {config.max_num_seqs} seqs, {config.dtype}"),
             ("activations", self.activations, f"largest step: {config.max_num_batched_tokens} tokens"),
             ("CUDA graphs", self.graphs, "largest captured step" if config.cuda_graphs else "off"),
             ("runtime", self.runtime, "CUDA context, torch, kernels" if self.runtime else "CPU"),
@@ -131,7 +133,11 @@ class MemoryPlan:
         lines = [f"{name:<12}{n / GiB:>8.2f} GiB  {note}" for name, n, note in rows]
         verdict = "fits" if self.fits else "DOES NOT FIT"
         lines.append(f"{verdict}: {(self.available - self.need) / GiB:+.2f} GiB to spare")
-        if not self.fits:
+        if not self.fits and config.num_kv_blocks:
+            spare = self.available - self.need + self.kv_cache
+            block = self.kv_cache // (config.num_kv_blocks + 1)
+            lines.append(f"num_kv_blocks fits at most {max(0, spare // block - 1)}")
+        elif not self.fits:
             lines.append(f"at max_model_len={config.max_model_len}, KV fits max_num_seqs={self.max_num_seqs()}"
                          + ("" if q else "; weight-only quantization (--quantization int8 or int4) shrinks the "
                                          "weights 2-4x"))
@@ -166,7 +172,9 @@ def memory_plan(config: EngineConfig, device: str) -> MemoryPlan:
     measure = _activation_formula(config, dtype.itemsize, dequantized)
     activations = kv_reserve(replace(config, cuda_graphs=None), measure)
     graphs = kv_reserve(config, measure) - activations
-    blocks = config.max_num_seqs * config.max_blocks_per_seq + 1  # + the scratch block
+    # the pool the runner allocates: num_kv_blocks where given, else one sequence of max_model_len a
+    # slot (the runner fills free memory beyond that), + the scratch block
+    blocks = (config.num_kv_blocks or config.max_num_seqs * config.max_blocks_per_seq) + 1
     gpu = device != "this" or config.device.startswith("cuda")
     multiplied = sum(p.numel() for p in (*model.layers.parameters(), *model.norm.parameters(),
                                           *model.lm_head.parameters()))

@@ -5,8 +5,9 @@ import dataclasses
 import pytest
 
 from jetserve.engine import LLM, EngineArgs, SamplingParams
-from jetserve.engine.config import DEFAULT_CHUNK_BUDGET, MAX_QUEUED_BYTES
-from jetserve.engine.runner import kv_reserve
+from jetserve.engine.config import DEFAULT_CHUNK_BUDGET, MAX_GRAPH_WARMUP_STEPS, MAX_QUEUED_BYTES
+from jetserve.engine.plan import memory_plan, refuse_if_it_cannot_fit
+from jetserve.engine.runner import block_bytes, kv_reserve
 from tests.engine.builders import build_drafting_model
 
 
@@ -77,6 +78,28 @@ def test_bad_values_name_the_field(tiny):
                           ({"enable_chunked_prefill": False, "max_num_batched_tokens": 8}, "max_num_batched_tokens")]:
         with pytest.raises(ValueError, match=field):
             EngineArgs(model=str(path), **kwargs).resolve()
+
+
+def test_graph_warmup_steps_are_bounded(tiny):
+    path, _ = tiny
+    for value in (0, MAX_GRAPH_WARMUP_STEPS):
+        EngineArgs(model=str(path), cuda_graph_num_warmup_steps=value).resolve()
+    for value in (-1, MAX_GRAPH_WARMUP_STEPS + 1, 1.5, True):
+        with pytest.raises(ValueError, match="cuda_graph_num_warmup_steps must be an integer in"):
+            EngineArgs(model=str(path), cuda_graph_num_warmup_steps=value).resolve()
+
+
+def test_the_memory_plan_counts_a_given_kv_pool_and_refuses_one_too_big(tiny):
+    """num_kv_blocks given is the pool the runner allocates: the plan counts it (not max_num_seqs
+    sequences of max_model_len), so a pool no machine holds is refused with the plan, naming the
+    setting, before anything loads (it reached torch's allocator, which named a byte count)."""
+    path, _ = tiny
+    config = EngineArgs(model=str(path), num_kv_blocks=5, max_num_seqs=64).resolve()
+    assert memory_plan(config, "this").kv_cache == 6 * block_bytes(config)  # + the scratch block
+    refuse_if_it_cannot_fit(config)
+    with pytest.raises(ValueError, match="does not fit") as refused:
+        refuse_if_it_cannot_fit(EngineArgs(model=str(path), num_kv_blocks=10**12).resolve())
+    assert "num_kv_blocks" in str(refused.value) and "fits at most" in str(refused.value)
 
 
 def test_one_sequence_with_drafts_fits_its_own_kv_plan(model_with_heads):
