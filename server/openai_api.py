@@ -181,6 +181,9 @@ def create_app(server) -> FastAPI:
         check_model(server, body.model)
         if body.echo or body.suffix:
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "echo and suffix are not supported")
+        if body.best_of is not None and body.best_of != body.n:  # ignored, it would promise a choice never made
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, f"best_of={body.best_of} is not supported: every one "
+                           f"of the n={body.n} samples is returned (leave best_of unset, or equal to n)")
         params = body.sampling_params(body.max_tokens, body.logprobs)
         prompts = body.prompts()
         body.prompt = ""  # its token lists live on as int32 arrays, not as Python ints, from here on

@@ -79,6 +79,7 @@ class CompletionRequest(SamplingFields):
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: Optional[str] = None
+    best_of: Optional[int] = None  # OpenAI's legacy field: refused unless it asks for what n returns
 
     def prompts(self) -> list:
         """Each prompt as the engine takes it: text, or {"prompt_token_ids": an int32 array}

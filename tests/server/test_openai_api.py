@@ -48,6 +48,9 @@ def test_completion_matches_grpc(sdk, live, stubs):
     assert done.usage.completion_tokens <= 8 and done.usage.prompt_tokens > 0
     assert done.usage.total_tokens == done.usage.prompt_tokens + done.usage.completion_tokens
     assert choice.finish_reason in ("stop", "length")
+    same = sdk.completions.create(model=live.server.model_name, prompt="The kiosk", max_tokens=8, temperature=0,
+                                  n=2, best_of=2)  # best_of equal to n asks for what n returns
+    assert [c.text for c in same.choices] == [choice.text] * 2
 
 
 def test_completion_streams_the_same_text(sdk, live):
@@ -114,6 +117,8 @@ def test_seed_makes_sampling_repeatable(sdk, live):
     ({"prompt": "robot " * 600}, 400, "max_model_len"),
     ({"logit_bias": {"x": 1}}, 400, "logit_bias"),
     ({"n": 1000}, 400, "n"),
+    ({"echo": True}, 400, "echo"),
+    ({"best_of": 3}, 400, "best_of=3 is not supported"),
 ])
 def test_errors_have_openai_shape_and_status(sdk, live, fields, status, words):
     args = {"model": live.server.model_name, "prompt": "hi", "max_tokens": 4, **fields}
