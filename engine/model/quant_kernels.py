@@ -402,8 +402,8 @@ def _int8_slot_inputs(a, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr):
     """INT8's inputs [BLOCK_M, 4 BLOCK_W], a step's columns as they lie, in `_nibbles`' slot order
     [BLOCK_M, 8 BLOCK_W]: slot 8 j + 4 a + 2 b + c holds nibble a of field b + 2 c of word j, on
     column 64 s + 16 (b + 2 c) + j (word 16 s + j), the high nibble's input its column's times 16
-    (exact). Each column is in two slots: read once and reordered here (the inputs are an eighth
-    of the weights' slots), where gathering them in slot order reads each twice and does the
+    (exact). Each column is in two slots: read once and reordered here (a few input rows against
+    the weights' BLOCK_N), where gathering them in slot order reads each twice and does the
     prologue's work twice."""
     a = tl.join(a, (a.to(tl.float32) * 16.0).to(a.dtype))  # [m, column, a]
     a = tl.reshape(tl.permute(a, (0, 2, 1)), [BLOCK_M, 2, BLOCK_W // 16, 2, 2, 16])  # [m, a, s, c, b, j]
