@@ -199,6 +199,7 @@ def create_app(server) -> FastAPI:
         check_model(server, body.model)
         if engine.tokenizer is None:
             raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "this model has no tokenizer, so no chat template")
+        body.refuse_unsupported()
         params = body.sampling_params(body.requested_max_tokens(), body.requested_logprobs())
         # Off the event loop; message content never becomes control tokens (no forged turns).
         text, ids = await asyncio.to_thread(engine.tokenizer.encode_chat, [m.as_dict() for m in body.messages],

@@ -1,7 +1,9 @@
 """OpenAI's request bodies (plus vLLM's extra sampling fields), and how they become SamplingParams.
 
 Unknown fields are ignored, as OpenAI's own server and vLLM do; values are range-checked by
-SamplingParams, which names the field.
+SamplingParams, which names the field. Known fields asking for what this server does not do (a JSON
+answer, tool calls, best_of) are refused, not ignored: the client would rely on an answer it did
+not get.
 """
 
 from __future__ import annotations
@@ -126,6 +128,21 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Optional[int] = None
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    # read only to refuse them (`refuse_unsupported`)
+    response_format: Optional[dict] = None
+    tools: Optional[list] = None
+    tool_choice: Optional[Union[str, dict]] = None
+
+    def refuse_unsupported(self) -> None:
+        """Output constraints and tool calls are not made here: an answer that ignored them would
+        be text the client cannot parse or a tool call it waits for in vain."""
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise ValueError(f"response_format {kind!r} is not supported: this server does not constrain its "
+                             "output (only 'text')")
+        if self.tools and self.tool_choice != "none":
+            raise ValueError("tools are not supported: this server makes no tool calls (with tool_choice 'none' "
+                             "the model is asked for text)")
 
     def requested_max_tokens(self) -> Optional[int]:
         """max_completion_tokens is OpenAI's newer name; max_tokens is kept for older clients."""

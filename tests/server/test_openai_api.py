@@ -140,6 +140,21 @@ def test_bad_chat_messages_are_a_400(sdk, live, messages, words):
     assert words in err.value.body["message"]
 
 
+@pytest.mark.parametrize("fields, words", [
+    ({"response_format": {"type": "json_object"}}, "response_format 'json_object' is not supported"),
+    ({"tools": [{"type": "function", "function": {"name": "lights", "parameters": {}}}]}, "tools are not supported"),
+])
+def test_chat_refuses_what_it_would_otherwise_ignore(sdk, live, fields, words):
+    """A JSON answer or a tool call asked for and not made would be ignored silently: a 400 names
+    the field. Asked for text, or with tool_choice 'none', the same request is answered."""
+    args = dict(model=live.server.model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    with pytest.raises(openai.BadRequestError) as err:
+        sdk.chat.completions.create(**args, **fields)
+    assert words in err.value.body["message"] and err.value.body["param"] == words.split()[0]
+    allowed = {"response_format": {"type": "text"}} if "response_format" in fields else {**fields, "tool_choice": "none"}
+    assert sdk.chat.completions.create(**args, **allowed).choices[0].finish_reason in ("stop", "length")
+
+
 def test_bad_json_body_is_a_400(live):
     request = urllib.request.Request("http://127.0.0.1:%d/v1/chat/completions" % live.server.openai_port,
                                      data=b'{"messages": 7}', headers={"Content-Type": "application/json"})
