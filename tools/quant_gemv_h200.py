@@ -2,7 +2,12 @@
 requests two steps ahead) over a sweep of tiles, beside the shipped sm90 table's choice for the
 same product, Qwen3 4B and 0.6B projections at batch 1, each timed as the start-up tuning does
 (CUDA graph over cold copies of the weight), the fastest against fp32 (fresh random inputs,
-output poisoned first). Prints a table; writes $OUT/gemv.json (per product: µs per tile)."""
+output poisoned first). Prints a table; writes $OUT/gemv-<shapes>-<formats>.json (per product: µs
+per tile), which tools/table_from_stream.py takes into the table.
+
+    python3 tools/quant_gemv_h200.py [SHAPES] [FORMATS]   # e.g. qwen3-4b int8
+    $GEMV_PRODUCTS: the projections swept (default every one but the vocab's: qkv,o,gate_up,down)
+    $GEMV_SPLITS: the K splits tried (default 1,2,4; narrow products, few programs, want more)"""
 
 import itertools
 import json
@@ -21,16 +26,19 @@ from jetserve.engine.model.tile_tables import shipped
 OUT = os.environ.get("OUT", "/tmp/out")
 shapes = (sys.argv[1] if len(sys.argv) > 1 else "qwen3-4b,qwen3-0.6b").split(",")
 methods = (sys.argv[2] if len(sys.argv) > 2 else "int4,int8").split(",")
+products_swept = os.environ.get("GEMV_PRODUCTS", "qkv,o,gate_up,down").split(",")
+splits_swept = tuple(int(s) for s in os.environ.get("GEMV_SPLITS", "1,2,4").split(","))
+result_file = os.path.join(OUT, f"gemv-{'-'.join(shapes)}-{'-'.join(methods)}.json")
 dev = torch.device("cuda")
 table = shipped("sm90")
 
 
 def sweep(method: str, prologue: int, k: int) -> list[Tile]:
-    """Tiles of 8 to 32 words a thread, steps that divide K's words, split K up to 4 ways."""
+    """Tiles of 8 to 32 words a thread, steps that divide K's words, split K as $GEMV_SPLITS says."""
     bits = 4 if method == "int4" else 8
     row_words, group_words = k * bits // 32, (128 if method == "int4" else k) * bits // 32
     out = []
-    for bn, bk, warps, split in itertools.product((8, 16, 32, 64), (16, 32, 64, 128), (4, 8), (1, 2, 4)):
+    for bn, bk, warps, split in itertools.product((8, 16, 32, 64), (16, 32, 64, 128), (4, 8), splits_swept):
         per_thread = bn * bk // (32 * warps)
         if not 8 <= per_thread <= 32 or row_words % bk or bk % 16 or (bk < group_words and group_words % bk):
             continue
@@ -45,7 +53,7 @@ def sweep(method: str, prologue: int, k: int) -> list[Tile]:
 def main() -> None:
     began = time.time()
     products = [(shape, name, p, n, k, m) for shape in shapes for name, (p, n, k) in shape_projections(shape).items()
-                if name != "lm_head" for m in methods]
+                if name in products_swept for m in methods]
     variants = sorted({(m, p, k, 1, t) for _, _, p, _, k, m in products for t in sweep(m, p, k)}, key=str)
     precompile(variants, "gemv kernels")
     print(f"[gemv] compiled {len(variants)} in {time.time() - began:.0f} s", flush=True)
@@ -77,7 +85,7 @@ def main() -> None:
                 f"({gbps:5.0f} GB/s, err {err:.4f}) {best.replace('Tile', '')[:70]}")
         lines.append(line)
         print(line, "| next:", ", ".join(f"{v * 1e3:.2f}" for v, _ in top[1:]), f"({time.time() - began:.0f} s)", flush=True)
-        with open(os.path.join(OUT, "gemv.json"), "w") as f:
+        with open(result_file, "w") as f:
             json.dump(result, f, indent=0)
     print("\n".join(lines))
 

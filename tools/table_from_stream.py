@@ -1,5 +1,6 @@
-"""A family's shipped tile table updated from a `tools/stream_probe.py` result (stream.json):
-for each product it timed, where one of its tiles beat the shipped choice by more than the
+"""A family's shipped tile table updated from a `tools/stream_probe.py` result (stream.json) or a
+`tools/quant_gemv_h200.py` sweep (gemv-*.json, one row, its tiles this tree's candidates): for
+each product it timed, where one of its tiles beat the shipped choice by more than the
 timing's spread, the shape's ranking becomes the timed tiles fastest first (then the table's
 old ones, as fallbacks where the first cannot run), as `jetserve tune` ranks them.
 
@@ -8,7 +9,7 @@ product timed alone (`jetserve tune`), and not where it came from timing whole s
 (tools/step_tiles_probe.py: the bf16 one-row shapes): there, tiles faster alone by up to a fifth
 made the 0.6B's step 5% slower (bench/results/quant-rows16-h200). Hence `--rows`, default 16.
 
-    python3 tools/table_from_stream.py STREAM_JSON [--table engine/model/tiles/sm90.json] [--rows 16]
+    python3 tools/table_from_stream.py STREAM_OR_GEMV_JSON [--table engine/model/tiles/sm90.json] [--rows 16]
 """
 
 import argparse
@@ -22,6 +23,7 @@ from jetserve.bench.quant import shape_projections
 from jetserve.engine.config import ON_THE_FLY
 from jetserve.engine.model import quant
 from jetserve.engine.model.kernels import ADD_NORM, NORM, Tile
+from jetserve.engine.model.quant_kernels import candidates
 from jetserve.engine.model.tile_cache import shape_key
 from jetserve.engine.model.tile_tables import MAX_RANKED, TileTable
 
@@ -45,6 +47,8 @@ def keys(row: dict) -> list[tuple]:
 
 def timings(row: dict) -> dict:
     """Tile (None: cuBLAS) → µs, every variant the probe timed for this product."""
+    if "times" in row:
+        return row["times"]
     shipped = None if row["shipped_tile"] is None else Tile(*row["shipped_tile"])
     out = {shipped: row["shipped_us"]}
     if "prefetch_us" in row:
@@ -57,6 +61,26 @@ def timings(row: dict) -> dict:
     return out
 
 
+def gemv_rows(doc: dict) -> list[dict]:
+    """A one-row sweep's products as the stream probe's rows: the shipped tile and the swept
+    ones this tree would choose among (a tile the engine does not offer would be skipped there)."""
+    rows = []
+    for label, r in doc.items():
+        shape, name, method = label.split()
+        prologue, _, k = shape_projections(shape)[name]
+        w = quant.quantize(torch.zeros(8, k), *ON_THE_FLY[method])
+        offered = set(candidates(1, w, prologue, pdl=True))
+        times = {}
+        for text, us in r["us"].items():
+            tile = eval(text.removeprefix("shipped "), {"Tile": Tile})  # noqa: S307 - the sweep's own repr
+            if text.startswith("shipped") or tile in offered:
+                times.setdefault(tile, us)
+        shipped = eval(r["shipped"], {"Tile": Tile})  # noqa: S307
+        rows.append({"shape": shape, "name": name, "format": method, "rows": 1, "shipped_tile": list(shipped),
+                     "shipped_us": r["shipped_us"], "times": times})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("stream")
@@ -67,7 +91,8 @@ def main() -> None:
     rows = {int(r) for r in args.rows.split(",")}
     table = TileTable.read(args.table)
     changed = 0
-    for row in json.load(open(args.stream))["rows"]:
+    doc = json.load(open(args.stream))
+    for row in doc["rows"] if "rows" in doc else gemv_rows(doc):
         if row["rows"] not in rows:
             continue
         times = timings(row)

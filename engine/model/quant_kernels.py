@@ -557,7 +557,8 @@ _MAX_WORDS_PER_THREAD = 16  # accumulators a thread holds per word: more spills 
 # Many rows a program: the input's columns (and a fused prologue's work on them) are shared by
 # all of a thread's rows; split K where N / BLOCK_N programs leave the GPU part empty. The last,
 # a step of one span, fits every K of whole spans (the demo's), where the wider steps do not; then
-# pipelined ones (kernels.Tile.stages).
+# pipelined ones (kernels.Tile.stages); last, K split 8 or 16 ways, for the narrow products (o,
+# down) whose few rows would leave a program a long row and the GPU a fraction of a wave.
 GEMV_TILES = [Tile(32, 64, 4, apart=True, one_row=True), Tile(32, 128, 8, apart=True, one_row=True),
               Tile(64, 64, 8, apart=True, one_row=True), Tile(16, 64, 4, 4, one_row=True),
               Tile(32, 128, 8, one_row=True), Tile(64, 128, 8, 4, one_row=True), Tile(64, 128, 8, one_row=True),
@@ -565,7 +566,9 @@ GEMV_TILES = [Tile(32, 64, 4, apart=True, one_row=True), Tile(32, 128, 8, apart=
               Tile(32, 128, 8, 2, one_row=True), Tile(64, 64, 8, 2, one_row=True), Tile(32, 64, 4, 4, one_row=True),
               Tile(32, 16, 2, 4, one_row=True),
               Tile(32, 64, 4, apart=True, one_row=True, stages=3), Tile(32, 128, 8, one_row=True, stages=3),
-              Tile(64, 64, 4, 4, one_row=True, stages=3)]
+              Tile(64, 64, 4, 4, one_row=True, stages=3),
+              Tile(16, 64, 4, 8, one_row=True), Tile(32, 64, 4, 8, one_row=True), Tile(32, 128, 8, 8, one_row=True),
+              Tile(64, 128, 8, 8, one_row=True), Tile(16, 64, 4, 16, one_row=True), Tile(32, 64, 4, 16, one_row=True)]
 _MAX_GEMV_WORDS_PER_THREAD = 32  # its accumulators: one a word, rows sharing the inputs
 
 
