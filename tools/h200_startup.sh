@@ -11,7 +11,7 @@
 #   mtps    — `bench mtp` on the demo, default drafting against plain at 1, 4, 8 and 32 streams
 #   ratio06 — `bench mtp --shape qwen3-0.6b`: the k=3 step against the plain step, batch 1 ($DVS: a draft vocabulary)
 #   steptiles — tools/step_tiles_probe.py: the k=3 step's product tiles chosen by timing the whole step
-#             ($QUANT: the quantized products'; $TABLE=1: the gains into the sm90 table)
+#             ($QUANT: the quantized products'; $TABLE=1: the gains into the sm90 table; $STEPKEYS: only those keys)
 #   prefill — `bench prefill`: an 8k prompt beside 8 streams, by token budget ($BUDGETS) and step latency target ($TARGETS)
 #   quant, profile — `bench quant` (TPOT and kernels), `bench profile` (the 0.6B's step by kernel, $PROFILE_BATCHES)
 #   baseline — `bench decode` against transformers, same run: 0.6B batch 1 and 32, 4B batch 1
@@ -111,7 +111,7 @@ steptiles)  # a step's product tiles chosen by timing the whole step: $SHAPE, k=
   # sm90 table (the table before kept as /tmp/table-before.tar for a following ab; the new one back as $FINAL/sm90.json)
   [ -n "${TABLE:-}" ] && [ ! -f /tmp/table-before.tar ] && tar -cf /tmp/table-before.tar engine/model/tiles/sm90.json
   timeout ${STEPTILES_TIMEOUT:-420} python3 tools/step_tiles_probe.py --shape ${SHAPE:-qwen3-0.6b} --k ${K:-3} \
-    --batch ${BATCH:-1} ${QUANT:+--quantization $QUANT} ${TABLE:+--table engine/model/tiles/sm90.json} \
+    --batch ${BATCH:-1} ${QUANT:+--quantization $QUANT} ${TABLE:+--table engine/model/tiles/sm90.json} ${STEPKEYS:+--keys "$STEPKEYS"} \
     --out "$OUT/step-tiles-${SHAPE:-qwen3-0.6b}-k${K:-3}-b${BATCH:-1}${QUANT:+-$QUANT}/result.json" 2>&1 \
     | grep -E '^\[probe\]|^"|Error' | tail -40
   [ -n "${TABLE:-}" ] && cp engine/model/tiles/sm90.json "$FINAL/sm90.json"

@@ -39,6 +39,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3, help="graph timings a tile (the fastest counts)")
     ap.add_argument("--quantization", choices=("int8", "int4"), help="weights made so at load; their products tried")
     ap.add_argument("--table", type=Path, help="a tiles/<family>.json to write the changed shapes' rankings into")
+    ap.add_argument("--keys", default="", help="comma-separated parts of the shape keys to try (default: every one)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
@@ -72,7 +73,8 @@ def main() -> int:
               flush=True)
         quantized = bool(args.quantization)
         keys = [key for key in kernels.chosen if (key[0] == "quant") == quantized and
-                (key[quantized + 1] == rows or (args.k and key[quantized + 1] == 1 and key[quantized + 2] == draft_rows))]
+                (key[quantized + 1] == rows or (args.k and key[quantized + 1] == 1 and key[quantized + 2] == draft_rows))
+                and (not args.keys or any(part in shape_key(key) for part in args.keys.split(",")))]
         shapes = {}
         for key in keys:
             original = kernels.chosen[key]
