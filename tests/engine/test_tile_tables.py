@@ -247,3 +247,53 @@ def test_a_stream_probe_result_updates_only_the_shapes_it_beat_by_more_than_the_
     assert updated.shapes[key] == [None, dot, old[0], old[1]] and updated.shapes[close] == [B]
     assert updated.shapes[first] == [None, dot, old[0], old[1]]
     assert "2 shapes changed" in done.stderr
+
+
+def test_a_one_row_sweep_ranks_only_the_tiles_the_engine_offers(tmp_path):
+    """tools/table_from_stream.py on a gemv sweep (tools/quant_gemv_h200.py): the product's tiles
+    fastest first, the shipped one among them, a swept tile that is no candidate (the engine would
+    pass over it) left out; the table's old ones after."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    key = shape_key(("quant", SILU_MUL, 1, 1024, 3072, 8, 3072, torch.float32, torch.bfloat16))
+    shipped = Tile(64, 128, 8, 4, pdl=True, one_row=True)
+    offered, stray = Tile(64, 128, 8, 8, pdl=True, one_row=True), Tile(64, 128, 8, 3, pdl=True, one_row=True)
+    path = tmp_path / "sm90.json"
+    path.write_text(TileTable("sm90", {key: [shipped, Tile(4, 128, 4)]}, PrefillConfig(), "timed").to_json())
+    sweep = {"qwen3-0.6b down int8": {"shipped": repr(shipped), "shipped_us": 5.0,
+                                      "us": {f"shipped {shipped!r}": 5.0, repr(offered): 4.0, repr(stray): 3.0}}}
+    (tmp_path / "gemv.json").write_text(json.dumps(sweep))
+    done = subprocess.run([sys.executable, os.path.join(root, "tools", "table_from_stream.py"),
+                           str(tmp_path / "gemv.json"), "--table", str(path), "--rows", "1"],
+                          capture_output=True, text=True, timeout=300, cwd=root)
+    assert done.returncode == 0, done.stderr
+    assert TileTable.read(path).shapes[key] == [offered, shipped, Tile(4, 128, 4)]
+    assert "1 shapes changed" in done.stderr
+
+
+def test_the_step_probe_writes_only_gains_past_the_spread(tmp_path):
+    """tools/step_tiles_probe.py --table: a shape whose new tile took more than MIN_GAIN off the
+    step takes the timed ranking (the table's old tiles after); a smaller gain leaves its entry;
+    the table says where the rows came from. The quantized candidates it times leave out the
+    prefetching twins and, at one row, the tensor-core tiles, never the current choice."""
+    import importlib.util
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    spec = importlib.util.spec_from_file_location("step_tiles_probe", os.path.join(root, "tools", "step_tiles_probe.py"))
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    won = shape_key(("quant", SILU_MUL, 1, 2560, 9728, 8, 9728, torch.float32, torch.bfloat16))
+    level = shape_key(("quant", PLAIN, 1, 2560, 4096, 8, 4096, torch.float32, torch.bfloat16))
+    old, new = Tile(4, 128, 4, 4, pdl=True), Tile(32, 64, 4, 16, pdl=True, one_row=True)
+    path = tmp_path / "sm90.json"
+    path.write_text(TileTable("sm90", {won: [old, A], level: [old]}, PrefillConfig(), "timed").to_json())
+    changed = {won: {"was_ms": 2.656, "best_ms": 2.607, "ranked": [[list(new), 2.607], [list(old), 2.656]]},
+               level: {"was_ms": 2.656, "best_ms": 2.650, "ranked": [[list(new), 2.650], [list(old), 2.656]]}}
+    probe.write_table(path, changed, "step tiles")
+    table = TileTable.read(path)
+    assert table.shapes[won] == [new, old, A] and table.shapes[level] == [old]
+    assert table.source == "timed; step tiles"
+    weight = probe._weight_like(("quant", SILU_MUL, 1, 2560, 9728, 8, 9728, torch.float32, torch.bfloat16))
+    every = fitting_tiles(1, weight, SILU_MUL, pdl=True)
+    kept = probe._quant_tiles(every, 1, Tile(64, 16, 4, 4, pdl=True, dot=True))
+    assert new in kept and kept[-1] == Tile(64, 16, 4, 4, pdl=True, dot=True)
+    assert not [t for t in kept[:-1] if t.prefetch or t.dot] and len(kept) < len(every)
