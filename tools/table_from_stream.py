@@ -75,9 +75,8 @@ def gemv_rows(doc: dict) -> list[dict]:
             tile = eval(text.removeprefix("shipped "), {"Tile": Tile})  # noqa: S307 - the sweep's own repr
             if text.startswith("shipped") or tile in offered:
                 times.setdefault(tile, us)
-        shipped = eval(r["shipped"], {"Tile": Tile})  # noqa: S307
-        rows.append({"shape": shape, "name": name, "format": method, "rows": 1, "shipped_tile": list(shipped),
-                     "shipped_us": r["shipped_us"], "times": times})
+        rows.append({"shape": shape, "name": name, "format": method, "rows": 1, "shipped_us": r["shipped_us"],
+                     "times": times})
     return rows
 
 
