@@ -7,6 +7,10 @@ difference is the host: scheduling, metadata, sampling, the sync), and the profi
 
 FAMILIES = (  # kernel-name substrings → family; the first match wins
     ("skinny matmul (+ RMSNorm or SiLU·up)", ("_skinny_matmul",)),
+    ("quantized product, one row (+ RMSNorm or SiLU·up)", ("_quant_gemv",)),
+    ("quantized product, FMA or tensor cores (+ RMSNorm or SiLU·up)", ("_quant_skinny", "_quant_dot")),
+    ("INT4 product, tinygemm", ("tinygemm",)),
+    ("split-K partial sums", ("_sum_splits",)),
     ("paged attention (+ split combine; decode: q/k norm, RoPE, KV store)", ("_paged_attention", "_combine_splits")),
     ("q/k norm + RoPE + KV store", ("_qk_norm_rope",)),
     ("RMSNorm (+ residual add)", ("_rms_norm",)),
@@ -20,6 +24,7 @@ def add_arguments(p):
     p.add_argument("--device", default="auto")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=20, help="decode steps profiled")
+    p.add_argument("--quantization", choices=("int8", "int4"), help="weights quantized at load (on the fly)")
 
 
 def run(args) -> dict:
@@ -32,7 +37,8 @@ def run(args) -> dict:
 
     device = torch.device(args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    result = {"env": environment(device), "shape": args.shape, "batch": args.batch, "steps": args.steps, "modes": {}}
+    result = {"env": environment(device), "shape": args.shape, "batch": args.batch, "steps": args.steps,
+              "quantization": args.quantization, "modes": {}}
     tables = []
     with tempfile.TemporaryDirectory() as tmp:
         del_hf = random_checkpoint(args.shape, Path(tmp), dtype, device)
@@ -40,7 +46,8 @@ def run(args) -> dict:
         for mode, eager in (("graphs", False), ("eager", True)):
             summary, table = _profile(args, tmp, device, eager)
             result["modes"][mode] = summary
-            tables.append(f"== {args.shape}, batch {args.batch}, {mode}: {args.steps} decode steps ==\n{table}\n")
+            weights = f", {args.quantization}" if args.quantization else ""
+            tables.append(f"== {args.shape}{weights}, batch {args.batch}, {mode}: {args.steps} decode steps ==\n{table}\n")
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "profile.txt").write_text("\n".join(tables))
@@ -61,7 +68,8 @@ def _profile(args, model_dir, device, eager):
     from jetserve.engine.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineArgs(model=model_dir, device=str(device), max_num_seqs=max(args.batch, 1),
-                                  max_model_len=512, num_kv_blocks=args.batch * 32 + 1, enforce_eager=eager).resolve())
+                                  max_model_len=512, num_kv_blocks=args.batch * 32 + 1, enforce_eager=eager,
+                                  quantization=args.quantization).resolve())
     params = SamplingParams(temperature=0, max_tokens=3 * args.steps + 10, ignore_eos=True)
     for i in range(args.batch):
         engine.add_request(str(i), {"prompt_token_ids": list(range(1, 129))}, params)

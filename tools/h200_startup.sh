@@ -89,9 +89,11 @@ binv)  # batch-invariant mode: its cost, and greedy with drafting against plain 
 quant)  # batch-1 TPOT through LLM(..., quantization=...) and the kernel table, both Qwen3 shapes
   timeout 330 $J bench quant --shapes qwen3-0.6b qwen3-4b --repeats 3 --out "$OUT/quant" 2>&1 | grep -E '^\[quant\]|Error' | tail -14
   ;;
-profile)  # where the 0.6B's decode step goes, kernel by kernel (issue 30), at batch 1 ($PROFILE_BATCHES: others)
+profile)  # where the 0.6B's decode step goes, kernel by kernel (issue 30), at batch 1 ($PROFILE_BATCHES: others;
+  # $PROFILE_SHAPE: another shape; $QUANT: int8 or int4 weights)
   for b in ${PROFILE_BATCHES:-1}; do
-    timeout 120 $J bench profile --steps 20 --batch "$b" --out "$OUT/profile-b$b" 2>&1 | tail -12
+    timeout 120 $J bench profile --steps 20 --batch "$b" ${PROFILE_SHAPE:+--shape $PROFILE_SHAPE} \
+      ${QUANT:+--quantization $QUANT} --out "$OUT/profile${PROFILE_SHAPE:+-$PROFILE_SHAPE}${QUANT:+-$QUANT}-b$b" 2>&1 | tail -12
   done
   ;;
 mtps)  # the default drafting against plain as a server meets 1, 4, 8 and 32 concurrent users
