@@ -186,8 +186,10 @@ def kernel_table(shapes, methods, bandwidth: float) -> dict:
             for method in _methods(name, methods):
                 x, weight, residual, norm = operands(prologue, n, k, method, device)
                 if method == "int4" and int4pack.applies(4, weight.group_size, n, k, x.dtype, device):
-                    rows[f"{name} {method}"] = _tinygemm_row(prologue, x, weight, residual, norm, bandwidth)
-                    print(f"[quant] kernel {shape} {name} {method}: {rows[f'{name} {method}']}", flush=True)
+                    row = rows[f"{name} {method}"] = _tinygemm_row(prologue, x, weight, residual, norm, bandwidth)
+                    row["jetson_us"] = jetson_projection(name, n, k, row["weight_bytes"], method, True,
+                                                         row["share_of_read_bandwidth"])
+                    print(f"[quant] kernel {shape} {name} {method}: {row}", flush=True)
                     continue
                 fused = QuantFusedKernels(tile_timing=True)
                 fused.skinny_matmul(prologue, x, weight, residual, norm, 1e-6)
@@ -212,12 +214,30 @@ def kernel_table(shapes, methods, bandwidth: float) -> dict:
                     "cuBLAS_us": round(times[None] * 1e3, 2) if None in times else None,
                     "tiles_us": {str(t): round(v * 1e3, 2) for t, v in times.items()}}
                 row = rows[f"{name} {method}"]
+                row["jetson_us"] = jetson_projection(name, n, k, size, method, False, row["share_of_read_bandwidth"])
                 print(f"[quant] kernel {shape} {name} {method}: {row['us']} us {row['GBps']} GB/s tile {tile} "
                       f"error {row['relative_error']}; main {row['main_us']} us {row['main_GBps']} GB/s "
                       f"{row['main_tile']}; one-row kernel {row['gemv_us']} us error {row['gemv_relative_error']}",
                       flush=True)
                 del x, weight, residual, norm, fused
     return table
+
+
+def jetson_projection(name: str, n: int, k: int, size: int, method: str, tinygemm: bool, share: float) -> dict:
+    """Each Jetson board's time for one product (µs), as `jetserve plan` projects it
+    (plan.product_times: its bytes over the board's bandwidth, its kernel's SASS instructions a
+    weight over cores x clock, and the bound it hits), and that time where the board's memory
+    reaches the share of its bandwidth this kernel reached here (`share`, measured)."""
+    from jetserve.engine.plan import BOARDS, Product, product_times
+
+    product = Product(name, 1, n * k, size, method, tinygemm)
+    boards = {}
+    for board_name, board in BOARDS.items():
+        (t,) = product_times(board, (product,))
+        boards[board_name] = {"kernel": t.kernel, "memory_us": round(t.memory_ms * 1e3, 2),
+                              "instructions_us": round(t.issue_ms * 1e3, 2), "bound": t.bound,
+                              "at_measured_share_us": round(max(t.memory_ms / max(share, 1e-3), t.issue_ms) * 1e3, 2)}
+    return boards
 
 
 def _tinygemm_row(prologue, x, weight, residual, norm, bandwidth: float) -> dict:

@@ -10,9 +10,11 @@ admission refuses past it), and compares them with what the board leaves beside 
 Decode at batch 1 reads every weight once a token, so the bytes read over the board's bandwidth
 bound its speed from below; so do the instructions its kernels spend a weight (read from their
 SASS for the board's GPU family, tiles/sass.json by tools/sass_count.py) over the board's CUDA
-cores times its clock. The projection is the larger of the two, and says which bound it is: an
-Orin Nano's few cores at a low clock make a kernel of too many instructions a weight the bound
-before its memory is.
+cores times its clock. The projection takes the larger of the two product by product, as each
+product runs alone, and says which bound each one hits: an Orin Nano's few cores at a low clock
+make a kernel of too many instructions a weight the bound before its memory is, while the bf16
+vocab projection beside it, two bytes a weight, stays bound by memory. Summing the two bounds over
+the whole step instead would hide the first behind the second.
 """
 
 from __future__ import annotations
@@ -22,11 +24,13 @@ import math
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from jetserve.engine.config import EngineConfig
 from jetserve.engine.model.checkpoint import Checkpoint
+from jetserve.engine.model import int4pack
 from jetserve.engine.model.loader import build_meta_model, torch_dtype
 from jetserve.engine.model.quant import QuantLinear
 from jetserve.engine.runner import block_bytes, kv_reserve
@@ -55,20 +59,90 @@ BOARDS = {
 SASS_COUNTS = Path(__file__).parent / "model" / "tiles" / "sass.json"
 
 
-def instructions_per_weight(family: str, method: str) -> tuple[float, str, str]:
-    """(instructions a weight, kernel, family counted) of the batch-1 kernel a format's weights
-    mostly take on a GPU family (bf16 / int8 / int4), from tiles/sass.json: for INT4 torch's
-    W4A16 kernel where it is counted (the big projections, which hold nearly all the weights,
-    take it: model/int4pack.py), else the fastest-issuing of ours; a family not counted takes the
-    nearest counted one's (by compute capability), as the tile tables do."""
+def instructions_per_weight(family: str, method: str, tinygemm: bool = False) -> tuple[float, str, str]:
+    """(instructions a weight, kernel, family counted) of the batch-1 kernel a product of this
+    format (bf16 / int8 / int4) takes on a GPU family, from tiles/sass.json: torch's W4A16 kernel
+    for the INT4 products that take it (`tinygemm`: model/int4pack.py), else the fastest-issuing
+    of ours (a lower bound, as the projection is); a family not counted takes the nearest counted
+    one's (by compute capability), as the tile tables do."""
     families = json.loads(SASS_COUNTS.read_text())["families"]
     number = int(family[2:])
     name = family if family in families else min(families, key=lambda f: abs(int(f[2:]) - number))
     counts = families[name].get(method, families[name]["bf16"])
     if isinstance(counts, float):
         return counts, "fma", name
-    kernel = "tinygemm" if "tinygemm" in counts else min(counts, key=counts.get)
-    return counts[kernel], kernel, name
+    if tinygemm and "tinygemm" in counts:
+        return counts["tinygemm"], "tinygemm", name
+    ours = {kernel: n for kernel, n in counts.items() if kernel != "tinygemm"}
+    kernel = min(ours, key=ours.get)
+    return ours[kernel], kernel, name
+
+
+@dataclass(frozen=True)
+class Product:
+    """Projections alike in a batch-1 decode step: one in each decoder layer, or the vocab projection."""
+    name: str
+    count: int  # a token
+    weights: int  # each multiplies by
+    bytes: int  # each reads: the weights, or their packed words, scales and zero points
+    method: str  # bf16 (any float: the 16-bit kernels' count), int8 or int4
+    tinygemm: bool = False  # INT4 that a GPU runs through torch's W4A16 kernel (model/int4pack.py)
+
+
+# The kernels tiles/sass.json counts, as the docs name them.
+KERNEL_NAMES = {"fma": "FMA", "dot": "tensor-core", "tinygemm": "tinygemm"}
+# Our names for the projections, as the docs and the tile tables' probes call them.
+PRODUCT_NAMES = {"qkv_proj": "q·k·v", "o_proj": "o", "gate_up_proj": "gate·up", "down_proj": "down",
+                 "lm_head": "vocab"}
+
+
+def decode_products(model: torch.nn.Module, dtype: torch.dtype) -> tuple[Product, ...]:
+    """What a batch-1 decode step of the (meta) model multiplies by, kind by kind: the decoder
+    layers' projections and the vocab projection (the MTP layers draft in steps of their own)."""
+    counts: dict[Product, int] = {}
+    for name, module in [*model.layers.named_modules(), ("lm_head", model.lm_head)]:
+        if isinstance(module, QuantLinear):
+            method = f"int{module.bits}"
+            tinygemm = int4pack.takes(module.bits, module.group_size, module.out_features, module.in_features,
+                                      dtype, "cuda")
+        elif isinstance(module, torch.nn.Linear):
+            method, tinygemm = "bf16", False
+        else:
+            continue
+        short = name.rsplit(".", 1)[-1]
+        kind = Product(PRODUCT_NAMES.get(short, short), 1, module.in_features * module.out_features,
+                       _bytes(module), method, tinygemm)
+        counts[kind] = counts.get(kind, 0) + 1
+    return tuple(replace(kind, count=n) for kind, n in counts.items())
+
+
+class ProductTime(NamedTuple):
+    """A product's share of a board's batch-1 step: all `count` of them, ms."""
+    product: Product
+    kernel: str
+    per_weight: float  # instructions a weight, from the SASS of `family`
+    family: str
+    memory_ms: float  # its bytes over the bandwidth
+    issue_ms: float  # its instructions over cores x clock
+
+    @property
+    def ms(self) -> float:
+        return max(self.memory_ms, self.issue_ms)
+
+    @property
+    def bound(self) -> str:
+        return "memory" if self.memory_ms >= self.issue_ms else "instructions"
+
+
+def product_times(board: Board, products: tuple[Product, ...]) -> list[ProductTime]:
+    """Each product's floors on `board`: its bytes over the bandwidth, its instructions over the
+    CUDA cores times the clock (one FP32 lane issues one instruction a clock)."""
+    rows = []
+    for p in products:
+        per_weight, kernel, family = instructions_per_weight(board.family, p.method, p.tinygemm)
+        rows.append(ProductTime(p, kernel, per_weight, family, p.count * p.bytes / board.bandwidth * 1e3,
+                                p.count * p.weights * per_weight / (board.cuda_cores * board.gpu_clock) * 1e3))
+    return rows
 
 RUNTIME_BYTES = int(0.6 * GiB)  # CUDA context, torch and the compiled kernels, on a GPU
 
@@ -86,22 +160,19 @@ class MemoryPlan:
     bytes_per_token: int  # read by a batch-1 decode step: the weights it multiplies by
     bandwidth: float | None
     kv_per_seq: int  # bytes of KV one sequence of max_model_len takes
-    weights_per_token: int = 0  # multiplied by a batch-1 decode step
+    products: tuple[Product, ...] = ()  # what a batch-1 decode step multiplies by
     board: Board | None = None
     queue: int = 0  # what the prompts of the requests in the engine may hold at most (max_queued_bytes)
 
-    def decode_ms(self, method: str) -> tuple[float, float, str]:
-        """(projected ms a token at batch 1, the instruction floor's ms, a note): the larger of
-        the bandwidth floor and the kernels' instructions over the board's cores x clock."""
-        memory = self.bytes_per_token / self.bandwidth * 1e3
+    def decode_ms(self) -> tuple[float, list[ProductTime]]:
+        """(projected ms a token at batch 1, each product's share): the products each the slower
+        of their bytes and their instructions on the board, the rest of the bytes read (norms)
+        at its bandwidth. The bandwidth floor alone where the board's cores are not known."""
         if not (self.board and self.board.cuda_cores):
-            return memory, 0.0, "memory-bound"
-        per_weight, kernel, family = instructions_per_weight(self.board.family, method)
-        issue = self.weights_per_token * per_weight / (self.board.cuda_cores * self.board.gpu_clock) * 1e3
-        bound = "memory-bound" if memory >= issue else "instruction-bound"
-        note = (f"{bound}: {per_weight:.2f} instructions a weight ({kernel} kernel, {family} SASS) over "
-                f"{self.board.cuda_cores} cores x {self.board.gpu_clock / 1e9:.2f} GHz take {issue:.1f} ms")
-        return max(memory, issue), issue, note
+            return self.bytes_per_token / self.bandwidth * 1e3, []
+        rows = product_times(self.board, self.products)
+        rest = self.bytes_per_token - sum(p.count * p.bytes for p in self.products)
+        return sum(row.ms for row in rows) + rest / self.bandwidth * 1e3, rows
 
     @property
     def need(self) -> int:
@@ -145,9 +216,18 @@ class MemoryPlan:
             lines.append(f"decode, batch 1: {self.bytes_per_token / GiB:.2f} GiB read a token -> "
                          f">= {self.bytes_per_token / self.bandwidth * 1e3:.1f} ms/token at "
                          f"{self.bandwidth / 1e9:.0f} GB/s")
-            if self.board and self.board.cuda_cores:
-                ms, _, note = self.decode_ms(f"int{q.bits}" if q else "bf16")  # AWQ/GPTQ run the same kernels
-                lines.append(f"  projected >= {ms:.1f} ms/token, {note}")
+            ms, rows = self.decode_ms()
+            if rows:
+                board = self.board
+                lines.append(f"  projected >= {ms:.1f} ms/token: each product the slower of its bytes at "
+                             f"{self.bandwidth / 1e9:.0f} GB/s and its instructions over {board.cuda_cores} cores x "
+                             f"{board.gpu_clock / 1e9:.2f} GHz\n  (instructions a weight: the {rows[0].family} SASS "
+                             "of the kernel it takes; the rest of the bytes, norms, at the bandwidth)")
+                lines.append(f"  {'product':<9}{'format':<8}{'kernel':<13}{'a token':>7}{'instr/weight':>14}"
+                             f"{'memory ms':>11}{'instr. ms':>11}  bound")
+                lines += [f"  {r.product.name:<9}{r.product.method:<8}{KERNEL_NAMES[r.kernel]:<13}"
+                          f"{'x%d' % r.product.count:>7}{r.per_weight:>14.2f}{r.memory_ms:>11.2f}{r.issue_ms:>11.2f}"
+                          f"  {r.bound}" for r in rows]
         return "\n".join(lines)
 
 
@@ -176,13 +256,9 @@ def memory_plan(config: EngineConfig, device: str) -> MemoryPlan:
     # slot (the runner fills free memory beyond that), + the scratch block
     blocks = (config.num_kv_blocks or config.max_num_seqs * config.max_blocks_per_seq) + 1
     gpu = device != "this" or config.device.startswith("cuda")
-    multiplied = sum(p.numel() for p in (*model.layers.parameters(), *model.norm.parameters(),
-                                          *model.lm_head.parameters()))
-    multiplied += sum(m.in_features * m.out_features for m in model.modules()
-                      if isinstance(m, QuantLinear))  # their packed words are buffers, not parameters
     return MemoryPlan(device, available, weights, blocks * block_bytes(config), blocks * config.block_size,
                       activations, graphs, RUNTIME_BYTES if gpu else 0, read, bandwidth,
-                      config.max_blocks_per_seq * block_bytes(config), multiplied, board,
+                      config.max_blocks_per_seq * block_bytes(config), decode_products(model, dtype), board,
                       config.max_queued_bytes)
 
 

@@ -80,10 +80,17 @@ def applies(bits: int, group_size: int, out_features: int, in_features: int, dty
             device: torch.device) -> bool:
     """Whether a projection of this format and shape takes tinygemm on `device`."""
     device = torch.device(device)
-    if device.type not in ROW_MULTIPLE or (device.type == "cuda" and out_features * in_features < MIN_WEIGHTS):
+    return takes(bits, group_size, out_features, in_features, dtype, device.type) and _runs_on(device)
+
+
+def takes(bits: int, group_size: int, out_features: int, in_features: int, dtype: torch.dtype,
+          device_type: str) -> bool:
+    """Whether a projection of this format and shape takes tinygemm on a device of this type whose
+    torch has the kernel (`applies` checks that too; the memory plan asks it of a board)."""
+    if device_type not in ROW_MULTIPLE or (device_type == "cuda" and out_features * in_features < MIN_WEIGHTS):
         return False
-    return (bits == 4 and group_size in GROUP_SIZES and out_features % ROW_MULTIPLE[device.type] == 0
-            and dtype == torch.bfloat16 and inner_k_tiles(in_features) is not None and _runs_on(device))
+    return (bits == 4 and group_size in GROUP_SIZES and out_features % ROW_MULTIPLE[device_type] == 0
+            and dtype == torch.bfloat16 and inner_k_tiles(in_features) is not None)
 
 
 def empty(out_features: int, in_features: int, group_size: int, device_type: str) -> Int4PackedWeight:

@@ -53,3 +53,26 @@ def test_a_directory_of_that_name_wins(tmp_path, monkeypatch, capsys):
     (tmp_path / "qwen3-4b" / "config.json").write_text(json.dumps(shape_config("qwen3-0.6b")))
     assert main(["plan", "--model", "qwen3-4b", "--device", "thor"]) == 2  # no weights in that directory
     assert "the shape of" not in capsys.readouterr().out
+
+
+def _products(out: str) -> dict[str, tuple[str, str, str, str]]:
+    """The plan's batch-1 table: product → (format, kernel, a token, bound)."""
+    table = out.split("  product ")[1].splitlines()[1:]
+    return {row.split()[0]: (row.split()[1], row.split()[2], row.split()[3], row.split()[-1]) for row in table}
+
+
+def test_each_product_is_projected_with_the_kernel_it_takes(capsys):
+    """The 4B's INT4 projections are big enough for torch's W4A16 kernel and the 0.6B's are not
+    (int4pack.MIN_WEIGHTS), the vocab projection stays bf16; on an Orin Nano the 4B's INT4
+    products are bound by instructions and its bf16 vocab projection by memory, each said."""
+    common = ["plan", "--device", "orin-nano-8gb", "--max-model-len", "4096", "--quantization", "int4"]
+    main([*common, "--model", "qwen3-4b"])
+    big = _products(capsys.readouterr().out)
+    assert list(big) == ["q·k·v", "o", "gate·up", "down", "vocab"]
+    assert all(big[name][:3] == ("int4", "tinygemm", "x36") for name in ["q·k·v", "o", "gate·up", "down"])
+    assert big["vocab"] == ("bf16", "FMA", "x1", "memory")
+    assert {big[name][3] for name in ["q·k·v", "o", "gate·up", "down"]} == {"instructions"}
+    main([*common, "--model", "qwen3-0.6b"])
+    small = _products(capsys.readouterr().out)
+    assert all(small[name][0] == "int4" and small[name][1] != "tinygemm" and small[name][2] == "x28"
+               for name in ["q·k·v", "o", "gate·up", "down"])

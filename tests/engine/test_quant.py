@@ -499,23 +499,33 @@ def test_plan_qwen3_4b_on_an_orin_nano(tmp_path, capsys):
     assert projections[0] == projections[1]  # AWQ runs what INT4 on the fly runs
 
 
-def test_the_projection_takes_the_slower_of_memory_and_instructions(monkeypatch):
-    """A board's batch-1 projection is the bandwidth floor where the kernels' instructions a
-    weight keep up (over cores x clock), and their time where they do not, saying which."""
+def test_the_projection_takes_each_product_at_its_slower_bound():
+    """A board's batch-1 projection takes each product at the slower of its bytes over the
+    bandwidth and its instructions over cores x clock, and the rest of the bytes at the bandwidth:
+    an instruction-bound product beside a memory-bound one costs both their bounds, where the
+    whole step's two sums would hide the first behind the second."""
     from jetserve.engine import plan
 
     board = plan.BOARDS["orin-nano-8gb"]
-    mp = plan.MemoryPlan("orin-nano-8gb", 0, 0, 0, 0, 0, 0, 0, int(board.bandwidth / 1000), board.bandwidth, 1,
-                         weights_per_token=board.cuda_cores * int(board.gpu_clock) // 1000, board=board)
-    per_weight = plan.instructions_per_weight("sm87", "int4")[0]
-    ms, issue, note = mp.decode_ms("int4")  # 1 ms of bytes; per_weight ms of instructions
-    assert issue == pytest.approx(per_weight) and ms == pytest.approx(max(1.0, per_weight))
-    assert note.startswith("instruction-bound" if per_weight > 1 else "memory-bound")
-    fast = plan.MemoryPlan(*[getattr(mp, f) for f in ("device", "available", "weights", "kv_cache", "kv_tokens",
-                                                      "activations", "graphs", "runtime")],
-                           int(board.bandwidth * 100 / 1000), board.bandwidth, 1, mp.weights_per_token, board)
-    assert fast.decode_ms("int4")[0] == pytest.approx(100.0) and fast.decode_ms("int4")[2].startswith("memory-bound")
+    ms_of_bytes = int(board.bandwidth / 1000)  # 1 ms at the bandwidth
+    one_ms_of_issue = board.cuda_cores * int(board.gpu_clock) // 1000  # instructions the cores issue in 1 ms
+    packed = plan.Product("gate·up", 2, one_ms_of_issue // 2, ms_of_bytes // 2, "int4", tinygemm=True)  # 1 ms of bytes
+    vocab = plan.Product("vocab", 1, 1000, 10 * ms_of_bytes, "bf16")  # 10 ms of bytes
+    per_weight = plan.instructions_per_weight("sm87", "int4", tinygemm=True)[0]
+    assert per_weight > 1  # the products' instructions outlast their bytes on an Orin Nano
+    mp = plan.MemoryPlan("orin-nano-8gb", 0, 0, 0, 0, 0, 0, 0, 12 * ms_of_bytes, board.bandwidth, 1,
+                         products=(packed, vocab), board=board)
+    ms, rows = mp.decode_ms()
+    assert [(r.kernel, r.bound) for r in rows] == [("tinygemm", "instructions"), ("fma", "memory")]
+    assert rows[0].issue_ms == pytest.approx(per_weight, rel=1e-3) and rows[1].memory_ms == pytest.approx(10, rel=1e-3)
+    assert ms == pytest.approx(per_weight + 10 + 1, rel=1e-3)  # + the 1 ms of other bytes
+    untaken = plan.instructions_per_weight("sm87", "int4")  # an INT4 product tinygemm does not take: ours
+    assert untaken[1] != "tinygemm" and untaken[0] == min(v for k, v in json.loads(plan.SASS_COUNTS.read_text())[
+        "families"]["sm87"]["int4"].items() if k != "tinygemm")
     assert plan.instructions_per_weight("sm110", "int4")[2] == "sm90"  # not counted: the nearest family's
+    assert plan.MemoryPlan("this", 0, 0, 0, 0, 0, 0, 0, ms_of_bytes, board.bandwidth, 1).decode_ms() == (
+        pytest.approx(1.0, rel=1e-3), [])  # no cores known: the bandwidth floor alone
+
 
 
 def test_serve_refuses_what_cannot_fit(tmp_path, caplog):
@@ -529,3 +539,22 @@ def test_serve_refuses_what_cannot_fit(tmp_path, caplog):
                      "--max-model-len", "40960", "--port", "0", "--metrics-port", "0", "--openai-port", "0"])
     failed = [r.getMessage() for r in caplog.records if "failed to load" in r.getMessage()]
     assert code == 1 and failed and "does not fit" in failed[0] and "KV cache" in failed[0]
+
+
+def test_bench_quant_projects_each_product_on_each_board():
+    """`bench quant`'s kernel table projects each product on every Jetson board as `jetserve plan`
+    does, and again at the share of bandwidth the kernel measured on this GPU reached."""
+    from jetserve.bench.quant import jetson_projection
+    from jetserve.engine import plan
+
+    n, k = 19456, 2560
+    size = n * k // 2 + n * (k // 128) * 5
+    full, half = (jetson_projection("gate_up", n, k, size, "int4", True, share) for share in (1.0, 0.5))
+    assert set(full) == set(plan.BOARDS)
+    for name, board in plan.BOARDS.items():
+        (t,) = plan.product_times(board, (plan.Product("gate_up", 1, n * k, size, "int4", True),))
+        assert full[name]["memory_us"] == pytest.approx(size / board.bandwidth * 1e6, abs=0.01)
+        assert full[name]["bound"] == t.bound and full[name]["kernel"] == "tinygemm"
+        assert full[name]["at_measured_share_us"] == max(full[name]["memory_us"], full[name]["instructions_us"])
+        assert half[name]["at_measured_share_us"] == pytest.approx(
+            max(2 * full[name]["memory_us"], full[name]["instructions_us"]), abs=0.02)
