@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import errno
+import gc
 import logging
 import os
 import signal
@@ -446,6 +447,16 @@ def map_large_allocations() -> None:
     mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
 
 
+def freeze_startup_heap() -> None:
+    """Move what start-up made (the modules, the tokenizer, the apps) out of the collector's
+    scans, as the engine core does and as vLLM's API server does: otherwise the first full
+    collection the requests' garbage triggers walks that whole heap on the event loop while
+    every stream waits (on a small board, the first streamed answer's first byte waited for it).
+    A process-wide choice, so it is made here, where the process serves, not in JetServer."""
+    gc.collect()
+    gc.freeze()
+
+
 async def serve(make_engine, options: ServeOptions) -> int:
     """Run until SIGTERM/SIGINT (then drain) or until the model fails to load (exit status 1)."""
     map_large_allocations()
@@ -462,6 +473,8 @@ async def serve(make_engine, options: ServeOptions) -> int:
         log.error("the model failed to load: %s", failed, exc_info=failed if log.isEnabledFor(logging.DEBUG) else None)
         notify.status("failed to load the model: %s" % failed)
     else:
+        if server.loading.done():
+            freeze_startup_heap()
         await stopped
     for sig in (signal.SIGTERM, signal.SIGINT):  # a second signal cuts the drain short
         loop.add_signal_handler(sig, server.hurry)
