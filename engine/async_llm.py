@@ -83,10 +83,14 @@ class AsyncLLM:
         text, ids = check_prompt(prompt, self.tokenizer, cfg.model_config.vocab_size, cfg.max_model_len)
         arrival = time.monotonic()
         collector = RequestOutputCollector(asyncio.get_running_loop())
+        room = self.core.stats().max_num_seqs + cfg.max_waiting
+        if params.n > room:  # not even an empty queue holds it: no retry would help
+            raise ValueError(f"n={params.n} completions cannot be admitted: this server holds at most {room} "
+                             f"(max_num_seqs + max_waiting)")
         with self._lock:
             # At most max_num_seqs of the requests in the core run (n a request); the rest wait.
             # Counted here, under the lock, so a burst between two steps cannot slip past the bound.
-            if len(self._processor.requests) + params.n > self.core.stats().max_num_seqs + cfg.max_waiting:
+            if len(self._processor.requests) + params.n > room:
                 raise QueueFullError(f"waiting queue is full ({cfg.max_waiting} requests); retry later")
             # And their prompts' bytes, which the memory plan counts: a flood of long prompts is
             # refused here, not by the OOM killer.
@@ -101,10 +105,10 @@ class AsyncLLM:
             hold_back = params.n > 1 and cfg.enable_prefix_caching and len(ids) > cfg.block_size
             children = self._processor.add(request_id, text, ids, params, arrival, hold_back)
             self._streams[request_id] = collector
-        for child in children:
-            self.core.add_request(child)
         finished = False
-        try:
+        try:  # from here the request holds its place in the queue: however this ends, it gives it back
+            for child in children:
+                self.core.add_request(child)
             while not finished:
                 output = await collector.get()
                 finished = output.finished

@@ -295,6 +295,34 @@ def test_async_queue_bound_and_cancel(tiny):
     assert (idle.num_running, idle.num_waiting, idle.kv_blocks_used) == (0, 0, 0)
 
 
+def test_a_request_the_core_cannot_take_gives_its_place_back(tiny):
+    """A request that fails on its way into the engine core (here a seed set past 64 bits after
+    SamplingParams checked it, which cannot cross to the core's process) gives back its place in
+    the queue: more such failures than the queue holds still leave room for the next request. And
+    n beyond everything the queue holds is refused as a bad value, naming n, not as a full queue
+    that a client would retry for ever."""
+    path, _ = tiny
+
+    async def main():
+        engine = AsyncLLM(EngineArgs(model=str(path), max_num_seqs=1, max_waiting=1).resolve())
+        engine.start()
+        try:
+            unsendable = SamplingParams(temperature=0, max_tokens=2)
+            unsendable.seed = 2**70
+            for _ in range(3):  # past the two places the queue has
+                with pytest.raises(OverflowError):
+                    await engine.generate({"prompt_token_ids": [5] * 4}, unsendable).__anext__()
+            with pytest.raises(ValueError, match=r"^n=3 completions cannot be admitted: .* at most 2"):
+                await engine.generate({"prompt_token_ids": [5] * 4}, SamplingParams(n=3, max_tokens=2)).__anext__()
+            return [out async for out in engine.generate({"prompt_token_ids": [5] * 4},
+                                                          SamplingParams(n=2, temperature=0, max_tokens=2))]
+        finally:
+            engine.shutdown()
+
+    outputs = asyncio.run(main())
+    assert outputs[-1].finished and {c.index for out in outputs for c in out.outputs} == {0, 1}  # deltas
+
+
 def test_seeded_sampling_is_reproducible_and_batch_independent(tiny):
     path, _ = tiny
     llm = LLM(str(path), max_num_seqs=8)
