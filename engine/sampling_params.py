@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import reprlib
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
@@ -14,10 +15,21 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_N = 16
 MAX_LOGPROBS = 20
 MAX_TOKEN_LIST = 4096  # logit_bias, allowed_token_ids, bad_words
+# Above it every token is about as likely already; past float32's range the sampler would divide
+# the logits by inf, which makes allowed_token_ids' and logit_bias' masks NaN (any token drawn).
+MAX_TEMPERATURE = 100.0
+# Token ids and counts are int32 wherever they are kept (prompt arrays, the proto), a seed int64
+# (vLLM's bound): a larger integer cannot cross to the engine core, so it is refused here, named.
+MAX_INT32 = 2**31 - 1
+MIN_SEED, MAX_SEED = -2**63, 2**63 - 1
 
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_token_id(value) -> bool:
+    return _is_int(value) and 0 <= value <= MAX_INT32
 
 
 def _is_number(value) -> bool:
@@ -80,15 +92,15 @@ class SamplingParams:
                                    prompt_logprobs=self.prompt_logprobs if index == 0 else None)
 
     def _check(self):
-        def fail(name, why):
-            raise ValueError(f"SamplingParams.{name} {why}, got {getattr(self, name)!r}")
+        def fail(name, why):  # the value shortened: a refused list of thousands is not echoed whole
+            raise ValueError(f"SamplingParams.{name} {why}, got {reprlib.repr(getattr(self, name))}")
 
-        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
-            fail("temperature", "must be a number >= 0 (0 means greedy)")
+        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature <= MAX_TEMPERATURE:
+            fail("temperature", f"must be a number in [0, {MAX_TEMPERATURE:g}] (0 means greedy)")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             fail("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            fail("top_k", "must be an integer >= 0 (0 or -1 turn it off)")
+        if not isinstance(self.top_k, int) or not 0 <= self.top_k <= MAX_INT32:
+            fail("top_k", f"must be an integer in [0, {MAX_INT32}] (0 or -1 turn it off)")
         if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
             fail("min_p", "must be in [0, 1]")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
@@ -99,13 +111,13 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.stop takes at most {MAX_STOP_STRINGS} strings of at most "
                              f"{MAX_STOP_CHARS} characters, got {len(self.stop)} (longest "
                              f"{max(map(len, self.stop))})")
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
-            fail("stop_token_ids", "must be token ids >= 0")
+        if not all(_is_token_id(t) for t in self.stop_token_ids):
+            fail("stop_token_ids", f"must be token ids in [0, {MAX_INT32}]")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"SamplingParams.stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, "
                              f"got {len(self.stop_token_ids)}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            fail("seed", "must be an integer")
+        if self.seed is not None and (not _is_int(self.seed) or not MIN_SEED <= self.seed <= MAX_SEED):
+            fail("seed", f"must be an integer in [{MIN_SEED}, {MAX_SEED}]")
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             fail("n", f"must be an integer in [1, {MAX_N}]")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -113,8 +125,8 @@ class SamplingParams:
                 fail(name, "must be a number in [-2, 2]")
         if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty <= 10:
             fail("repetition_penalty", "must be a number in (0, 10] (1: off)")
-        if not _is_int(self.min_tokens) or self.min_tokens < 0:
-            fail("min_tokens", "must be an integer >= 0")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= MAX_INT32:
+            fail("min_tokens", f"must be an integer in [0, {MAX_INT32}]")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             fail("min_tokens", f"must be at most max_tokens ({self.max_tokens})")
         for name in ("logprobs", "prompt_logprobs"):
@@ -123,17 +135,22 @@ class SamplingParams:
                 fail(name, f"must be an integer in [0, {MAX_LOGPROBS}] (or None)")
         if self.logit_bias is not None and not (
                 isinstance(self.logit_bias, dict) and len(self.logit_bias) <= MAX_TOKEN_LIST
-                and all(_is_int(t) and t >= 0 and _is_number(b) and -100 <= b <= 100
+                and all(_is_token_id(t) and _is_number(b) and -100 <= b <= 100
                         for t, b in self.logit_bias.items())):
-            fail("logit_bias", f"must map at most {MAX_TOKEN_LIST} token ids >= 0 to numbers in [-100, 100]")
+            fail("logit_bias", f"must map at most {MAX_TOKEN_LIST} token ids in [0, {MAX_INT32}] to numbers in "
+                               "[-100, 100]")
         if self.allowed_token_ids is not None and not (
                 isinstance(self.allowed_token_ids, list) and 0 < len(self.allowed_token_ids) <= MAX_TOKEN_LIST
-                and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)):
-            fail("allowed_token_ids", f"must be a non-empty list of at most {MAX_TOKEN_LIST} token ids >= 0")
+                and all(_is_token_id(t) for t in self.allowed_token_ids)):
+            fail("allowed_token_ids", f"must be a non-empty list of at most {MAX_TOKEN_LIST} token ids in "
+                                      f"[0, {MAX_INT32}]")
         if self.bad_words is not None and not (
                 isinstance(self.bad_words, list) and len(self.bad_words) <= MAX_TOKEN_LIST
-                and all(isinstance(w, str) and w.strip() for w in self.bad_words)):
-            fail("bad_words", f"must be a list of at most {MAX_TOKEN_LIST} non-empty strings")
+                and all(isinstance(w, str) and w.strip() and len(w) <= MAX_STOP_CHARS for w in self.bad_words)):
+            # Bounded as stop strings are: the engine core tokenizes each word in its step loop,
+            # which every other stream waits on, then matches it at every step.
+            fail("bad_words", f"must be a list of at most {MAX_TOKEN_LIST} non-empty strings of at most "
+                              f"{MAX_STOP_CHARS} characters")
 
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids the model does not have are named here, not met as an index error later."""

@@ -21,6 +21,9 @@ from jetserve.v1 import inference_pb2 as pb
 # MAX_MESSAGE_BYTES is refused by grpcio itself with RESOURCE_EXHAUSTED.
 MAX_MESSAGE_BYTES = 4 * 2**20
 MAX_REQUEST_ID_CHARS = 256
+# A conversation's turns, through gRPC and HTTP alike: each is rendered by the chat template and
+# tokenized before the prompt's length is known, so their number is bounded, not only their text.
+MAX_CHAT_MESSAGES = 1024
 _OWN_METHODS = "/jetserve.v1."
 
 
@@ -108,6 +111,11 @@ def check_request_id(request_id: str) -> str:
         raise ValueError(f"request_id must be at most {MAX_REQUEST_ID_CHARS} printable characters, got "
                          f"{len(request_id)} characters")
     return request_id
+
+
+def check_messages(count: int) -> None:
+    if count > MAX_CHAT_MESSAGES:
+        raise ValueError(f"messages: at most {MAX_CHAT_MESSAGES} a conversation, got {count}")
 
 
 def tokenized(prompt, engine):

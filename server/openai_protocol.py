@@ -9,6 +9,7 @@ not get.
 from __future__ import annotations
 
 import dataclasses
+import reprlib
 from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -16,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from jetserve.engine import SamplingParams
 from jetserve.engine.prompts import token_array
 from jetserve.engine.sampling_params import MAX_LOGPROBS, MAX_N
+from jetserve.server.guard import MAX_CHAT_MESSAGES
 
 # Bounds that keep one request from asking for unbounded work; the engine checks the rest.
 MAX_STOP = 16
@@ -24,13 +26,17 @@ MAX_TOKEN_LIST = 4096
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
 
 
 class SamplingFields(BaseModel):
-    """The sampling fields both endpoints share: OpenAI's, then vLLM's extras."""
+    """The sampling fields both endpoints share: OpenAI's, then vLLM's extras. Strict, as OpenAI
+    is: `true` is no count and "2" no number (lax parsing would make `"prompt": [true, false]`
+    the token ids 1 and 0); an integer is still a float."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: Optional[str] = None
     n: int = Field(1, ge=1, le=MAX_N)
@@ -123,7 +129,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(..., max_length=1024)
+    messages: list[ChatMessage] = Field(..., max_length=MAX_CHAT_MESSAGES)
     max_tokens: Optional[int] = None
     max_completion_tokens: Optional[int] = None
     logprobs: bool = False
@@ -138,11 +144,14 @@ class ChatCompletionRequest(SamplingFields):
         be text the client cannot parse or a tool call it waits for in vain."""
         kind = (self.response_format or {}).get("type", "text")
         if kind != "text":
-            raise ValueError(f"response_format {kind!r} is not supported: this server does not constrain its "
-                             "output (only 'text')")
+            raise ValueError(f"response_format {reprlib.repr(kind)} is not supported: this server does not "
+                             "constrain its output (only 'text')")
         if self.tools and self.tool_choice != "none":
             raise ValueError("tools are not supported: this server makes no tool calls (with tool_choice 'none' "
                              "the model is asked for text)")
+        if self.tool_choice not in (None, "none", "auto"):  # 'required' or a named function, tools or not
+            raise ValueError(f"tool_choice {reprlib.repr(self.tool_choice)} asks for a tool call: this server makes "
+                             "none (leave it unset, or 'none')")
 
     def requested_max_tokens(self) -> Optional[int]:
         """max_completion_tokens is OpenAI's newer name; max_tokens is kept for older clients."""

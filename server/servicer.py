@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import math
 import uuid
 
 import grpc
@@ -12,7 +11,7 @@ import grpc
 from jetserve import __version__
 from jetserve.engine import SamplingParams
 from jetserve.server.errors import RpcError, status_for
-from jetserve.server.guard import WithTokenIds, check_request_id, check_room, tokenized
+from jetserve.server.guard import WithTokenIds, check_messages, check_request_id, check_room, tokenized
 from jetserve.server.metrics import percentiles
 from jetserve.v1 import inference_pb2 as pb
 from jetserve.v1 import inference_pb2_grpc as pb_grpc
@@ -40,9 +39,6 @@ def sampling_params(options: pb.SamplingOptions) -> SamplingParams:
     """Unset fields keep SamplingParams' defaults; it names the field of any bad value."""
     kwargs = {name: getattr(options, name) for name in FLOAT_OPTIONS + INT_OPTIONS
               if options.HasField(name)}
-    for name in FLOAT_OPTIONS:
-        if name in kwargs and not math.isfinite(kwargs[name]):
-            raise ValueError("sampling.%s must be a finite number, got %s" % (name, kwargs[name]))
     kwargs.update({name: list(getattr(options, name)) for name in LIST_OPTIONS if getattr(options, name)})
     if options.logit_bias:
         kwargs["logit_bias"] = dict(options.logit_bias)
@@ -79,6 +75,7 @@ def chat_prompt(request: pb.ChatRequest, engine) -> dict:
         raise RpcError(grpc.StatusCode.FAILED_PRECONDITION,
                        "messages: model %s has no tokenizer, so no chat template; use Generate with token_ids"
                        % engine.model_info.model)
+    check_messages(len(request.messages))
     text, ids = engine.tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in request.messages],
                                              max_tokens=engine.model_info.max_model_len)
     return {"prompt": text, "prompt_token_ids": ids}

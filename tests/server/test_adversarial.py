@@ -12,7 +12,7 @@ import pytest
 
 from jetserve.engine.sampling_params import MAX_STOP_STRINGS
 from jetserve.server.auth import is_local_peer, read_token
-from jetserve.server.guard import MAX_MESSAGE_BYTES, MAX_REQUEST_ID_CHARS
+from jetserve.server.guard import MAX_CHAT_MESSAGES, MAX_MESSAGE_BYTES, MAX_REQUEST_ID_CHARS
 from jetserve.v1 import inference_pb2 as pb
 from jetserve.v1 import inference_pb2_grpc as pb_grpc
 from tests.server.conftest import LiveServer, engine_factory, greedy
@@ -196,6 +196,17 @@ def test_chat_content_too_long_for_the_context_is_refused_before_it_is_tokenized
     with sdk, pytest.raises(openai.BadRequestError, match="messages' content is 2700000 characters"):
         sdk.chat.completions.create(model=live.server.model_name, max_tokens=2,
                                     messages=[{"role": "user", "content": content}])
+
+
+def test_a_conversation_of_more_turns_than_http_takes_is_refused_before_it_is_rendered(live, stubs):
+    """Chat over gRPC takes no more messages than the OpenAI API: each turn is rendered and
+    tokenized before the prompt's length is known, and a 4 MiB message holds ~350k tiny ones."""
+    inference, _ = stubs
+    turns = [pb.ChatMessage(role="user", content="a")] * (MAX_CHAT_MESSAGES + 1)
+    with pytest.raises(grpc.RpcError) as refused:
+        list(inference.Chat(pb.ChatRequest(messages=turns, sampling=greedy(2)), timeout=60))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "messages: at most %d" % MAX_CHAT_MESSAGES in refused.value.details()
 
 
 @pytest.fixture(scope="module")

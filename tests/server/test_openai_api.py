@@ -119,6 +119,19 @@ def test_seed_makes_sampling_repeatable(sdk, live):
     ({"n": 1000}, 400, "n"),
     ({"echo": True}, 400, "echo"),
     ({"best_of": 3}, 400, "best_of=3 is not supported"),
+    # integers past what crosses to the engine core (once a 500, and a queue slot lost for good)
+    ({"seed": 2**64}, 400, "seed must be an integer in"),
+    ({"logit_bias": {str(2**70): 1}}, 400, "logit_bias"),
+    ({"extra_body": {"top_k": 2**64}}, 400, "top_k"),
+    # past float32 the sampler divided by inf: allowed_token_ids' mask became NaN
+    ({"temperature": 1e300, "extra_body": {"allowed_token_ids": [5, 6]}}, 400, "temperature"),
+    # wrong types are not coerced: true is no count, "2" no number, [true, false] no token ids
+    ({"max_tokens": True}, 400, "max_tokens"),
+    ({"max_tokens": "2"}, 400, "max_tokens"),
+    ({"prompt": [True, False]}, 400, "prompt"),
+    # bounded as stop strings: the engine core tokenizes every word in its step loop
+    ({"extra_body": {"bad_words": ["x" * 300]}}, 400, "bad_words"),
+    ({"extra_body": {"allowed_token_ids": [-1] * 4096}}, 400, "allowed_token_ids"),
 ])
 def test_errors_have_openai_shape_and_status(sdk, live, fields, status, words):
     args = {"model": live.server.model_name, "prompt": "hi", "max_tokens": 4, **fields}
@@ -127,7 +140,7 @@ def test_errors_have_openai_shape_and_status(sdk, live, fields, status, words):
     assert err.value.status_code == status
     body = err.value.body
     assert set(body) >= {"message", "type", "code"} and words in body["message"], body
-    assert "Traceback" not in body["message"]
+    assert "Traceback" not in body["message"] and len(body["message"]) < 1000  # a refused list is not echoed
 
 
 @pytest.mark.parametrize("messages, words", [
@@ -143,6 +156,7 @@ def test_bad_chat_messages_are_a_400(sdk, live, messages, words):
 @pytest.mark.parametrize("fields, words", [
     ({"response_format": {"type": "json_object"}}, "response_format 'json_object' is not supported"),
     ({"tools": [{"type": "function", "function": {"name": "lights", "parameters": {}}}]}, "tools are not supported"),
+    ({"tool_choice": "required"}, "tool_choice 'required' asks for a tool call"),
 ])
 def test_chat_refuses_what_it_would_otherwise_ignore(sdk, live, fields, words):
     """A JSON answer or a tool call asked for and not made would be ignored silently: a 400 names
@@ -228,3 +242,28 @@ def test_penalties_reach_the_engine_over_http(sdk, live):
     plain = sdk.completions.create(**args).choices[0].text
     penalised = sdk.completions.create(frequency_penalty=2.0, presence_penalty=2.0, **args).choices[0].text
     assert penalised != plain
+
+
+@pytest.fixture(scope="module")
+def small_queue(tiny_model):
+    """Room for three requests in all (two running, one waiting)."""
+    server = LiveServer(engine_factory(tiny_model, max_num_seqs=2, max_waiting=1), openai_port=free_port())
+    server.wait_loaded()
+    yield server
+    server.stop()
+
+
+def test_refused_requests_hold_no_place_in_the_queue(small_queue):
+    """A seed past 64 bits once failed as the request crossed to the engine core, after it had
+    taken its place in the queue, which it then kept: more such requests than the queue holds
+    left every later one a 429. Now each is a 400 and the queue is as empty as before."""
+    with client(small_queue) as sdk:
+        for _ in range(4):
+            with pytest.raises(openai.BadRequestError) as err:
+                sdk.completions.create(model=small_queue.server.model_name, prompt="hi", max_tokens=2, seed=2**64)
+            assert err.value.body["param"] == "seed"
+        with pytest.raises(openai.BadRequestError) as err:  # more than the whole queue holds: never a 429
+            sdk.completions.create(model=small_queue.server.model_name, prompt="hi", max_tokens=2, n=4)
+        assert err.value.body["param"] == "n" and "at most 3" in err.value.body["message"]
+        done = sdk.completions.create(model=small_queue.server.model_name, prompt="hi", max_tokens=2)
+        assert done.choices[0].finish_reason in ("stop", "length")
