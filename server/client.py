@@ -67,7 +67,7 @@ def stream(responses, out=sys.stdout, err=sys.stderr) -> str:
 def generate(args) -> int:
     stub = connect(args)
     request = pb.GenerateRequest(text=args.prompt, sampling=sampling(args))
-    return _run(lambda: stream(stub.Generate(request, metadata=metadata(args))))
+    return _run(lambda: stream(stub.Generate(request, metadata=metadata(args))), args.target)
 
 
 def chat(args) -> int:
@@ -82,7 +82,7 @@ def chat(args) -> int:
         messages.append(pb.ChatMessage(role="assistant", content=answer))
 
     if args.message:
-        return _run(lambda: turn(args.message))
+        return _run(lambda: turn(args.message), args.target)
     interactive = sys.stdin.isatty()
     while True:
         if interactive:
@@ -94,17 +94,22 @@ def chat(args) -> int:
         if line.strip():
             if not interactive:  # a transcript: each question above its reply, a blank line between turns
                 sys.stdout.write("> %s\n" % line.strip())
-            status = _run(lambda: turn(line.strip()))
+            status = _run(lambda: turn(line.strip()), args.target)
             if not interactive:
                 sys.stdout.write("\n")
             if status:
                 return status
 
 
-def _run(call) -> int:
+def _run(call, target: str) -> int:
     try:
         call()
     except grpc.RpcError as exc:
-        sys.stderr.write("error: %s: %s\n" % (exc.code().name, exc.details()))
+        if exc.code() == grpc.StatusCode.UNAVAILABLE and "failed to connect" in (exc.details() or ""):
+            # gRPC's own words list addresses and errno text; what the user needs is the next step.
+            sys.stderr.write("error: no server answers at %s: start one with `jetserve serve`, or pass --target "
+                             "(%s)\n" % (target, exc.details()))
+        else:
+            sys.stderr.write("error: %s: %s\n" % (exc.code().name, exc.details()))
         return 1
     return 0

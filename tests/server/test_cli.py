@@ -52,6 +52,15 @@ def test_client_errors_show_the_status_not_a_traceback(live):
     assert done.stderr.startswith("error: INVALID_ARGUMENT: SamplingParams.temperature")
 
 
+def test_no_server_at_the_target_says_how_to_start_one(tmp_path):
+    """Nothing listening: the next step, not only gRPC's list of addresses and errno text."""
+    for command in (["generate", "hi"], ["chat", "hi"]):
+        done = jetserve(*command, "--target", "unix:%s" % (tmp_path / "none.sock"))
+        assert done.returncode == 1
+        assert done.stderr.startswith("error: no server answers at unix:%s: start one with `jetserve serve`"
+                                      % (tmp_path / "none.sock")), done.stderr
+
+
 def test_serve_takes_vllms_flags_and_the_service_flags():
     args = build_parser().parse_args([
         "serve", "--model", "m", "--dtype", "bfloat16", "--max-model-len", "2048", "--max-num-seqs", "4",
