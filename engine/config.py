@@ -10,9 +10,15 @@ imports no torch (`jetserve --help` stays fast); `resolve()` asks torch only abo
 from __future__ import annotations
 
 import argparse
+import atexit
+import functools
 import importlib.util
 import json
+import logging
 import os
+import shutil
+import stat
+import tempfile
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
@@ -539,10 +545,10 @@ class EngineArgs:
             cpu_compile = CPUCompileConfig(
                 tuple(cpu_capture_sizes(self.cudagraph_capture_sizes, self.max_cudagraph_capture_size,
                                         self.max_num_seqs)),
-                str(cache_root()))
+                str(private_cache_root()))
         tile_cache_dir = None
         if graphs and fused and (self.tile_cache_dir or "").lower() != "none":
-            tile_cache_dir = self.tile_cache_dir or str(cache_root() / "tiles")
+            tile_cache_dir = self.tile_cache_dir or str(private_cache_root() / "tiles")
         return EngineConfig(
             model=model, served_model_name=self.served_model_name or str(self.model),  # as given: "demo", not its path
             model_config=model_config, backend=self.backend, device=device,
@@ -621,6 +627,45 @@ def cache_root() -> Path:
     if os.environ.get("JETSERVE_CACHE_DIR"):
         return Path(os.environ["JETSERVE_CACHE_DIR"])
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jetserve"
+
+
+def private_cache_root() -> Path:
+    """`cache_root()` where it is this user's alone, made (mode 0700) if missing. The caches hold
+    native code this process loads and runs (compiled CPU programs, inductor's build files), so
+    a directory another user owns or may write (a shared JETSERVE_CACHE_DIR, a planted one under
+    /tmp) is not used: a warning names it and why, and this process caches in a private temporary
+    directory of its own instead, removed at exit (it compiles again on its next start)."""
+    return _private(cache_root())
+
+
+@functools.cache
+def _private(root: Path) -> Path:
+    try:
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        why = _not_private(root)
+    except OSError as exc:
+        why = f"it cannot be made ({exc.strerror or exc})"
+    if why is None:
+        return root
+    own = Path(tempfile.mkdtemp(prefix="jetserve-cache-"))
+    atexit.register(shutil.rmtree, own, ignore_errors=True)
+    logging.getLogger(__name__).warning("cache directory %s is not used: %s; caching in %s for this run", root,
+                                        why, own)
+    return own
+
+
+def _not_private(path: Path) -> str | None:
+    """Why another user could put files in `path` (a directory), or None: owned by someone else,
+    writable by group or others, or inside a directory others may write that is not sticky."""
+    info = path.stat()
+    if info.st_uid != os.getuid():
+        return f"it is owned by uid {info.st_uid}, not this user ({os.getuid()})"
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"group or others may write it (mode {stat.S_IMODE(info.st_mode):o})"
+    parent = path.resolve().parent.stat()
+    if parent.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not parent.st_mode & stat.S_ISVTX:
+        return "others may write the directory it is in, and replace it"
+    return None
 
 
 def resolve_device(name: str) -> str:

@@ -111,3 +111,40 @@ def test_one_sequence_with_drafts_fits_its_own_kv_plan(model_with_heads):
     out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0, max_tokens=61,
                                                                          ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 61 and llm.engine.scheduler.blocks.num_used == 0
+
+
+def test_a_cache_directory_another_user_may_write_is_not_used(tmp_path, monkeypatch, caplog):
+    """The caches hold native code the engine loads and runs (compiled CPU programs, inductor's
+    build files): a cache directory others may write, or one inside a directory others may write
+    that is not sticky, is not used; the process caches in a private directory of its own, and the
+    warning says which and why. Its own directory is made private and used."""
+    import os
+    import stat
+
+    from jetserve.engine import config
+
+    mine = tmp_path / "mine" / "jetserve"
+    monkeypatch.setenv("JETSERVE_CACHE_DIR", str(mine))
+    assert config.private_cache_root() == mine and stat.S_IMODE(mine.stat().st_mode) == 0o700
+    planted = tmp_path / "shared"
+    planted.mkdir(mode=0o777)
+    planted.chmod(0o777)  # past the umask
+    (planted / "program.pt2").write_bytes(b"someone else's code")
+    loose = tmp_path / "open"
+    loose.mkdir()
+    loose.chmod(0o777)  # world-writable and not sticky: its entries can be swapped
+    (loose / "jetserve").mkdir(mode=0o700)
+    cases = [(planted, "group or others may write it (mode 777)"),
+             (loose / "jetserve", "others may write the directory it is in")]
+    if os.getuid() == 0:  # root can hand a directory to another user (CI runs as root)
+        theirs = tmp_path / "theirs"
+        theirs.mkdir(mode=0o700)
+        os.chown(theirs, 65534, 65534)
+        cases.append((theirs, "it is owned by uid 65534, not this user (0)"))
+    for shared, why in cases:
+        monkeypatch.setenv("JETSERVE_CACHE_DIR", str(shared))
+        with caplog.at_level("WARNING", logger="jetserve.engine.config"):
+            used = config.private_cache_root()
+        assert used != shared and used.is_dir() and not list(used.iterdir())
+        assert used.stat().st_uid == os.getuid() and not used.stat().st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+        assert f"cache directory {shared} is not used: {why}" in caplog.text, caplog.text
