@@ -149,8 +149,9 @@ def create_app(server) -> FastAPI:
             return error_response(400, "invalid_request_error", "the request body is not valid JSON: %s"
                                   % first.get("ctx", {}).get("error", "decode error"))
         where = ".".join(str(part) for part in first.get("loc", ())[1:])
-        return error_response(400, "invalid_request_error", "%s: %s" % (where or "body", first.get("msg", "invalid")),
-                              where or None)
+        # A validator's own words, without pydantic's "Value error, " before them.
+        why = str(first["ctx"]["error"]) if first.get("type") == "value_error" else first.get("msg", "invalid")
+        return error_response(400, "invalid_request_error", "%s: %s" % (where or "body", why), where or None)
 
     @app.exception_handler(HTTPException)
     async def http_error(request, exc: HTTPException):

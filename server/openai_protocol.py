@@ -12,7 +12,7 @@ import dataclasses
 import reprlib
 from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from jetserve.engine import SamplingParams
 from jetserve.engine.prompts import token_array
@@ -81,13 +81,28 @@ class SamplingFields(BaseModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
+def one_of(shapes: str):
+    """A wrap validator for a union field: a value in none of its shapes fails every branch, and
+    pydantic names the first one it tried ("prompt.str: Input should be a valid string", said of
+    a number); one message naming every shape instead."""
+    def check(cls, value, handler):
+        try:
+            return handler(value)
+        except ValidationError:
+            raise ValueError("must be " + shapes) from None
+    return classmethod(check)
+
+
 class CompletionRequest(SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: Optional[int] = 16
+    max_tokens: Optional[int] = Field(16, ge=1)
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: Optional[str] = None
     best_of: Optional[int] = None  # OpenAI's legacy field: refused unless it asks for what n returns
+
+    _prompt_shapes = field_validator("prompt", mode="wrap")(
+        one_of("a string, a list of strings, a list of token ids or a list of such lists"))
 
     def prompts(self) -> list:
         """Each prompt as the engine takes it: text, or {"prompt_token_ids": an int32 array}
@@ -120,6 +135,9 @@ class ChatMessage(BaseModel):
     content: Optional[Union[str, list[TextPart]]] = None
     name: Optional[str] = None
 
+    _content_shapes = field_validator("content", mode="wrap")(
+        one_of('a string or a list of text parts ({"type": "text", "text": ...}): this server reads text only'))
+
     def as_dict(self) -> dict:
         """The template's form: content parts joined into one string."""
         content = self.content
@@ -130,8 +148,8 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(..., max_length=MAX_CHAT_MESSAGES)
-    max_tokens: Optional[int] = None
-    max_completion_tokens: Optional[int] = None
+    max_tokens: Optional[int] = Field(None, ge=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     # read only to refuse them (`refuse_unsupported`)

@@ -129,6 +129,8 @@ def test_seed_makes_sampling_repeatable(sdk, live):
     ({"max_tokens": True}, 400, "max_tokens"),
     ({"max_tokens": "2"}, 400, "max_tokens"),
     ({"prompt": [True, False]}, 400, "prompt"),
+    # a union's failure names its every shape, not the first branch pydantic tried ("prompt.str")
+    ({"prompt": 5}, 400, "prompt: must be a string, a list of strings, a list of token ids or a list of such lists"),
     # bounded as stop strings: the engine core tokenizes every word in its step loop
     ({"extra_body": {"bad_words": ["x" * 300]}}, 400, "bad_words"),
     ({"extra_body": {"allowed_token_ids": [-1] * 4096}}, 400, "allowed_token_ids"),
@@ -146,11 +148,21 @@ def test_errors_have_openai_shape_and_status(sdk, live, fields, status, words):
 @pytest.mark.parametrize("messages, words", [
     ([{"role": "wizard", "content": "hi"}], "messages[0].role"),
     ([{"role": "user", "content": ""}], "messages[0].content is empty"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}],
+     "messages.0.content: must be a string or a list of text parts"),
 ])
 def test_bad_chat_messages_are_a_400(sdk, live, messages, words):
     with pytest.raises(openai.BadRequestError) as err:
         sdk.chat.completions.create(model=live.server.model_name, messages=messages, max_tokens=2)
     assert words in err.value.body["message"]
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_a_chat_token_count_below_one_names_the_field_sent(sdk, live, field):
+    with pytest.raises(openai.BadRequestError) as err:
+        sdk.chat.completions.create(model=live.server.model_name, messages=[{"role": "user", "content": "hi"}],
+                                    **{field: 0})
+    assert err.value.body["param"] == field, err.value.body
 
 
 @pytest.mark.parametrize("fields, words", [
