@@ -144,6 +144,7 @@ def product_times(board: Board, products: tuple[Product, ...]) -> list[ProductTi
                                 p.count * p.weights * per_weight / (board.cuda_cores * board.gpu_clock) * 1e3))
     return rows
 
+
 RUNTIME_BYTES = int(0.6 * GiB)  # CUDA context, torch and the compiled kernels, on a GPU
 
 
