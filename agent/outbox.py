@@ -189,13 +189,31 @@ class Outbox:
         self._bump("dropped_" + row[1])
 
     def pending(self, after=0, limit=100):
-        """Queued messages with n > after, oldest first, as (n, topic, doc with epoch and n)."""
+        """Queued messages with n > after, oldest first, as (n, topic, doc with epoch and n).
+
+        A row whose body no longer reads as a JSON object (damage inside a page, which the quick
+        check at start does not read) is dropped and counted, with a warning naming it: kept, it
+        would stop the flusher at the same row after every restart, and nothing after it would leave."""
         with self._lock:
             rows = [row for row in self._db.execute(
-                "SELECT n, topic, body FROM messages WHERE n > ? ORDER BY n LIMIT ?",
+                "SELECT n, kind, topic, CAST(body AS BLOB) FROM messages WHERE n > ? ORDER BY n LIMIT ?",
                 (after, limit + len(self._forget))).fetchall() if row[0] not in self._forget]
-            rows += [(n, topic, body) for n, _, topic, body, _ in self._spill if n > after]  # newer than any row
-        return [(n, topic, dict(json.loads(body), epoch=self.epoch, n=n)) for n, topic, body in rows[:limit]]
+            rows += [(n, kind, topic, body) for n, kind, topic, body, _ in self._spill if n > after]  # newer
+            found = []
+            for n, kind, topic, body in rows[:limit]:
+                try:
+                    doc = json.loads(body)
+                    if not isinstance(doc, dict):
+                        raise ValueError("a JSON %s, not an object" % type(doc).__name__)
+                except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError included
+                    log.warning("outbox %s: message %d is damaged (%s); dropped", self.path, n, str(exc)[:200])
+                    self._forget.add(n)
+                    self._dropped["alert" if kind == "alert" else "health"] += 1
+                    continue
+                found.append((n, topic, dict(doc, epoch=self.epoch, n=n)))
+            if len(found) < len(rows[:limit]):
+                self._write()
+        return found
 
     def ack(self, n):
         """The broker has the message (PUBACK): forget it."""

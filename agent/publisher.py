@@ -1,5 +1,6 @@
 """The agent's MQTT session, with Sparkplug B's rules: birth and death by bdSeq, seq per session,
 rebirth on request; the outbox flushed in order; commands in, replies out (MQTT v5 request/response).
+`on_command(payload, response_topic, correlation_data, retained)` gets each command as it came.
 
 Every connect takes the next bdSeq (0-255, on disk) and puts it in the Will (`{online: false,
 bdSeq}`, QoS 1, not retained: the death certificate) and in the birth that follows (QoS 1, not
@@ -175,7 +176,7 @@ class Publisher:
     def _on_message(self, client, userdata, message):
         properties = message.properties
         self.on_command(message.payload, getattr(properties, "ResponseTopic", None),
-                        getattr(properties, "CorrelationData", None))
+                        getattr(properties, "CorrelationData", None), bool(message.retain))
 
     # flusher thread
 

@@ -1,7 +1,9 @@
 """The agent's own Jetson sensor readers (thermal zones, INA3221 rails, GPU load, fan, power mode).
 
 They read sysfs under a sysroot, which jtop cannot do, so the tests run them on fixture trees.
-A power-gated zone reads as an error or -256000: it is reported offline, never as a temperature.
+A power-gated zone reads as an error or -256000, and a broken sensor as a value no chip reaches (a
+driver's error code such as INT_MAX, garbage in its file): each is reported offline, never as a
+temperature, so it neither drains the service nor raises an alert the controller would refuse.
 """
 
 import os
@@ -10,6 +12,7 @@ import re
 from jetserve.device.sysfs import natural_glob, read_int, read_text
 
 OFFLINE_MILLIDEGREES = -256000
+PLAUSIBLE_MILLIDEGREES = (-273150, 1000000)  # what a zone can read at all; the controller's alert bounds too
 GPU_NODES = ("ga10b", "gv11b", "gp10b", "gb10b")
 
 
@@ -26,7 +29,8 @@ def thermal_zones(root):
         if not zone_type or "PMIC" in zone_type.upper():
             continue
         millideg = read_int(os.path.join(path, "temp"))
-        online = millideg is not None and millideg != OFFLINE_MILLIDEGREES
+        online = (millideg is not None and millideg != OFFLINE_MILLIDEGREES
+                  and PLAUSIBLE_MILLIDEGREES[0] <= millideg <= PLAUSIBLE_MILLIDEGREES[1])
         trips = []
         for trip_path in natural_glob(os.path.join(path, "trip_point_*_temp")):
             trip_type = read_text(trip_path[:-len("_temp")] + "_type")

@@ -147,16 +147,24 @@ def run_status(args):
         print(json.dumps(devices, indent=2))
         return 0
     columns = ("fleet", "device", "state", "jetpack", "last_seen_utc", "gaps", "reasons")
-    rows = [columns] + [tuple("; ".join(v) if isinstance(v, list) else "-" if v is None else str(v)
-                              for v in map(device_row(d).get, columns)) for d in devices]
+    rows = [columns] + [tuple(map(_cell, map(device_row(d).get, columns))) for d in devices]
     widths = [max(len(row[i]) for row in rows) for i in range(len(columns) - 1)]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1])
     if refused:
         print("\nrefused messages (failed the message checks):")
         for r in refused:
-            print("  %s/%s %s: %d, last: %s" % (r["fleet"], r["device"], r["kind"], r["count"], r["last_error"]))
+            print("  %s/%s %s: %d, last: %s" % (_cell(r["fleet"]), _cell(r["device"]), r["kind"], r["count"],
+                                                 _cell(r["last_error"])))
     return 0
+
+
+def _cell(value):
+    """A value as the table shows it. What devices reported is shown, never obeyed: a control
+    character (a terminal escape sequence, a newline that would forge a row, a bidi override) is
+    written as its escape."""
+    text = "; ".join(value) if isinstance(value, list) else "-" if value is None else str(value)
+    return text if text.isprintable() else "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
 
 
 def run_send(args):

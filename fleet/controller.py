@@ -1,10 +1,12 @@
 """The fleet controller: MQTT in, every message checked, registry out; a silence sweep; liveness.
 
-Nothing a device sends reaches the registry unchecked (`jetserve.wire.messages`): a message that
-fails is logged, counted per device and kind (`Registry.rejections`), alerted once per new error,
-and dropped. No message can end the ingest thread, and if ingestion stops anyway (a thread died,
-a step is stuck) the process exits non-zero so systemd (or compose) restarts it; under systemd it
-is `Type=notify` and pings the watchdog only while ingestion is healthy.
+Nothing a device sends reaches the registry unchecked (`jetserve.wire.messages`): a message on a
+topic whose fleet or device level is not a name (`topics.check_name`: what the ACL, the page and
+`fleet send` can address) is logged and ignored, never registered; a message that fails its
+checks is logged, counted per device and kind (`Registry.rejections`), alerted once per new
+error, and dropped. No message can end the ingest thread, and if ingestion stops anyway (a thread
+died, a step is stuck) the process exits non-zero so systemd (or compose) restarts it; under
+systemd it is `Type=notify` and pings the watchdog only while ingestion is healthy.
 
 The MQTT thread only queues what it receives; one writer checks the queued messages, stores them
 a batch per transaction and acknowledges them after the commit (`ingest.GroupCommit`: at least
@@ -141,6 +143,13 @@ class Controller:
             log.warning("ignoring a message on %s: not a jetserve topic", topic[:200])
             return None
         fleet, device, kind = parsed
+        try:  # no account is ever made for such a name (add-user.sh): nobody to count or flag it against
+            topics.check_name("fleet", fleet)
+            topics.check_name("device", device)
+        except ValueError:
+            log.warning("ignoring a message on %s: its fleet or device is not a name (letters, digits, '.', '_', "
+                        "'-'; at most 64)", topic[:200])
+            return None
         try:
             return Message(fleet, device, kind, PARSERS[kind](payload).doc)
         except messages.MessageError as exc:

@@ -10,7 +10,8 @@ health document never overwrites a newer one. Messages are applied in batches (g
 each batch is one transaction holding its devices' locks (stores.py says how each database takes
 them) and costs the same few statements whatever its size, and the sweep changes a row only if it
 still matches what it read, so replicas anywhere see each other's updates whole and never alert
-twice. Alerts the controller raises go to the same log as the devices' own.
+twice. Alerts the controller raises go to the same log as the devices' own; it keeps each
+device's newest ALERTS_KEPT.
 """
 
 import json
@@ -29,6 +30,9 @@ WRITE_COLUMNS = tuple(c for c in COLUMNS if c not in ("birth", "health"))  # wha
 DEFAULT_INTERVAL = 10.0  # s, for a device whose birth has not been seen (yet)
 NO_LIMIT = 2 ** 62  # rows; LIMIT takes a number in both databases
 INSERT_ALERT = "INSERT INTO alerts (ts, fleet, device, source, kind, message, body) VALUES (?, ?, ?, ?, ?, ?, ?)"
+ALERTS_KEPT = 1000  # per device, the newest (what /api/alerts shows of one at most): the log stays bounded
+PRUNE_ALERTS = ("DELETE FROM alerts WHERE fleet = ? AND device = ? AND id < (SELECT id FROM alerts WHERE fleet = ? "
+                "AND device = ? ORDER BY id DESC LIMIT 1 OFFSET %d)" % (ALERTS_KEPT - 1))
 
 
 class RegistryError(RuntimeError):
@@ -183,6 +187,7 @@ class Registry:
                                    "%d message(s) missing (%d in all)" % (gaps - alerted, gaps), None))
             if alerts:
                 db.executemany(INSERT_ALERT, alerts)
+                _prune_alerts(db, alerts)
         return marked
 
     def devices(self, fleet=None, limit=None, offset=0, problems_first=False, device=None):
@@ -321,11 +326,19 @@ class _Changes:
                            [key + (epoch, top - SEEN_WINDOW) for key, (epoch, top) in sorted(self.seen_top.items())])
         if self.alerts:
             db.executemany(INSERT_ALERT, self.alerts)
+            _prune_alerts(db, self.alerts)
         if self.refusals:
             db.executemany("INSERT INTO rejections VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (fleet, device, kind) "
                            "DO UPDATE SET count = rejections.count + excluded.count, last_error = excluded.last_error, "
                            "last_ts = excluded.last_ts",
                            [key + refusal for key, refusal in sorted(self.refusals.items())])
+
+
+def _prune_alerts(db, alerts):
+    """Keep the newest ALERTS_KEPT alerts of each device that just got one: a device may raise
+    alerts as fast as it can publish, and nothing else would ever delete them."""
+    keys = sorted({(fleet, device) for _, fleet, device, *_ in alerts})
+    db.executemany(PRUNE_ALERTS, [key + key for key in keys])
 
 
 def _bucketed(rows):

@@ -17,6 +17,7 @@ MAX_COMMAND = 16 * 1024
 MAX_DEPTH = 16  # a health document nests 5 deep
 MAX_ITEMS = 256  # entries in any list we read
 MAX_TEXT = 2048  # characters in any string we read
+MAX_NAME, MAX_FIELD = 64, 256  # characters of a label (epoch, version, type) / of a named field (model, zone, error)
 MAX_N = 2 ** 53  # message ids stay exact in every JSON reader
 MAX_TS = 4102444800.0  # 2100-01-01: a clock can be wrong (no RTC boots at 1970), never absurd
 STATUSES = ("OK", "DEGRADED", "CRITICAL")
@@ -31,12 +32,25 @@ class MessageError(ValueError):
     """A payload that breaks the contract; the text names the field and the rule."""
 
 
+def _no_constant(name):
+    raise ValueError("%s is not a JSON number" % name)
+
+
+def _finite(text):
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError("%s is past a double's range" % text[:40])
+    return value
+
+
 def decode(payload, limit=MAX_PAYLOAD):
-    """bytes → a JSON object, bounded in size and depth."""
+    """bytes → a JSON object, bounded in size and depth, its numbers finite: Python's reader would
+    take NaN, Infinity and 1e999, which JSON has not, and a document holding one could be stored
+    but never written out again as JSON (the fleet's API, a strict client)."""
     if len(payload) > limit:
         raise MessageError("payload of %d bytes is over the %d-byte limit" % (len(payload), limit))
     try:
-        doc = json.loads(payload.decode("utf-8"))
+        doc = json.loads(payload.decode("utf-8"), parse_constant=_no_constant, parse_float=_finite)
     except UnicodeDecodeError:
         raise MessageError("payload is not UTF-8")
     except RecursionError:
@@ -158,7 +172,7 @@ def _compat(doc, where):
 
 def _data_id(doc):
     """(epoch, n, seq): the outbox identity every data message carries."""
-    return text(doc, "epoch", limit=64), integer(doc, "n", 1, MAX_N), integer(doc, "seq", 0, 255)
+    return text(doc, "epoch", limit=MAX_NAME), integer(doc, "n", 1, MAX_N), integer(doc, "seq", 0, 255)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,9 +188,9 @@ class Birth:
     def check(cls, doc):
         versions = obj(doc, "versions")
         for key in ("jetserve", "python", "l4t", "jetpack", "cuda"):
-            text(versions, key, "versions.", required=False, limit=64)
+            text(versions, key, "versions.", required=False, limit=MAX_NAME)
         for key in ("model", "soc", "serial", "service"):
-            text(doc, key, required=False, limit=256)
+            text(doc, key, required=False, limit=MAX_FIELD)
         _compat(doc, "")
         seq = integer(doc, "seq", 0, 0, required=False) or 0  # agents before 0.2 sent none
         return cls(integer(doc, "bdSeq", 0, 255), seq,
@@ -212,7 +226,7 @@ class Health:
         obj(doc, "probe")
         _compat(doc, "")
         service = obj(doc, "service")
-        text(service, "health", "service.", limit=64)
+        text(service, "health", "service.", limit=MAX_NAME)
         text(service, "error", "service.", required=False)
         text(obj(doc, "thermal"), "level", "thermal.", choices=LEVELS)
         outbox = obj(doc, "outbox", required=False)
@@ -231,9 +245,9 @@ class Alert:
     @classmethod
     def check(cls, doc):
         epoch, n, seq = _data_id(doc)
-        text(doc, "type", limit=64)
+        text(doc, "type", limit=MAX_NAME)
         for key in ("old", "new", "zone", "error"):
-            text(doc, key, required=False, limit=256)
+            text(doc, key, required=False, limit=MAX_FIELD)
         for key in ("temp_c", "threshold_c"):
             number(doc, key, -300.0, 1000.0, required=False)
         boolean(doc, "ok", required=False)
@@ -252,13 +266,13 @@ class Command:
     def check(cls, doc):
         if doc.get("id") is not None and request_id(doc) is None:
             raise MessageError("id must be a string or an integer (at most 128 characters)")
-        command = text(doc, "command", limit=64)
+        command = text(doc, "command", limit=MAX_NAME)
         if command not in COMMANDS:
             raise MessageError("command %r is not allowed (allowed: %s)" % (command, ", ".join(COMMANDS)))
         args = obj(doc, "args", required=False)
         if command == "set-limits":
             unknown = sorted(set(args) - set(LIMITS))
-            if unknown or not args:
+            if unknown or all(value is None for value in args.values()):  # {} or only nulls: nothing to set
                 raise MessageError("set-limits takes %s" % " and/or ".join(LIMITS))
             for key, (low, high) in LIMITS.items():
                 integer(args, key, low, high, "args.", required=False)

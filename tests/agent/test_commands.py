@@ -35,6 +35,7 @@ REFUSED = [
     ({"command": "set-limits", "args": {"num_speculative_tokens": 100000}}, "outside 0..8"),
     ({"command": "set-limits", "args": {"max_num_seqs": 2 ** 70}}, "outside 1..256"),
     ({"command": "set-limits"}, "set-limits takes"),
+    ({"command": "set-limits", "args": {"max_num_seqs": None}}, "set-limits takes"),  # nothing to set
 ]
 
 

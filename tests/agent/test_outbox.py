@@ -1,8 +1,14 @@
 """The SQLite outbox: order, bounds, drop policy, ids that survive a restart."""
 
+import os
+import sqlite3
+import subprocess
+import sys
+
 import pytest
 
 from jetserve.agent.outbox import Outbox, OutboxError
+from tests.agent.conftest import REPO, SYSROOTS, agent_args
 
 
 def test_ids_order_and_persistence(tmp_path):
@@ -48,3 +54,27 @@ def test_unusable_path_is_a_clear_error(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(OutboxError, match="cannot open outbox"):
         Outbox(str(tmp_path / "file" / "o.db"))
+
+
+def test_a_damaged_row_is_dropped_and_counted_and_the_rest_still_leave(broker, service, tmp_path):
+    """A body damaged inside its page (SQLite's quick check at start reads structure, not content):
+    that one message is dropped with a warning naming it, and the agent still delivers the rest
+    (before: the flusher thread died on it, after every restart, and nothing left again)."""
+    state = tmp_path / "state"
+    box = Outbox(str(state / "outbox-lab-dev1.db"))
+    for i in range(3):
+        box.add("health", "jetserve/v1/lab/dev1/health", {"i": i})
+    box.close()
+    db = sqlite3.connect(str(state / "outbox-lab-dev1.db"))
+    db.execute("UPDATE messages SET body = '{\"i\": ' WHERE n = 1")  # cut short
+    db.execute("UPDATE messages SET body = CAST(x'7b2269223a2022ff227d' AS TEXT) WHERE n = 2")  # not UTF-8
+    db.commit()
+    db.close()
+    out = subprocess.run([sys.executable, "-m", "jetserve.cli"] + [str(a) for a in agent_args(
+        broker, os.path.join(SYSROOTS, "agx-orin-jp62"), state, "dev1", service.address, "--once",
+        "--once-timeout", "20")], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120)
+    log = out.stdout.decode()
+    assert out.returncode == 0, log
+    assert "message 1 is damaged" in log and "message 2 is damaged" in log and "Traceback" not in log, log
+    box = Outbox(str(state / "outbox-lab-dev1.db"))
+    assert box.stats() == {"pending": 0, "limit": 10000, "dropped": {"health": 2, "alert": 0}}

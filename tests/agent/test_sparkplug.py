@@ -185,3 +185,63 @@ def test_a_controller_that_missed_the_birth_asks_for_a_rebirth(broker, spawn, se
     record = wait_for(lambda: (lambda d: d if d and d["birth"] else None)(device()), 30, what="the rebirth")
     assert record["bdseq"] == record["birth"]["bdSeq"] and record["birth"]["versions"]["jetpack"] == "6.2"
     assert "asked for a rebirth" in controller.output()
+
+
+def test_a_retained_command_is_refused_not_run_at_every_connect(broker, spawn, service, tmp_path):
+    """A command published with retain (an operator's `mosquitto_pub -r`, anyone on an open broker)
+    stays at the broker and reaches the agent again at every subscribe: each reconnect would drain
+    the service anew, long after anyone meant it. It is refused with the reason, twice over two
+    connects here; a live command still runs."""
+    subprocess.run(["mosquitto_pub", "-V", "mqttv5", "-p", str(broker.port), "-q", "1", "-r",
+                    "-t", "jetserve/v1/lab/dev1/cmd", "-m", json.dumps({"id": "stale", "command": "drain"})],
+                   check=True, timeout=30)
+    watcher = Watcher(broker, tmp_path, "jetserve/v1/lab/dev1/cmd/reply/#")
+    try:
+        for start in range(2):
+            agent = spawn("agent", *agent_args(broker, os.path.join(SYSROOTS, "agx-orin-jp62"), tmp_path / "state",
+                                               "dev1", service.address, "--interval", "30"))
+            wait_for(lambda: len(watcher.messages()) == start + 1, 20, what="the reply to the retained command")
+            agent.stop()
+        assert [(d["id"], d["ok"]) for _, _, _, _, d in watcher.messages()] == [("stale", False)] * 2
+        assert "retained" in watcher.messages()[0][4]["error"]
+        assert service.control_calls() == [], "the retained drain never ran"
+        spawn("agent", *agent_args(broker, os.path.join(SYSROOTS, "agx-orin-jp62"), tmp_path / "state",
+                                   "dev1", service.address, "--interval", "30"))
+        wait_for(lambda: len(watcher.messages()) == 3, 20, what="the retained command refused again")
+        subprocess.run(["mosquitto_pub", "-V", "mqttv5", "-p", str(broker.port), "-q", "1",
+                        "-t", "jetserve/v1/lab/dev1/cmd", "-m", json.dumps({"id": "live", "command": "drain"})],
+                       check=True, timeout=30)
+        wait_for(lambda: len(watcher.messages()) == 4, 20, what="the live command's reply")
+        assert watcher.messages()[3][4]["id"] == "live" and watcher.messages()[3][4]["ok"]
+        assert [name for name, _ in service.control_calls()] == ["Drain"]
+    finally:
+        watcher.stop()
+
+
+def test_a_command_flood_waits_in_a_bounded_inbox_and_the_rest_are_refused_at_once(broker, spawn, tmp_path):
+    """Commands run one at a time on the agent's thread, here a second each (the service never
+    answers): 300 sent at once used to wait in memory without a bound, answered minutes later.
+    At most INBOX_LIMIT wait; the others are refused at once, with the reason."""
+    import socket
+
+    from jetserve.agent.daemon import INBOX_LIMIT
+
+    silent = socket.socket()  # accepts connections (the kernel's backlog) and never answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(1024)
+    agent = spawn("agent", *agent_args(broker, os.path.join(SYSROOTS, "agx-orin-jp62"), tmp_path / "state", "dev1",
+                                       "127.0.0.1:%d" % silent.getsockname()[1], "--interval", "600"))
+    wait_for(lambda: "listening for commands" in agent.output(), 20, what="the agent's subscription")
+    watcher = Watcher(broker, tmp_path, "jetserve/v1/lab/dev1/cmd/reply/#")
+    try:
+        lines = "".join(json.dumps({"id": i, "command": "drain"}) + "\n" for i in range(300))
+        subprocess.run(["mosquitto_pub", "-V", "mqttv5", "-p", str(broker.port), "-q", "1", "-l",
+                        "-t", "jetserve/v1/lab/dev1/cmd"], input=lines.encode(), check=True, timeout=60)
+        busy = wait_for(lambda: (lambda b: b if len(b) >= 300 - INBOX_LIMIT - 20 else None)(
+            [d for *_, d in watcher.messages() if "waiting already" in (d.get("error") or "")]), 30,
+            what="the commands past the inbox's bound refused")
+        assert all(d["ok"] is False and d["command"] == "drain" for d in busy)
+        assert agent.proc.poll() is None
+    finally:
+        watcher.stop()
+        silent.close()

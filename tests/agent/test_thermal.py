@@ -5,7 +5,7 @@ import os
 
 from jetserve.device.probe import probe
 from jetserve.agent.thermal import DRAIN, NORMAL, SHED, ThermalPolicy
-from tests.agent.conftest import SYSROOTS
+from tests.agent.conftest import SYSROOTS, copy_sysroot, set_zone_temp
 
 ZONES = probe(os.path.join(SYSROOTS, "agx-orin-jp62"))["zones"]  # passive 99, critical 104.5
 
@@ -62,3 +62,17 @@ def test_critical_only_zone_and_offline_zones():
 def test_nonsense_trip_points_are_ignored():
     x86 = probe(os.path.join(SYSROOTS, "x86-host"))["zones"]  # x86_pkg_temp has a passive trip at 0
     assert ThermalPolicy().decide(x86) is None
+
+
+def test_a_sensor_reading_no_temperature_at_all_is_offline(tmp_path):
+    """A zone's file holding a driver's error value (INT_MAX millidegrees, or below absolute zero)
+    is a broken sensor, not a hot chip: no shedding or draining for it (before: 2147483 °C drained
+    the service, and the alert carrying it was refused by the controller), while a real reading
+    of another zone still counts."""
+    root = copy_sysroot("agx-orin-jp62", tmp_path)
+    for garbage in (2147483647, -2147483648, 1000001):
+        set_zone_temp(root, "gpu-thermal", garbage)
+        assert ThermalPolicy().decide(probe(root)["zones"]) is None, garbage
+    set_zone_temp(root, "cpu-thermal", 95000)
+    transition = ThermalPolicy().decide(probe(root)["zones"])
+    assert (transition.new, transition.zone, transition.temp_c) == ("shed", "cpu", 95.0)

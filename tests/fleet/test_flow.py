@@ -279,3 +279,51 @@ def test_frozen_agent_is_marked_offline_within_1_5_keepalive(broker, spawn, serv
     assert detected <= 1.5 * KEEPALIVE
     assert device(db)["reason"] == "silent"
     assert [a["kind"] for a in alerts(db, "controller")] == ["offline"]  # the Will adds no second one
+
+
+def test_a_thermal_alert_with_a_long_error_and_zone_name_reaches_the_registry(broker, spawn, tmp_path):
+    """The service is down at a unix socket (gRPC names the path twice in its error) and a sysfs
+    zone names itself at length: the agent's alert keeps within what the controller accepts, so the
+    thermal alert is stored (before: refused whole as a bad message, and the operator lost it)."""
+    db = str(tmp_path / "fleet.db")
+    root = copy_sysroot("agx-orin-jp62", tmp_path)
+    long_type = "c" * 300 + "-thermal"
+    zones = os.path.join(root, "sys/devices/virtual/thermal")
+    for zone in os.listdir(zones):
+        with open(os.path.join(zones, zone, "type")) as f:
+            if f.read().strip() == "cpu-thermal":
+                with open(os.path.join(zones, zone, "type"), "w") as f:
+                    f.write(long_type + "\n")
+    set_zone_temp(root, long_type, 95000)  # passive 99 - margin 5 = 94: shed, which fails
+    socket_path = str(tmp_path / ("s" * 60) / "grpc.sock")  # nothing listens there
+    start_controller(spawn, broker, db, "--silence-factor", "1000")
+    out = cli(*agent_args(broker, root, tmp_path / "state", "dev1", "unix://" + socket_path, "--once"))
+    assert out.returncode == 0, out.stdout.decode()
+    stored = wait_for(lambda: [a for a in alerts(db) if a["source"] == "device" or a["kind"] == "bad-message"], 20,
+                      what="the device's thermal alert, stored or refused")
+    assert [a["source"] for a in stored] == ["device"], stored
+    body = stored[0]["body"]
+    assert (stored[0]["kind"], body["old"], body["new"], body["ok"]) == ("thermal", "normal", "shed", False)
+    assert body["error"].startswith("unix://" + socket_path) and body["error"].endswith("…")
+    assert len(body["error"]) <= 256 and body["zone"] == "c" * 255 + "…"
+
+
+def test_a_birth_from_odd_device_files_keeps_to_the_wire_and_is_stored(broker, spawn, service, tmp_path):
+    """The birth carries what the device tree and the CUDA install say: a model longer than a birth
+    may say and a version.json whose version is not a string are cut and left out, so the birth is
+    stored (before: refused whole at every rebirth, and the device never had one on record)."""
+    db = str(tmp_path / "fleet.db")
+    root = copy_sysroot("agx-orin-jp62", tmp_path)
+    with open(os.path.join(root, "sys/firmware/devicetree/base/model"), "wb") as f:
+        f.write(b"NVIDIA Jetson " + b"M" * 400 + b"\0")
+    with open(os.path.join(root, "usr/local/cuda/version.json"), "w") as f:
+        json.dump({"cuda": {"name": "CUDA SDK", "version": {"major": 12, "minor": 6}}}, f)
+    start_controller(spawn, broker, db, "--silence-factor", "1000")
+    out = cli(*agent_args(broker, root, tmp_path / "state", "dev1", service.address, "--once"))
+    assert out.returncode == 0, out.stdout.decode()
+    wait_for(lambda: (device(db) or {}).get("birth") or [a for a in alerts(db) if a["kind"] == "bad-message"], 20,
+             what="the birth, stored or refused")
+    assert [a["message"] for a in alerts(db) if a["kind"] == "bad-message"] == []
+    birth = device(db)["birth"]
+    assert birth["model"] == ("NVIDIA Jetson " + "M" * 400)[:255] + "…" and birth["versions"]["cuda"] is None
+    assert birth["versions"]["jetpack"] == "6.2" and birth["soc"] == "nvidia,tegra234"

@@ -9,13 +9,16 @@ import json
 import math
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import paho.mqtt.client as mqtt
 import pytest
 
 from jetserve.fleet.registry import Registry
-from tests.agent.conftest import Broker, Process, controller_args, wait_for
+from tests.agent.conftest import REPO, Broker, Process, controller_args, wait_for
+from tests.tools import require_tool
 
 EPOCH = "e1"
 
@@ -75,6 +78,10 @@ POISON = [  # (case, kind, payload)
     ("alert temp a string", "alert", raw(alert(temp_c="hot"))),
     ("alert type with a NUL", "alert", raw(alert(type="x\u0000y"))),
     ("health NUL in a probe key", "health", raw(health(probe={"a\u0000": 1}))),
+    # JSON has no NaN or Infinity: stored, one in a free-form part made the fleet's API answer 500
+    ("health NaN inside the probe", "health", raw(health(probe={"zones": [], "x": math.nan}))),
+    ("health 1e999 inside the probe", "health", raw(health(probe={"zones": [], "x": 1.5})).replace(b"1.5", b"1e999")),
+    ("alert -Infinity in an extra field", "alert", raw(alert(extra=-math.inf))),
     ("state bdSeq a list", "state", raw(birth(bdSeq=[1]))),
     ("state bdSeq 10^30", "state", raw(birth(bdSeq=10 ** 30))),
     ("state death bdSeq 10^30", "state", raw({"online": False, "bdSeq": 10 ** 30})),
@@ -232,3 +239,54 @@ def test_a_stuck_ingest_step_makes_the_controller_exit_and_systemd_sees_the_watc
         client.loop_stop()
         controller.stop(signal.SIGKILL)
         broker.stop()
+
+
+ODD_NAMES = ["%x" % (7 ** 40000), "ünï-dev", "x'; DROP TABLE devices;--", "a" * 65, "-lead", "a b"]
+
+
+def test_a_topic_level_that_is_not_a_name_registers_nothing_and_holds_up_no_one(registry_location, tmp_path):
+    """On a broker without deploy/'s ACL anyone may publish under any topic: levels no account could
+    have (a 30,000-character one: PostgreSQL's index refused its row, as a retryable error, so the
+    writer tried the batch again until the stall timeout, and again after every restart) are
+    logged and ignored; the well-named device's message behind them is stored at once."""
+    require_tool("mosquitto_pub")
+    broker = Broker(tmp_path).start()
+    controller = Process(controller_args(broker, registry_location, "--stall-timeout", "600"),
+                         str(tmp_path / "controller.log"))
+    try:
+        wait_for(lambda: "subscribed" in controller.output(), 20, what="the controller's subscription")
+        for device in ODD_NAMES + ["good"]:
+            out = subprocess.run(["mosquitto_pub", "-p", str(broker.port), "-q", "1", "-i", "impostor",
+                                  "-t", topic(device, "health"), "-m", raw(health(n=1)).decode()],
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=30)
+            assert out.returncode == 0, out.stdout.decode()
+        devices = wait_for(lambda: (lambda d: d if "good" in d else None)(registry_view(registry_location)[0]), 30,
+                           what="the good device's message behind the odd ones")
+        assert sorted(devices) == ["good"] and registry_view(registry_location)[1] == {}
+        assert controller.output().count("is not a name") == len(ODD_NAMES), controller.output()[-3000:]
+        assert max(map(len, controller.output().splitlines())) < 600, "a log line is bounded"
+        assert controller.proc.poll() is None
+    finally:
+        assert controller.stop() == 0, controller.output()[-3000:]
+        broker.stop()
+
+
+def test_fleet_status_shows_what_devices_reported_without_obeying_it(tmp_path):
+    """A device's reasons and versions reach the operator's terminal through `fleet status`: escape
+    sequences (clear the screen, retitle the window), a newline forging a row of its own and a bidi
+    override come out as visible escapes, one row per device."""
+    db = str(tmp_path / "fleet.db")
+    registry = Registry(db)
+    hostile = ["\x1b[2J\x1b]0;pwned\x07cpu 95 C", "ok\nlab  forged  OK  6.2", "\u202edegrade"]
+    registry.state("lab", "dev", {"online": True, "bdSeq": 1, "interval": 10.0, "keepalive": 30,
+                                  "versions": {"jetpack": "6.2\x1b[8m"}})
+    registry.data("lab", "dev", "health", health(n=1, status="DEGRADED", reasons=hostile))
+    registry.reject("lab", "dev", "alert", "type=%s" % "\x1b[31m")
+    registry.close()
+    out = subprocess.run([sys.executable, "-m", "jetserve.cli", "fleet", "status", "--db", db], cwd=REPO,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=60)
+    text = out.stdout.decode()
+    assert out.returncode == 0, text
+    assert "\x1b" not in text and "\x07" not in text and "\u202e" not in text, repr(text)
+    assert "\\x1b[2J\\x1b]0;pwned\\x07cpu 95 C" in text and "\\u202edegrade" in text and "6.2\\x1b[8m" in text
+    assert [line.split()[:2] for line in text.splitlines() if line.startswith("lab")] == [["lab", "dev"]]

@@ -102,3 +102,26 @@ def test_sqlite_memory_stays_bounded_whatever_batch_sizes_the_load_brings(tmp_pa
     assert memory_used() - before < 6 * 2**20, (memory_used() - before) / 2**20
     assert r.counts()["devices"] == 2000 and sum(d["received"] for d in r.devices()) == n
     r.close()
+
+
+def test_the_alert_log_keeps_each_devices_newest_and_no_more(registry_location):
+    """A device can send alerts as fast as it can publish, and nothing deleted any: the log grew
+    without bound. Each device keeps its newest ALERTS_KEPT; a quiet neighbour loses none of its own."""
+    from jetserve.fleet.registry import ALERTS_KEPT, Message
+
+    r = Registry(registry_location)
+    r.state("lab", "quiet", {"online": True, "bdSeq": 0, "interval": 1.0}, now=100.0)
+    r.state("lab", "quiet", {"online": False, "bdSeq": 0}, now=101.0)  # its one alert: offline
+    alert = {"type": "custom", "ts": 102.0, "epoch": "e1", "seq": 1}
+    sent = ALERTS_KEPT + 300
+    for start in range(1, sent + 1, 512):  # as the controller stores them: batches of up to 512
+        r.apply([Message("lab", "noisy", "alert", dict(alert, n=n, i=n)) for n in range(start, min(start + 512,
+                                                                                                sent + 1))], now=102.0)
+    noisy = r.alerts(ALERTS_KEPT + 1, device="noisy")
+    assert len(noisy) == ALERTS_KEPT and noisy[0]["body"]["i"] == sent and noisy[-1]["body"]["i"] == sent - ALERTS_KEPT + 1
+    assert [a["kind"] for a in r.alerts(10, device="quiet")] == ["offline"]
+    r.state("lab", "noisy", {"online": True, "bdSeq": 0, "interval": 1.0}, now=103.0)
+    r.sweep(3.0, now=200.0)  # the controller's own alerts go to the same log: offline, silent
+    noisy = r.alerts(ALERTS_KEPT + 1, device="noisy")
+    assert len(noisy) == ALERTS_KEPT and noisy[0]["kind"] == "offline"
+    r.close()
