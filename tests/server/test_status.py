@@ -46,7 +46,8 @@ def sampling(**fields):
 
 @pytest.mark.parametrize("request_, code, words", [
     (pb.GenerateRequest(text="hi", sampling=sampling(temperature=-1)), INVALID, "temperature"),
-    (pb.GenerateRequest(text="hi", sampling=sampling(temperature=float("nan"))), INVALID, "sampling.temperature"),
+    (pb.GenerateRequest(text="hi", sampling=sampling(temperature=float("nan"))), INVALID,
+     "temperature must be a number in [0, 100]"),
     (pb.GenerateRequest(text="hi", sampling=sampling(top_p=0)), INVALID, "top_p"),
     (pb.GenerateRequest(text="hi", sampling=sampling(top_k=-5)), INVALID, "top_k"),
     (pb.GenerateRequest(text="hi", sampling=sampling(min_p=2)), INVALID, "min_p"),
