@@ -15,6 +15,7 @@ import functools
 import importlib.util
 import json
 import logging
+import math
 import os
 import shutil
 import stat
@@ -24,7 +25,8 @@ from pathlib import Path
 
 from jetserve import DEMO_MODEL, demo_model_dir
 from jetserve.config import add_flags, setting
-from jetserve.engine.model.checkpoint import CheckpointError, num_mtp_layers, read_json
+from jetserve.engine.model.checkpoint import (MAX_MODEL_DIM, MAX_POSITIONS, MAX_VOCAB_SIZE, CheckpointError, config_int,
+                                               num_hidden_layers, num_mtp_layers, read_json)
 from jetserve.engine.prompts import queued_bytes
 
 DEFAULT_MAX_MODEL_LEN = 4096  # when the model allows more: KV for a longer default rarely fits a Jetson
@@ -76,35 +78,59 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict) -> ModelConfig:
+        """Every field checked for its type and range (a config.json may come from anywhere): an
+        error names the field, before any shape derived from it is built or allocated."""
         archs = cfg.get("architectures") or [cfg.get("model_type", "?")]
+        if not isinstance(archs, list):
+            raise CheckpointError(f"config.json: architectures must be a list of names, got {archs!r}")
         if archs[0] not in SUPPORTED_ARCHITECTURES:
             raise CheckpointError(
                 f"unknown architecture {archs[0]!r}: jetserve runs {', '.join(SUPPORTED_ARCHITECTURES)}")
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        if not isinstance(rope, dict):
+            raise CheckpointError(f"config.json: rope_parameters must be an object, got {rope!r}")
         if rope.get("rope_type", rope.get("type", "default")) != "default":
             raise CheckpointError(f"unsupported RoPE scaling {rope!r}: only default RoPE is implemented")
         if cfg.get("attention_bias"):
             raise CheckpointError("attention_bias=true is not a Qwen3 layout")
-        try:
-            heads = cfg["num_attention_heads"]
-            return cls(
-                vocab_size=cfg["vocab_size"],
-                hidden_size=cfg["hidden_size"],
-                intermediate_size=cfg["intermediate_size"],
-                num_hidden_layers=cfg["num_hidden_layers"],
-                num_attention_heads=heads,
-                num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-                head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-                rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-                rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 1e6)),
-                max_position_embeddings=cfg.get("max_position_embeddings", 32768),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                num_mtp_layers=num_mtp_layers(cfg),
-                dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
-                architecture=archs[0],
-            )
-        except KeyError as exc:
-            raise CheckpointError(f"config.json lacks {exc.args[0]!r}") from None
+        hidden = config_int(cfg, "hidden_size", 1, MAX_MODEL_DIM)
+        heads = config_int(cfg, "num_attention_heads", 1, MAX_MODEL_DIM)
+        kv_heads = config_int(cfg, "num_key_value_heads", 1, heads, default=heads)
+        if heads % kv_heads:
+            raise CheckpointError(f"config.json: num_key_value_heads={kv_heads} does not divide "
+                                  f"num_attention_heads={heads}")
+        if cfg.get("head_dim") is None and hidden % heads:
+            raise CheckpointError(f"config.json: no head_dim, and num_attention_heads={heads} does not divide "
+                                  f"hidden_size={hidden}")
+        tie = cfg.get("tie_word_embeddings", False)
+        if not isinstance(tie, bool):
+            raise CheckpointError(f"config.json: tie_word_embeddings must be true or false, got {tie!r}")
+        return cls(
+            vocab_size=config_int(cfg, "vocab_size", 1, MAX_VOCAB_SIZE),
+            hidden_size=hidden,
+            intermediate_size=config_int(cfg, "intermediate_size", 1, MAX_MODEL_DIM),
+            num_hidden_layers=num_hidden_layers(cfg),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=config_int(cfg, "head_dim", 1, MAX_MODEL_DIM, default=hidden // heads),
+            rms_norm_eps=_config_float(cfg, "rms_norm_eps", 1e-6, 0, 1),
+            rope_theta=_config_float(rope if "rope_theta" in rope else cfg, "rope_theta", 1e6, 0, math.inf),
+            max_position_embeddings=config_int(cfg, "max_position_embeddings", 1, MAX_POSITIONS, default=32768),
+            tie_word_embeddings=tie,
+            num_mtp_layers=num_mtp_layers(cfg),
+            dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
+            architecture=archs[0],
+        )
+
+
+def _config_float(cfg: dict, key: str, default: float, low: float, high: float) -> float:
+    """config.json's number `key` (`default` when absent or null), finite and in (low, high)."""
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low < value < high:
+        raise CheckpointError(f"config.json: {key} must be a number in ({low:g}, {high:g}), got {value!r}")
+    return float(value)
 
 
 def _json_dict(text):
@@ -231,13 +257,21 @@ class QuantizationConfig:
         if requested is not None and requested not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS}, got {requested!r}")
         if qc:
+            if not isinstance(qc, dict):
+                raise CheckpointError(f"config.json: quantization_config must be an object, got {qc!r}")
             method = str(qc.get("quant_method", "")).lower()
             if method not in ("awq", "gptq"):
                 raise CheckpointError(f"quantization_config.quant_method {method!r} is not supported "
                                       "(jetserve loads awq and gptq checkpoints)")
             if requested not in (None, method):
                 raise ValueError(f"quantization={requested!r}, but the checkpoint is quantized with {method!r}")
-            bits, group = int(qc.get("bits", qc.get("w_bit", 4))), int(qc.get("group_size", qc.get("q_group_size", 128)))
+            bits, group = qc.get("bits", qc.get("w_bit", 4)), qc.get("group_size", qc.get("q_group_size", 128))
+            if isinstance(bits, bool) or not isinstance(bits, int):
+                raise CheckpointError(f"quantization_config.bits must be an integer, got {bits!r}")
+            whole = isinstance(group, int) and not isinstance(group, bool)
+            if not (whole and (group == -1 or 1 <= group <= MAX_MODEL_DIM)):
+                raise CheckpointError(f"quantization_config.group_size must be -1 (per channel) or an integer in "
+                                      f"[1, {MAX_MODEL_DIM}], got {group!r}")
             if method == "awq":
                 version = str(qc.get("version", "gemm")).lower()
                 if bits != 4 or version != "gemm":

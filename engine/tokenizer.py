@@ -8,6 +8,7 @@ byte-identical to what the model was trained and evaluated with.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Iterable, Sequence
 from datetime import datetime
@@ -15,7 +16,9 @@ from functools import cached_property, lru_cache
 from pathlib import Path
 
 from jetserve.engine.errors import NoChatTemplateError, PromptTooLongError
-from jetserve.engine.model.checkpoint import CheckpointError, read_json
+from jetserve.engine.model.checkpoint import MAX_VOCAB_SIZE, CheckpointError, read_json, regular_file
+
+log = logging.getLogger(__name__)
 
 # Special-token strings a chat template may read, as transformers passes them.
 _TEMPLATE_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
@@ -27,6 +30,12 @@ _REPLACEMENT = "\ufffd"
 # template renders (templates trim and split content, but never touch these characters).
 _MARK_OPEN, _MARK_CLOSE = "\ue000", "\ue001"
 _MARK = re.compile(f"{_MARK_OPEN}(\\d+){_MARK_CLOSE}")
+# tokenizer.json is parsed whole, into several times its size: the largest published ones are
+# tens of MB.
+MAX_TOKENIZER_BYTES = 256 * 2**20
+# A chat template is code from the checkpoint, run on every chat request: what one render may
+# build, in characters of the prompt and items of any string or list it makes by repetition.
+MAX_TEMPLATE_CHARS = 2**26
 
 
 def _token_string(value) -> str | None:
@@ -55,12 +64,41 @@ def _chat_template(model_dir: Path, tokenizer_config: dict) -> str | None:
     return template if isinstance(template, str) else None
 
 
+def _compile_now(template: str, model_dir: Path) -> None:
+    """Compile the chat template while the model loads: jinja's import and the compile are
+    otherwise the first chat request's wait. One that does not compile is said here, at start;
+    each chat request is then refused with the same reason."""
+    from jinja2.exceptions import TemplateError
+
+    try:
+        _compile(template)
+    except TemplateError as exc:
+        log.warning("%s: the chat template does not compile (%s); chat requests will be refused", model_dir, exc)
+
+
 @lru_cache(maxsize=8)
 def _compile(template: str):
-    """The environment transformers renders chat templates in (templates are untrusted code)."""
-    from jinja2.exceptions import TemplateError
+    """The environment transformers renders chat templates in (templates are untrusted code),
+    with repetition (`*`) and powers (`**`) bounded by MAX_TEMPLATE_CHARS, so that one expression
+    cannot take the host's memory (the rendered prompt is bounded as it streams out:
+    `apply_chat_template`). A template's loops are not timed: a checkpoint whose template never
+    ends keeps the worker thread rendering it busy, which its operator sees at the first chat."""
+    from jinja2.exceptions import SecurityError, TemplateError
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Environment(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset({"*", "**"})  # also keeps them from being folded while compiling
+
+        def call_binop(self, context, operator, left, right):
+            if operator == "*":
+                for seq, n in ((left, right), (right, left)):
+                    if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > MAX_TEMPLATE_CHARS:
+                        raise SecurityError(f"repetition longer than {MAX_TEMPLATE_CHARS} items")
+            elif (isinstance(left, int) and isinstance(right, int) and right > 0
+                  and right * abs(left).bit_length() > MAX_TEMPLATE_CHARS):
+                raise SecurityError(f"power of more than {MAX_TEMPLATE_CHARS} bits")
+            return super().call_binop(context, operator, left, right)
 
     def raise_exception(message):
         raise TemplateError(message)
@@ -69,7 +107,7 @@ def _compile(template: str):
         # jinja's own tojson escapes HTML characters, which would change the prompt.
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env = Environment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -117,6 +155,8 @@ class Tokenizer:
         path = model_dir / "tokenizer.json"
         if not path.exists():
             raise CheckpointError(f"{path}: file not found (jetserve reads tokenizers in tokenizer.json form)")
+        if regular_file(path).stat().st_size > MAX_TOKENIZER_BYTES:
+            raise CheckpointError(f"{path}: larger than {MAX_TOKENIZER_BYTES // 2**20} MiB")
         try:
             backend = Backend.from_file(str(path))
         except Exception as exc:  # tokenizers raises a bare Exception for bad files
@@ -126,14 +166,23 @@ class Tokenizer:
         special = {k: s for k in _TEMPLATE_TOKENS if (s := _token_string(config.get(k))) is not None}
 
         def token_id(key: str) -> int | list[int] | None:
-            """generation_config.json first (int or list), else the token string's id."""
+            """generation_config.json first (int or list of ids: an id past the model's vocabulary is
+            never drawn, but one that is no id at all is a broken file), else the token string's id."""
             value = generation.get(f"{key}_id")
-            return backend.token_to_id(special[key]) if value is None and key in special else value
+            if value is None:
+                return backend.token_to_id(special[key]) if key in special else None
+            for n in value if isinstance(value, list) else [value]:
+                if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < MAX_VOCAB_SIZE:
+                    raise CheckpointError(f"{model_dir / 'generation_config.json'}: {key}_id must be a token id "
+                                          f"in [0, {MAX_VOCAB_SIZE}) or a list of them, got {value!r}")
+            return value
 
         eos = token_id("eos_token")
+        template = _chat_template(model_dir, config)
+        if template is not None:
+            _compile_now(template, model_dir)
         return cls(backend, eos_token_ids=eos if isinstance(eos, list) else [] if eos is None else [eos],
-                   bos_token_id=token_id("bos_token"), chat_template=_chat_template(model_dir, config),
-                   special_tokens=special)
+                   bos_token_id=token_id("bos_token"), chat_template=template, special_tokens=special)
 
     @property
     def vocab_size(self) -> int:
@@ -220,11 +269,17 @@ class Tokenizer:
             raise NoChatTemplateError("this model has no chat template; send a plain prompt instead")
         _check_messages(messages)
         try:
-            return _compile(self.chat_template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
-                **{**self.special_tokens, **kwargs})
-        except TemplateError as exc:
-            raise ValueError(f"chat template: {exc}") from None
+            chunks, size = [], 0
+            for chunk in _compile(self.chat_template).generate(
+                    messages=messages, add_generation_prompt=add_generation_prompt,
+                    **{**self.special_tokens, **kwargs}):
+                size += len(chunk)
+                if size > MAX_TEMPLATE_CHARS:
+                    raise TemplateError(f"the prompt grows past {MAX_TEMPLATE_CHARS} characters")
+                chunks.append(chunk)
+            return "".join(chunks)
+        except (TemplateError, RecursionError, ArithmeticError) as exc:
+            raise ValueError(f"chat template: {exc or type(exc).__name__}") from None
 
 
 class Detokenizer:

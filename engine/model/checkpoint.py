@@ -19,6 +19,16 @@ from safetensors import safe_open
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+# The JSON files of a checkpoint (config, index, tokenizer and generation configs) are read whole;
+# the largest real ones (a sharded index of ~100k tensors) are a few MB.
+MAX_JSON_BYTES = 64 * 2**20
+# Upper bounds of config.json's sizes, far above any published model's (hidden 16k, MLP 53k,
+# vocabulary 262k, context 10M, 126 layers), so that a config that lies is refused before shapes
+# are built from it: the meta model builds every layer it declares.
+MAX_LAYERS = 1024  # decoder layers, and MTP layers
+MAX_MODEL_DIM = 2**20
+MAX_VOCAB_SIZE = 2**24
+MAX_POSITIONS = 2**30
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -26,26 +36,61 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be used as it is; the message names the file or tensor."""
 
 
+def regular_file(path: Path) -> Path:
+    """`path` when it is (or links to) a regular file: opening a FIFO would block for ever, and
+    a device such as /dev/zero never ends."""
+    if not path.exists():
+        raise CheckpointError(f"{path}: file not found")
+    if not path.is_file():
+        raise CheckpointError(f"{path}: not a regular file")
+    return path
+
+
 def read_json(path: Path) -> dict:
+    """A JSON object from a file of at most MAX_JSON_BYTES; anything else is a CheckpointError."""
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: file not found") from None
-    except (OSError, json.JSONDecodeError) as exc:
+        with open(regular_file(path), "rb") as f:
+            data = f.read(MAX_JSON_BYTES + 1)
+        if len(data) > MAX_JSON_BYTES:
+            raise CheckpointError(f"{path}: larger than {MAX_JSON_BYTES // 2**20} MiB")
+        value = json.loads(data.decode("utf-8"))
+    except (OSError, ValueError, RecursionError) as exc:  # ValueError: bad UTF-8, bad JSON, huge numbers
+        if isinstance(exc, CheckpointError):
+            raise
         raise CheckpointError(f"{path}: unreadable: {exc}") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path}: unreadable: a JSON object expected, found {type(value).__name__}")
+    return value
+
+
+def config_int(config: dict, key: str, low: int, high: int, default: int | None = None) -> int:
+    """config.json's integer `key`, which must lie in [low, high]; `default` when absent or null
+    (None: required)."""
+    value = config.get(key)
+    if value is None:
+        if default is None:
+            raise CheckpointError(f"config.json lacks {key!r}")
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise CheckpointError(f"config.json: {key} must be an integer in [{low}, {high}], got {value!r}")
+    return value
 
 
 def num_mtp_layers(config: dict) -> int:
     """MTP layers a config declares, in either naming."""
-    return int(config.get("mtp_num_hidden_layers") or config.get("num_nextn_predict_layers") or 0)
+    key = "mtp_num_hidden_layers" if config.get("mtp_num_hidden_layers") else "num_nextn_predict_layers"
+    return config_int(config, key, 0, MAX_LAYERS, default=0)
+
+
+def num_hidden_layers(config: dict) -> int:
+    return config_int(config, "num_hidden_layers", 1, MAX_LAYERS)
 
 
 def is_mtp_tensor(name: str, config: dict) -> bool:
     if name.startswith("mtp."):
         return True
     match = _LAYER.match(name)
-    return bool(match) and int(match.group(1)) >= int(config["num_hidden_layers"])
+    return bool(match) and int(match.group(1)) >= num_hidden_layers(config)
 
 
 class Checkpoint:
@@ -65,10 +110,22 @@ class Checkpoint:
             weight_map = read_json(index).get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:
                 raise CheckpointError(f"{index}: no weight_map")
+            for name, file in weight_map.items():  # shard names, in this directory (as Hugging Face writes them)
+                if not isinstance(file, str) or Path(file).name != file or file in ("", ".", ".."):
+                    raise CheckpointError(f"{index}: weight_map[{name!r}] must name a file in this directory, "
+                                          f"got {file!r}")
             files = {name: self.dir / file for name, file in weight_map.items()}
-            for path in set(files.values()):
+            by_file: dict[Path, list[str]] = {}
+            for name, path in files.items():
+                by_file.setdefault(path, []).append(name)
+            for path, names in by_file.items():
                 if not path.exists():
                     raise CheckpointError(f"{index} names {path.name}, which is missing")
+                held = set(self._open(path).keys())
+                lacking = [name for name in names if name not in held]
+                if lacking:
+                    raise CheckpointError(f"{index} maps {lacking[0]!r} to {path.name}, which does not hold it"
+                                          + (f" ({len(lacking) - 1} more likewise)" if len(lacking) > 1 else ""))
             return files
         single = self.dir / SINGLE_FILE
         if not single.exists():
@@ -77,6 +134,7 @@ class Checkpoint:
 
     def _open(self, path: Path):
         if path not in self._handles:
+            regular_file(path)
             try:
                 self._handles[path] = safe_open(path, framework="pt")
             except Exception as exc:  # safetensors raises its own error types

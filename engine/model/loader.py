@@ -26,6 +26,8 @@ from jetserve.engine.model import int4pack, quant
 # memcpy, which one thread does not keep the bus busy with.
 LOAD_THREADS = 4
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# safetensors dtypes a float parameter loads from (FP8 needs scales this loader does not read).
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -226,6 +228,9 @@ def _check(ckpt: Checkpoint, cfg: ModelConfig, params: dict, sources: dict[str, 
             if found != want:
                 raise CheckpointError(f"{ckpt.dir}: tensor {source!r} has shape {list(found)}, "
                                       f"expected {list(want)}")
+            if ckpt.dtype(source) not in FLOAT_DTYPES:  # copying would cast integers (packed words) silently
+                raise CheckpointError(f"{ckpt.dir}: tensor {source!r} is {ckpt.dtype(source)}, expected one of "
+                                      f"{', '.join(FLOAT_DTYPES)}")
     missing = set(params) - set(sources)
     if missing:
         raise CheckpointError(f"no checkpoint tensor maps to {sorted(missing)}")

@@ -195,6 +195,9 @@ class QuantLinear(KernelUser):
                                   f"a projection has {in_features}")
         self.in_features, self.out_features, self.bits = in_features, out_features, bits
         self.group_size = in_features if group_size == -1 else group_size
+        if in_features % self.group_size:
+            raise CheckpointError(f"quantization group size {group_size} does not divide a projection's input dim "
+                                  f"{in_features}")
         self.tinygemm = tinygemm
         if tinygemm:
             packed, scales_zeros, _ = int4pack.empty(out_features, in_features, self.group_size, tinygemm)

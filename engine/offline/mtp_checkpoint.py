@@ -18,7 +18,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from jetserve.engine.model.checkpoint import INDEX_FILE, Checkpoint, CheckpointError, is_mtp_tensor, num_mtp_layers, read_json
+from jetserve.engine.model.checkpoint import (INDEX_FILE, MAX_MODEL_DIM, Checkpoint, CheckpointError, config_int,
+                                               is_mtp_tensor, num_hidden_layers, num_mtp_layers, read_json)
 
 QWEN3_NEXT, DEEPSEEK = "qwen3-next", "deepseek"
 LAYER_FIELD = {QWEN3_NEXT: "mtp_num_hidden_layers", DEEPSEEK: "num_nextn_predict_layers"}
@@ -81,7 +82,7 @@ def _dtype_names(ckpt: Checkpoint, names) -> list[str]:
 def inspect(model_dir) -> dict:
     """What a checkpoint holds in MTP heads, from its metadata only."""
     ckpt = Checkpoint(model_dir)
-    n_main = int(ckpt.config["num_hidden_layers"])
+    n_main = num_hidden_layers(ckpt.config)
     mtp = ckpt.mtp_names()
     style = _style(mtp, ckpt.dir)
     numel = {name: math.prod(ckpt.shape(name)) for name in ckpt.names()}
@@ -120,8 +121,8 @@ def parse_size(size) -> int:
 
 def _expected_shape(name: str, base: Checkpoint) -> tuple[int, ...] | None:
     """The shape an MTP tensor must have to fit `base`; None for a name no MTP module has."""
-    hidden = int(base.config["hidden_size"])
-    layer = _layer_of(name, int(base.config["num_hidden_layers"]))
+    hidden = config_int(base.config, "hidden_size", 1, MAX_MODEL_DIM)
+    layer = _layer_of(name, num_hidden_layers(base.config))
     if layer is None:
         fixed = {"mtp.fc.weight": (hidden, 2 * hidden)}
         norms = ("mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.norm.weight")
@@ -140,7 +141,7 @@ def _expected_shape(name: str, base: Checkpoint) -> tuple[int, ...] | None:
 
 def _check_heads(heads: _Heads, base: Checkpoint, src: Path) -> tuple[str, int]:
     """Refuse heads that would not load into `base`; return their style and layer count."""
-    n_main = int(base.config["num_hidden_layers"])
+    n_main = num_hidden_layers(base.config)
     names = heads.names()
     for name in names:
         if not is_mtp_tensor(name, base.config):
