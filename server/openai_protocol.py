@@ -152,10 +152,14 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
-    # read only to refuse them (`refuse_unsupported`)
+    # read only to refuse them (`refuse_unsupported`); functions and function_call are OpenAI's
+    # older names for tools and tool_choice, echo vLLM's extra (the last message before the answer)
     response_format: Optional[dict] = None
     tools: Optional[list] = None
     tool_choice: Optional[Union[str, dict]] = None
+    functions: Optional[list] = None
+    function_call: Optional[Union[str, dict]] = None
+    echo: bool = False
 
     def refuse_unsupported(self) -> None:
         """Output constraints and tool calls are not made here: an answer that ignored them would
@@ -164,12 +168,15 @@ class ChatCompletionRequest(SamplingFields):
         if kind != "text":
             raise ValueError(f"response_format {reprlib.repr(kind)} is not supported: this server does not "
                              "constrain its output (only 'text')")
-        if self.tools and self.tool_choice != "none":
-            raise ValueError("tools are not supported: this server makes no tool calls (with tool_choice 'none' "
-                             "the model is asked for text)")
-        if self.tool_choice not in (None, "none", "auto"):  # 'required' or a named function, tools or not
-            raise ValueError(f"tool_choice {reprlib.repr(self.tool_choice)} asks for a tool call: this server makes "
-                             "none (leave it unset, or 'none')")
+        for tools, choice in (("tools", "tool_choice"), ("functions", "function_call")):
+            if getattr(self, tools) and getattr(self, choice) != "none":
+                raise ValueError(f"{tools} are not supported: this server makes no tool calls (with {choice} "
+                                 "'none' the model is asked for text)")
+            if getattr(self, choice) not in (None, "none", "auto"):  # 'required' or a named one, tools or not
+                raise ValueError(f"{choice} {reprlib.repr(getattr(self, choice))} asks for a tool call: this server "
+                                 "makes none (leave it unset, or 'none')")
+        if self.echo:
+            raise ValueError("echo is not supported: the answer holds the new message only")
 
     def requested_max_tokens(self) -> Optional[int]:
         """max_completion_tokens is OpenAI's newer name; max_tokens is kept for older clients."""
