@@ -69,6 +69,21 @@ def tiny_model_without_template(tiny_model, tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="session")
+def tiny_long_model(tiny_model, tmp_path_factory):
+    """The tiny model with a context long enough that no machine generates all of it in a test's
+    wait: a test that needs a stream still running bounds the work (tokens), not the clock."""
+    path = tmp_path_factory.mktemp("tiny-qwen3-long") / "model"
+    shutil.copytree(tiny_model, path)
+    config = json.loads((path / "config.json").read_text())
+    config["max_position_embeddings"] = LONG_CONTEXT
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+LONG_CONTEXT = 1 << 16
+
+
 def free_port():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

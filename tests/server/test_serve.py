@@ -14,7 +14,7 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.server.conftest import free_port, greedy
+from tests.server.conftest import LONG_CONTEXT, free_port, greedy
 from jetserve.cli import build_parser
 from jetserve.server import cli
 from jetserve.v1 import inference_pb2 as pb
@@ -126,22 +126,26 @@ def test_systemd_sees_ready_watchdog_stopping_and_sigterm_drains(tiny_model, tmp
     assert "Traceback" not in output, output
 
 
-def test_streams_past_the_grace_period_end_with_finish_reason_abort(tiny_model, notify_socket):
+WANTED = 60_000
+
+
+def test_streams_past_the_grace_period_end_with_finish_reason_abort(tiny_long_model, notify_socket):
     env = dict(os.environ, NOTIFY_SOCKET=notify_socket.address)
-    server = jetserve("serve", "--model", str(tiny_model), "--device", "cpu", "--num-kv-blocks", "256",
+    server = jetserve("serve", "--model", str(tiny_long_model), "--device", "cpu", "--max-model-len", str(LONG_CONTEXT),
+                      "--num-kv-blocks", str(LONG_CONTEXT // 16 + 8),
                       "--port", "0", "--metrics-port", "0", "--openai-port", "0", "--drain-grace-period", "0.3",
                       env=env)
     try:
         target = re.search(r"on (\S+)", notify_socket.wait_for("READY=1", server)).group(1)
         with grpc.insecure_channel(target) as channel:
-            # More tokens than the tiny model makes in the 0.3 s grace period on any machine.
+            # Tens of thousands of steps: seconds on the fastest machine, far past the 0.3 s grace.
             stream = pb_grpc.InferenceServiceStub(channel).Generate(
-                pb.GenerateRequest(text="robot", sampling=greedy(500, ignore_eos=True)))
+                pb.GenerateRequest(text="robot", sampling=greedy(WANTED, ignore_eos=True)))
             next(stream)
             server.send_signal(signal.SIGTERM)
             rest = list(stream)  # a clean end (status OK): no exception
             assert rest[-1].finish_reason == pb.FINISH_REASON_ABORT
-            assert 1 + sum(len(m.token_ids) for m in rest) < 500 and rest[-1].usage.completion_tokens > 0
+            assert 1 + sum(len(m.token_ids) for m in rest) < WANTED and rest[-1].usage.completion_tokens > 0
             assert stream.code() == grpc.StatusCode.OK
         assert server.wait(30) == 0
     finally:
