@@ -3,7 +3,8 @@
 Session rules (Sparkplug-style): a birth sets the device's bdSeq; a death counts only when its
 bdSeq is the current one, so a late death from an old session is ignored. Data messages carry
 (epoch, n): an (epoch, n) seen before is a replay and is dropped (counted as a duplicate); a jump
-past the highest n opens holes (`gaps`), which a late message fills. Messages can arrive out of
+past the highest n opens holes (`gaps`), which a late message fills; an n below the replay window
+is a count that went back (a restored outbox), taken as the newest. Messages can arrive out of
 order when several controller replicas share one registry (`$share` splits the stream per
 message), so a hole is alerted only once it has stayed open for a report interval, and a late
 health document never overwrites a newer one. Messages are applied in batches (group commit):
@@ -278,6 +279,14 @@ class _Changes:
         fresh.discard(key + (epoch, n))  # a second copy in this batch is a duplicate
         last = current["last_n"] if epoch == current["epoch"] else 0
         values = {"received": current["received"] + 1, "last_seen": now}
+        if n < last - SEEN_WINDOW:
+            # Below anything still told apart from a replay: no late message, but the device's count
+            # went back (an outbox restored from an older copy, or one far jump ahead before it).
+            # Taken as its newest, or its health would stay frozen until n passed the old top.
+            self._alert(key, "controller", "seq-rewind", "message ids went back from %d to %d: counting "
+                        "again from there" % (last, n), now)
+            values.update(last_n=n, gaps=0, gaps_alerted=0, gap_since=None)
+            last = n
         if n < last:  # a hole filled: out of order across replicas, never a replay (seen above)
             outcome = "late"
             values["gaps"] = max(current["gaps"] - 1, 0)
@@ -322,8 +331,10 @@ class _Changes:
             db.executemany("UPDATE devices SET %s WHERE fleet = ? AND device = ?" % ", ".join("%s = ?" % c
                                                                                              for c in columns), rows)
         if self.seen_top:
-            db.executemany("DELETE FROM seen WHERE fleet = ? AND device = ? AND (epoch %s ? OR n < ?)" % is_not,
-                           [key + (epoch, top - SEEN_WINDOW) for key, (epoch, top) in sorted(self.seen_top.items())])
+            # Above the top too: ids a rewound count (above) will give again, to new messages.
+            db.executemany("DELETE FROM seen WHERE fleet = ? AND device = ? AND (epoch %s ? OR n < ? OR n > ?)"
+                           % is_not, [key + (epoch, top - SEEN_WINDOW, top)
+                                      for key, (epoch, top) in sorted(self.seen_top.items())])
         if self.alerts:
             db.executemany(INSERT_ALERT, self.alerts)
             _prune_alerts(db, self.alerts)

@@ -181,15 +181,22 @@ class PostgresStore:
     @contextlib.contextmanager
     def write(self):
         """One transaction; `executemany` sends its rows in one pipeline (one round trip)."""
-        with self._locks[0], _transient(self._psycopg.OperationalError):
+        with self._locks[0], self._transient():
             connection = self._connection(0)
             with connection.transaction():
                 yield _Postgres(connection)
 
     @contextlib.contextmanager
     def read(self):
-        with self._locks[1], _transient(self._psycopg.OperationalError):
+        with self._locks[1], self._transient():
             yield _Postgres(self._connection(1))
+
+    def _transient(self):
+        """psycopg files a limit the content broke (SQLSTATE class 54: an index row or a string too
+        long) under OperationalError with the server's real failures: that one is the batch's own
+        fault, which ingest isolates and drops, where trying it again would stall every device."""
+        errors = self._psycopg.errors
+        return _transient(self._psycopg.OperationalError, permanent=(errors.ProgramLimitExceeded,))
 
     def close(self):
         for lock, connection in zip(self._locks, self._connections):
@@ -212,10 +219,13 @@ class _Postgres:
 
 
 @contextlib.contextmanager
-def _transient(*errors):
-    """The database's own failures (locked, gone, a deadlock it broke) as StoreError."""
+def _transient(errors, permanent=()):
+    """The database's own failures (locked, gone, full, a deadlock it broke) as StoreError, which
+    ingest tries again; those in `permanent` pass as they are."""
     try:
         yield
+    except permanent:
+        raise
     except errors as exc:
         raise StoreError("registry database: %s" % exc) from exc
 

@@ -44,6 +44,33 @@ def test_replays_are_dropped_and_holes_alerted_unless_filled_in_time(registry_lo
     assert r.devices()[0]["gaps"] == 0 and len(r.alerts()) == 1
 
 
+def test_a_count_that_went_back_is_shown_not_frozen_and_its_ids_are_new_again(registry_location):
+    """An outbox restored from an older copy (same epoch, ids far below the top), or one id far
+    ahead (2^53, the wire's bound) and the count going on after it: the health shown follows the
+    device again at once, the holes the jump opened are gone, one alert says so, and the ids the
+    device gives again are new messages, not replays of the ones it gave before."""
+    from jetserve.fleet.registry import SEEN_WINDOW
+    from jetserve.wire.messages import MAX_N
+
+    r = Registry(registry_location)
+    r.state("lab", "d", {"online": True, "bdSeq": 0, "interval": 2.0}, now=100.0)
+    top = 3 * SEEN_WINDOW
+    assert [r.data("lab", "d", "health", health(n), now=100.0) for n in (top - 1, top)] == ["new", "new"]
+    assert r.data("lab", "d", "health", health(top - SEEN_WINDOW + 1), now=100.5) == "late", "within the window"
+    assert r.data("lab", "d", "health", health(5, status="DEGRADED"), now=101.0) == "new"
+    d = r.devices()[0]
+    assert (d["last_n"], d["gaps"], d["status"], d["health"]["n"]) == (5, 0, "DEGRADED", 5)
+    assert [a["kind"] for a in r.alerts()] == ["seq-rewind"] and "from %d to 5" % top in r.alerts()[0]["message"]
+    assert [r.data("lab", "d", "health", health(n), now=102.0) for n in (6, top - 1, top, top - 1)] == [
+        "new", "gap", "new", "duplicate"], "ids given before the rewind are new again, and then replays"
+    assert r.data("lab", "d", "health", health(MAX_N), now=103.0) == "gap"
+    assert r.data("lab", "d", "health", health(top + 1, status="OK"), now=104.0) == "new"
+    d = r.devices()[0]
+    assert (d["last_n"], d["gaps"], d["status"]) == (top + 1, 0, "OK")
+    r.sweep(1000, now=200.0)
+    assert [a["kind"] for a in r.alerts()] == ["seq-rewind"] * 2, "no gap of 2^53 messages is alerted"
+
+
 def test_replicas_in_other_processes_share_one_registry(registry_location):
     """Two writers on one file, messages split between them out of order: each counted once."""
     a, b = Registry(registry_location), Registry(registry_location)
@@ -125,3 +152,30 @@ def test_the_alert_log_keeps_each_devices_newest_and_no_more(registry_location):
     noisy = r.alerts(ALERTS_KEPT + 1, device="noisy")
     assert len(noisy) == ALERTS_KEPT and noisy[0]["kind"] == "offline"
     r.close()
+
+
+def test_a_limit_the_content_breaks_is_the_batchs_fault_and_a_lost_server_is_transient(registry_location):
+    """Ingest tries a StoreError again (the database may come back) and splits any other failure
+    down to the message at fault. SQLite and PostgreSQL both say "too big" as the content's fault;
+    psycopg files PostgreSQL's under OperationalError, beside a server that is gone."""
+    import pytest
+
+    from jetserve.fleet.stores import StoreError, open_store
+
+    store = open_store(registry_location)
+    too_big = "SELECT repeat('x', 1100000000)" if store.name == "postgresql" else "SELECT zeroblob(2000000000)"
+    with pytest.raises(Exception) as refused, store.write() as db:
+        db.execute(too_big)
+    assert not isinstance(refused.value, StoreError) and "too" in str(refused.value)
+    with store.write() as db:  # the connection is still good afterwards
+        assert list(db.execute("SELECT 1")) == [(1,)]
+    if store.name == "postgresql":
+        with store.read() as db:
+            pid = list(db.execute("SELECT pg_backend_pid()"))[0][0]
+        with store.write() as db:
+            db.execute("SELECT pg_terminate_backend(?)", (pid,))
+        with pytest.raises(StoreError), store.read() as db:
+            db.execute("SELECT 1")
+        with store.read() as db:  # reopened at the next transaction
+            assert list(db.execute("SELECT 1")) == [(1,)]
+    store.close()
