@@ -340,8 +340,13 @@ class JetServer:
         self.loading = asyncio.create_task(self._load())
 
     async def _start_openai(self, host: str) -> None:
+        import anyio
+
         from jetserve.server.openai_api import create_app, make_http_server
 
+        # anyio loads its asyncio backend (dozens of modules) at its first use: starlette's first
+        # streamed response would wait for those imports on the event loop, with every stream.
+        await anyio.sleep(0)
         self._openai_http, sock = make_http_server(create_app(self), self.options, self.budget.caps["OpenAI"])
         self._openai_task = asyncio.create_task(self._openai_http.serve(sockets=[sock]))
         self.openai_port = sock.getsockname()[1]
