@@ -1,7 +1,11 @@
 """The controller's HTTP side: the operator's page `/` and a JSON API, FastAPI on uvicorn.
 
 - `/api/devices` (a summary a row, paged), `/api/devices/{fleet}/{device}` (the last birth and
-  health documents), `/api/alerts`; every parameter bounded, a bad one is a 400 naming it.
+  health documents), `/api/alerts`; every parameter bounded, a bad one is a 400 naming it, and so
+  is one a route does not take or one given twice. Every route answers GET and HEAD.
+- What devices reported is shown, never obeyed: escaped on the page, and a lone surrogate (which
+  UTF-8 cannot carry) shown as U+FFFD. A registry that cannot be read now is a 503, anything
+  else that fails a JSON 500 with the same headers; no traceback leaves the process.
 - `/metrics`: the controller's Prometheus metrics (`jetserve_fleet_*`, fleet/metrics.py).
 - With a token every route needs `Authorization: Bearer TOKEN`, or HTTP Basic with the token as
   the password, which is what a browser asks for. A non-loopback address is refused without a
@@ -20,13 +24,19 @@ import hashlib
 import hmac
 import html
 import ipaddress
+import json
+import logging
 import os
+import re
 import socket
 import stat
 import threading
 import time
+import urllib.parse
 
 from jetserve import fdbudget
+
+log = logging.getLogger(__name__)
 
 HEADER_TIMEOUT_S = 10.0
 MAX_CONNECTIONS = 1000  # wanted; the fd budget may grant fewer
@@ -38,9 +48,18 @@ STYLE = ("body{font-family:system-ui,sans-serif;margin:1.5em}table{border-collap
          ".UNKNOWN,.dim{color:#777}.summary{font-size:1.1em}"
          # Free text (reasons, alert messages) wraps within its column, so the page fits a laptop's width.
          "td.text{white-space:normal;overflow-wrap:anywhere;min-width:12em;max-width:32em}"
-         "td.note{white-space:normal}.nw{white-space:nowrap}")
+         "td.note{white-space:normal}.nw{white-space:nowrap}"
+         # Names, versions and alert kinds may be 64 characters without a space: they break too.
+         "#devices td:nth-child(-n+2),#devices td:nth-child(5),#alerts td:nth-child(2),#alerts td:nth-child(4)"
+         "{white-space:normal;overflow-wrap:anywhere}")
 # A reason longer than this is cut on the page (its cell's tooltip and /api/devices keep all of it).
 REASON_CHARS = 160
+# Reasons a device's cell shows at most, then how many more (the tooltip and /api/devices have
+# all): a device sending hundreds would otherwise push every other device off the screen.
+REASONS_SHOWN = 5
+# A lone UTF-16 surrogate: JSON lets a device write "\ud800", Python keeps it as a character,
+# and UTF-8 has no bytes for it.
+SURROGATE = re.compile("[\ud800-\udfff]")
 HEADERS = {
     "Content-Security-Policy": "default-src 'none'; style-src 'sha256-%s'; base-uri 'none'; form-action 'none'; "
                                "frame-ancestors 'none'" % base64.b64encode(hashlib.sha256(STYLE.encode()).digest())
@@ -81,6 +100,12 @@ def check_exposure(host, token, tls):
                          "--http-tls-cert/--http-tls-key, or bind 127.0.0.1 behind a reverse proxy" % host)
 
 
+def sound(text):
+    """`text` with each lone surrogate replaced by U+FFFD, so it can be sent as UTF-8: one device
+    reporting one would otherwise make the page and the API fail for every device."""
+    return SURROGATE.sub("\ufffd", text)
+
+
 def utc(ts):
     """A time as people read it, with its zone: `2026-11-30 12:15:26 UTC`."""
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(ts)) if ts else "-"
@@ -101,8 +126,9 @@ def device_row(device):
             "duplicates": device["duplicates"], "gaps": device["gaps"], "bdseq": device["bdseq"]}
 
 
-def render(counts, devices, alerts, offset, limit, now):
-    """The page: a summary, devices (problems first) with table headers, recent alerts."""
+def render(counts, devices, alerts, offset, limit, now, fleet=None):
+    """The page: a summary, devices (problems first) with table headers, recent alerts; its
+    pager keeps the `fleet` shown."""
     e = lambda value: html.escape("-" if value is None else str(value))  # noqa: E731
     rows = []
     for d in map(device_row, devices):
@@ -110,18 +136,25 @@ def render(counts, devices, alerts, offset, limit, now):
             e(d["reason"]), e(d["status"] or "none"))
         ago = " <span class='dim'>(%.0f s ago)</span>" % (now - d["last_seen"]) if d["last_seen"] else ""
         reasons = "; ".join(d["reasons"])
-        shown_reasons = "; ".join(r if len(r) <= REASON_CHARS else r[:REASON_CHARS - 1] + "…" for r in d["reasons"])
+        # Each reason isolated (<bdi>): a right-to-left override in one would reverse the next.
+        shown_reasons = "; ".join("<bdi>%s</bdi>" % e(r if len(r) <= REASON_CHARS else r[:REASON_CHARS - 1] + "…")
+                                  for r in d["reasons"][:REASONS_SHOWN])
+        if len(d["reasons"]) > REASONS_SHOWN:
+            shown_reasons += "; and %d more" % (len(d["reasons"]) - REASONS_SHOWN)
         rows.append("<tr><td>%s</td><td>%s</td><td class='note'><span class='%s'>%s</span>%s</td>"
                     "<td class='text' title='%s'>%s</td><td>%s</td><td class='note'><span class='nw'>%s</span>%s</td>"
                     "<td>%s</td><td>%s</td></tr>"
-                    % (e(d["fleet"]), e(d["device"]), e(d["state"]), e(d["state"]), last, e(reasons), e(shown_reasons),
+                    % (e(d["fleet"]), e(d["device"]), e(d["state"]), e(d["state"]), last, e(reasons), shown_reasons,
                        e(d["jetpack"]), e(d["last_seen_utc"]), ago, e(d["received"]), e(d["gaps"])))
     events = ["<tr><td>%s</td><td>%s/%s</td><td>%s</td><td>%s</td><td class='text'>%s</td></tr>"
               % (e(utc(a["ts"])), e(a["fleet"]), e(a["device"]), e(a["source"]), e(a["kind"]), e(a["message"]))
               for a in alerts]
     shown = "%d–%d of %d" % (offset + 1, offset + len(devices), counts["devices"]) if devices else "none"
-    pager = "".join("<a href='/?offset=%d&amp;limit=%d'>%s</a> " % (start, limit, label) for start, label in (
-        (max(offset - limit, 0), "← previous"), (offset + limit, "next →"))
+    # Past the end, "previous" leads to the last page, not to another empty one.
+    last_page = (max(counts["devices"], 1) - 1) // limit * limit
+    pager = "".join("<a href='/?%s'>%s</a> " % (e(urllib.parse.urlencode(
+        ({"fleet": fleet} if fleet else {}) | {"offset": start, "limit": limit})), label) for start, label in (
+        (max(min(offset - limit, last_page), 0), "← previous"), (offset + limit, "next →"))
         if (label.startswith("←") and offset > 0) or (label.startswith("next") and offset + limit < counts["devices"]))
     offline = counts["devices"] - counts["online"]
     return ("<!doctype html><html lang='en'><head><meta charset='utf-8'><title>jetserve fleet</title>"
@@ -129,11 +162,11 @@ def render(counts, devices, alerts, offset, limit, now):
             "<p class='summary'>%d devices: %d online (<span class='OK'>%d OK</span>, <span class='DEGRADED'>%d "
             "DEGRADED</span>, <span class='CRITICAL'>%d CRITICAL</span>), <span class='OFFLINE'>%d offline</span>"
             " · as of %s</p>"
-            "<table><caption>Devices, problems first (%s)</caption><thead><tr><th scope='col'>Fleet</th>"
+            "<table id='devices'><caption>Devices, problems first (%s)</caption><thead><tr><th scope='col'>Fleet</th>"
             "<th scope='col'>Device</th><th scope='col'>State</th><th scope='col'>Reasons</th>"
             "<th scope='col'>JetPack</th><th scope='col'>Last seen</th><th scope='col'>Messages</th>"
             "<th scope='col'>Gaps</th></tr></thead><tbody>%s</tbody></table><p>%s</p>"
-            "<table><caption>Recent alerts</caption><thead><tr><th scope='col'>Time</th><th scope='col'>Device</th>"
+            "<table id='alerts'><caption>Recent alerts</caption><thead><tr><th scope='col'>Time</th><th scope='col'>Device</th>"
             "<th scope='col'>Source</th><th scope='col'>Kind</th><th scope='col'>Message</th></tr></thead>"
             "<tbody>%s</tbody></table></body></html>"
             % (STYLE, counts["devices"], counts["online"], counts["OK"], counts["DEGRADED"], counts["CRITICAL"],
@@ -146,6 +179,8 @@ def create_app(registry, token=None, tls=False, metrics=None):
     from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import HTMLResponse, JSONResponse, Response
+
+    from jetserve.fleet.stores import StoreError
 
     def authorized(request: Request):
         if token is None:
@@ -163,8 +198,14 @@ def create_app(registry, token=None, tls=False, metrics=None):
             raise HTTPException(401, "a token is required: Authorization: Bearer TOKEN",
                                 headers={"WWW-Authenticate": 'Basic realm="jetserve fleet", charset="UTF-8"'})
 
+    class SoundJSON(JSONResponse):
+        """FastAPI's JSON, sent as UTF-8 whatever the devices reported (`sound`)."""
+
+        def render(self, content):
+            return sound(json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":"))).encode()
+
     app = FastAPI(title="jetserve fleet", docs_url=None, redoc_url=None, openapi_url=None,
-                  dependencies=[Depends(authorized)])
+                  dependencies=[Depends(authorized)], default_response_class=SoundJSON)
     headers = dict(HEADERS, **({"Strict-Transport-Security": "max-age=31536000"} if tls else {}))
 
     @app.middleware("http")
@@ -177,30 +218,62 @@ def create_app(registry, token=None, tls=False, metrics=None):
     async def bad_parameter(request, exc):
         problems = ["%s: %s" % (".".join(str(part) for part in error["loc"][1:]) or error["loc"][0], error["msg"])
                     for error in exc.errors()]
-        return JSONResponse({"detail": "; ".join(problems)}, status_code=400)
+        return SoundJSON({"detail": "; ".join(problems)}, status_code=400)
+
+    @app.exception_handler(StoreError)
+    async def registry_unavailable(request, exc):
+        log.warning("HTTP %s: %s", request.url.path, exc)
+        return SoundJSON({"detail": "the registry database cannot be read now; try again in a moment"},
+                         status_code=503, headers={"Retry-After": "5"})
+
+    @app.exception_handler(Exception)
+    async def failed(request, exc):
+        # Answered outside the middleware above, so the headers go on here; the traceback goes
+        # to the log (uvicorn's), never to the client.
+        return SoundJSON({"detail": "internal error: the controller's log has the details"}, status_code=500,
+                         headers=headers)
+
+    def only(*names):
+        """A dependency refusing a query parameter the route does not take (a typo such as
+        `?ofset=` would otherwise silently show the first page) or one given twice (which of
+        them applies would be a guess)."""
+        def check(request: Request):
+            seen = set()
+            for key, _ in request.query_params.multi_items():
+                if key not in names:
+                    raise HTTPException(400, "%s: not a parameter of %s (it takes %s)" % (
+                        key[:64], request.url.path[:64], ", ".join(names) or "none"))
+                if key in seen:
+                    raise HTTPException(400, "%s: given more than once" % key)
+                seen.add(key)
+        return [Depends(check)]
+
+    def get(path, *names, **kwargs):
+        """A read-only route: GET, and HEAD as HTTP wants of every server (`curl -I`, monitors)."""
+        return app.api_route(path, methods=["GET", "HEAD"], dependencies=only(*names), **kwargs)
 
     fleet_query = Query(None, pattern=NAME, description="only this fleet")
     offset_query = Query(0, ge=0, le=10 ** 6)
 
-    @app.get("/", response_class=HTMLResponse)
+    @get("/", "fleet", "offset", "limit", response_class=HTMLResponse)
     def page(fleet: str | None = fleet_query, offset: int = offset_query, limit: int = Query(200, ge=1, le=1000)):
-        return render(registry.counts(fleet), registry.devices(fleet, limit, offset, problems_first=True),
-                      registry.alerts(20, fleet), offset, limit, time.time())
+        return sound(render(registry.counts(fleet), registry.devices(fleet, limit, offset, problems_first=True),
+                            registry.alerts(20, fleet), offset, limit, time.time(), fleet))
 
-    @app.get("/api/devices")
+    @get("/api/devices", "fleet", "offset", "limit")
     def devices(fleet: str | None = fleet_query, offset: int = offset_query,
                 limit: int = Query(1000, ge=1, le=5000)):
         return {"counts": registry.counts(fleet), "offset": offset,
                 "devices": [device_row(d) for d in registry.devices(fleet, limit, offset)]}
 
-    @app.get("/api/devices/{fleet}/{device}")
+    @get("/api/devices/{fleet}/{device}")
     def one_device(fleet: str = Path(pattern=NAME), device: str = Path(pattern=NAME)):
         found = registry.devices(fleet, device=device)
         if not found:
             raise HTTPException(404, "no device %s/%s" % (fleet, device))
         return dict(device_row(found[0]), birth=found[0]["birth"], health=found[0]["health"])
 
-    @app.get("/api/alerts")
+    @get("/api/alerts", "fleet", "device", "limit")
     def alerts(fleet: str | None = fleet_query, device: str | None = Query(None, pattern=NAME),
                limit: int = Query(100, ge=1, le=1000)):
         return {"alerts": registry.alerts(limit, fleet, device)}
@@ -208,7 +281,7 @@ def create_app(registry, token=None, tls=False, metrics=None):
     if metrics is not None:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-        @app.get("/metrics")
+        @app.api_route("/metrics", methods=["GET", "HEAD"])  # a scrape job may add parameters of its own
         def prometheus():
             return Response(generate_latest(metrics), media_type=CONTENT_TYPE_LATEST)
 

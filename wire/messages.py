@@ -10,10 +10,13 @@ the probe are safe to keep and show). Unknown keys are allowed, so a newer agent
 import dataclasses
 import json
 import math
+import re
 from typing import Any, Dict, Optional
 
 MAX_PAYLOAD = 256 * 1024  # bytes; deploy/mosquitto.conf refuses larger ones at the broker too
 MAX_COMMAND = 16 * 1024
+# A lone UTF-16 surrogate: JSON's "\ud800" reads as one in Python, and UTF-8 has no bytes for it.
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 MAX_DEPTH = 16  # a health document nests 5 deep
 MAX_ITEMS = 256  # entries in any list we read
 MAX_TEXT = 2048  # characters in any string we read
@@ -64,8 +67,9 @@ def decode(payload, limit=MAX_PAYLOAD):
 
 
 def _check_shape(doc):
-    """Bounded depth, and no NUL character in any key or string: PostgreSQL's text and jsonb
-    refuse it, so it would fail at the store instead of here, with a reason."""
+    """Bounded depth, and no NUL character or lone surrogate in any key or string: PostgreSQL's
+    text and jsonb refuse a NUL, and a surrogate cannot be written out as UTF-8 (the store, the
+    fleet's page and API), so either would fail there instead of here, with a reason."""
     stack = [(doc, 1)]
     while stack:
         value, depth = stack.pop()
@@ -75,6 +79,8 @@ def _check_shape(doc):
         strings = [c for c in children if isinstance(c, str)] + (list(value) if isinstance(value, dict) else [])
         if any("\x00" in s for s in strings):
             raise MessageError("payload holds a NUL character")
+        if any(LONE_SURROGATE.search(s) for s in strings):
+            raise MessageError("payload holds a lone UTF-16 surrogate (\\ud800-\\udfff), which UTF-8 cannot carry")
         stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
 
 

@@ -78,6 +78,9 @@ POISON = [  # (case, kind, payload)
     ("alert temp a string", "alert", raw(alert(temp_c="hot"))),
     ("alert type with a NUL", "alert", raw(alert(type="x\u0000y"))),
     ("health NUL in a probe key", "health", raw(health(probe={"a\u0000": 1}))),
+    # stored once (SQLite), it made the fleet's page and API fail for every device; PostgreSQL refused the row
+    ("alert type a lone surrogate", "alert", raw(alert(type="x\ud800"))),
+    ("health lone surrogate in a probe key", "health", raw(health(probe={"\udfff": 1}))),
     # JSON has no NaN or Infinity: stored, one in a free-form part made the fleet's API answer 500
     ("health NaN inside the probe", "health", raw(health(probe={"zones": [], "x": math.nan}))),
     ("health 1e999 inside the probe", "health", raw(health(probe={"zones": [], "x": 1.5})).replace(b"1.5", b"1e999")),
