@@ -39,7 +39,7 @@ REBIRTH_EVERY_S = 30.0
 PARSERS = {
     topics.STATE: messages.parse_state,
     topics.HEALTH: lambda payload: messages.parse(messages.Health, payload),
-    topics.ALERT: lambda payload: messages.parse(messages.Alert, payload),
+    topics.ALERT: lambda payload: messages.parse(messages.Alert, payload, messages.MAX_ALERT),
 }
 
 

@@ -15,6 +15,9 @@ from typing import Any, Dict, Optional
 
 MAX_PAYLOAD = 256 * 1024  # bytes; deploy/mosquitto.conf refuses larger ones at the broker too
 MAX_COMMAND = 16 * 1024
+# An alert is a few fields; the controller keeps 1000 a device and `/api/alerts` answers as many
+# at once, so each is bounded far below a health document.
+MAX_ALERT = 16 * 1024
 # A lone UTF-16 surrogate: JSON's "\ud800" reads as one in Python, and UTF-8 has no bytes for it.
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 MAX_DEPTH = 16  # a health document nests 5 deep

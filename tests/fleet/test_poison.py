@@ -71,6 +71,7 @@ POISON = [  # (case, kind, payload)
     ("health not JSON", "health", b"{not json"),
     ("health not UTF-8", "health", b'{"status": "\xff\xfe"}'),
     ("health a JSON list", "health", b"[1, 2, 3]"),
+    ("alert 20 kB", "alert", raw(alert(note="x" * 20000))),  # 1000 kept a device: 256 kB each were 256 MB an API answer
     ("alert ts NaN", "alert", raw(alert(ts=math.nan))),
     ("alert ts a string", "alert", raw(alert(ts="yesterday"))),
     ("alert ts 1e300", "alert", raw(alert(ts=1e300))),
