@@ -24,8 +24,17 @@ PARTS = (
 )
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, with a refusal on one line: `jetserve serve`'s usage is forty lines, and printed
+    first it would bury the line that says which flag is wrong. Subcommands' parsers are of the
+    same class (add_subparsers makes them so)."""
+
+    def error(self, message):
+        self.exit(2, "%s: error: %s (see `%s --help`)\n" % (self.prog, message, self.prog))
+
+
 def build_parser():
-    parser = argparse.ArgumentParser(prog="jetserve", description=__doc__.splitlines()[0])
+    parser = Parser(prog="jetserve", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version="jetserve " + __version__)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in PARTS:
@@ -42,12 +51,12 @@ def build_parser():
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
-    if getattr(args, "config", None):
+    if getattr(args, "config", None) is not None:  # `--config ""` (an unset variable) is refused, not skipped
         # Second pass: the file's values become defaults, so explicit flags still win.
         try:
             set_defaults_from_file(args.config_parser, args.config, args.config_table)
         except ConfigError as exc:
-            parser.error(str(exc))
+            args.config_parser.error(str(exc))
         args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
