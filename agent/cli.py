@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from jetserve.agent.thermal import ThermalPolicy
-from jetserve.config import DEFAULT_ADDRESS, add_config_flag, add_flags, log_level_setting, setting
+from jetserve.config import DEFAULT_ADDRESS, add_config_flag, add_flags, int_in, log_level_setting, number_in, setting
 from jetserve.wire.mqtt import MqttOptions
 
 SERVICE_STATE_DIR = "/var/lib/jetserve-agent"  # systemd's StateDirectory=jetserve-agent
@@ -41,17 +41,17 @@ class AgentOptions:
     device_id: Optional[str] = setting(None, "device name (default: the host name)")
     fleet: str = setting("default", "fleet name (a topic level)")
     service: str = setting(DEFAULT_ADDRESS, "inference service gRPC address (or unix:///run/jetserve/grpc.sock)")
-    service_timeout: float = setting(2.0, "seconds per gRPC call", type=float)
+    service_timeout: float = setting(2.0, "seconds per gRPC call", type=number_in(0.05, 600))
     service_token_file: Optional[str] = setting(None, "the service's control-plane token (its "
                                                       "--control-api-key-file)", metavar="FILE")
-    interval: float = setting(10.0, "seconds between health reports", type=float)
+    interval: float = setting(10.0, "seconds between health reports", type=number_in(0.05, 86400))
     state_dir: str = setting(default_state_dir(), "where the outbox lives (as the service: $STATE_DIRECTORY; "
                                                   "root: %s; else $XDG_STATE_HOME/jetserve-agent; default: "
                                                   "%%(default)s)" % SERVICE_STATE_DIR)
     outbox_limit: int = setting(10000, "messages kept while the broker is away (oldest health dropped first)",
                                 type=int)
-    once_timeout: float = setting(10.0, "with --once, seconds to wait for the broker", type=float)
-    reconnect_max: int = setting(30, "longest reconnect backoff, s", type=int)
+    once_timeout: float = setting(10.0, "with --once, seconds to wait for the broker", type=number_in(0.1, 86400))
+    reconnect_max: int = setting(30, "longest reconnect backoff, s", type=int_in(1, 3600))
     no_jtop: bool = setting(False, "never use jetson-stats", action="store_true")
     log_level: str = log_level_setting()
 

@@ -10,7 +10,7 @@ threshold does not flap the service.
 import collections
 from dataclasses import dataclass, field
 
-from jetserve.config import setting
+from jetserve.config import number_in, setting
 
 NORMAL, SHED, DRAIN = 0, 1, 2
 LEVELS = ("normal", "shed", "drain")
@@ -28,9 +28,11 @@ def _trip(zone, kind):
 class ThermalPolicy:
     """The margins are the agent's settings (flags `--passive-margin` ..., keys of `[agent]`)."""
 
-    passive_margin: float = setting(5.0, "shed load this many degrees below a zone's passive trip", type=float)
-    critical_margin: float = setting(3.0, "drain this many degrees below a zone's critical trip", type=float)
-    hysteresis: float = setting(5.0, "degrees below a threshold before restoring a level", type=float)
+    passive_margin: float = setting(5.0, "shed load this many degrees below a zone's passive trip",
+                                    type=number_in(0, 100))
+    critical_margin: float = setting(3.0, "drain this many degrees below a zone's critical trip",
+                                     type=number_in(0, 100))
+    hysteresis: float = setting(5.0, "degrees below a threshold before restoring a level", type=number_in(0, 100))
     level: int = field(default=NORMAL, init=False)
 
     def _thresholds(self, zone):

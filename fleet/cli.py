@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from jetserve import fdbudget
-from jetserve.config import add_config_flag, add_flags, log_level_setting, setting
+from jetserve.config import add_config_flag, add_flags, log_level_setting, number_in, setting
 from jetserve.wire.mqtt import MqttOptions
 
 
@@ -38,9 +38,10 @@ class FleetOptions:
         type=float, metavar="SECONDS")
     share: Optional[str] = setting(None, "join $share/GROUP to split the fleet between replicas", metavar="GROUP")
     client_id: Optional[str] = setting(None, "MQTT client id (default: jetserve-fleet-<host>)")
-    silence_factor: float = setting(3.0, "offline after this many report intervals without a message", type=float)
+    silence_factor: float = setting(3.0, "offline after this many report intervals without a message",
+                                   type=number_in(1, 1000))
     stall_timeout: float = setting(30.0, "exit (to be restarted) when ingestion is stuck on one step this many "
-                                         "seconds", type=float)
+                                         "seconds", type=number_in(1, 86400))
     log_level: str = log_level_setting()
     fleet: Optional[str] = setting(None, "only this fleet (default: every fleet)")
 
@@ -67,7 +68,7 @@ def register(subparsers):
     send.add_argument("command", help="drain, resume, set-limits or report-now")
     send.add_argument("--set", action="append", default=[], metavar="KEY=INT",
                       help="set-limits argument, e.g. --set max_num_seqs=2")
-    send.add_argument("--timeout", type=float, default=10.0)
+    send.add_argument("--timeout", type=number_in(0.1, 3600), default=10.0)
     send.add_argument("--fleet", default="default", help="fleet of DEVICE when not given as FLEET/DEVICE")
     add_flags(send, MqttOptions, "MQTT")
     add_config_flag(send, "fleet", FleetOptions, MqttOptions)

@@ -65,6 +65,20 @@ def int_in(low, high):
 port_number = int_in(0, 65535)
 
 
+def number_in(low, high):
+    """A flag's type: a finite number in [low, high] (a period, a timeout, a margin), so that 0 is
+    not a busy loop, NaN not a deadline that never passes, and 1e9 not a service that never answers."""
+    def parse(text):
+        try:
+            value = float(text)
+        except (TypeError, ValueError):
+            value = math.nan
+        if not low <= value <= high:  # NaN fails too
+            raise argparse.ArgumentTypeError("must be a number in [%g, %g], got %r" % (low, high, text))
+        return value
+    return parse
+
+
 def seconds(text):
     """A flag's type: a duration, finite and not negative (NaN would compare false to every deadline)."""
     try:

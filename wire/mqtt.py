@@ -14,7 +14,7 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from jetserve.config import from_args, setting
+from jetserve.config import from_args, int_in, setting
 
 
 class MqttConfigError(RuntimeError):
@@ -26,7 +26,7 @@ class MqttOptions:
     """The broker connection settings of every command that connects (flags `--mqtt-host`, ...)."""
 
     host: str = setting("127.0.0.1", name="mqtt_host")
-    port: int = setting(1883, name="mqtt_port", type=int)
+    port: int = setting(1883, name="mqtt_port", type=int_in(1, 65535))
     user: Optional[str] = setting(None, "username (a device's is FLEET/DEVICE under the shipped ACL)",
                                   name="mqtt_user")
     password: Optional[str] = setting(None, "password (prefer --mqtt-password-file)", name="mqtt_password")

@@ -114,3 +114,26 @@ def test_log_level_is_any_case_and_checked():
         assert parser.parse_args(argv).log_level == argv[-1].upper()
     out = jetserve("agent", "--log-level", "verbose", "--state-dir", "/nonexistent")
     assert out.returncode == 2 and b"invalid choice: 'verbose'" in out.stdout, out.stdout
+
+
+def test_periods_timeouts_margins_and_ports_are_bounded_on_the_command_line_and_in_the_file(tmp_path):
+    """0 s between reports is a flood, NaN a deadline that never passes, a port past 65535 wraps:
+    each is one line naming the flag and its range, exit status 2, from a flag or from the file."""
+    import pytest
+
+    from jetserve.cli import build_parser
+
+    cases = [("agent", "--interval", "0"), ("agent", "--interval", "nan"), ("agent", "--service-timeout", "1e9"),
+             ("agent", "--reconnect-max", "0"), ("agent", "--passive-margin", "-1"), ("agent", "--mqtt-port", "70000"),
+             ("fleet run", "--silence-factor", "0.5"), ("fleet run", "--stall-timeout", "inf"),
+             ("fleet send", "--timeout", "-1")]
+    for command, flag, value in cases:
+        argv = command.split() + (["dev", "drain"] if command == "fleet send" else []) + [flag, value]
+        out = jetserve(*argv)
+        lines = out.stdout.decode().strip().splitlines()
+        assert out.returncode == 2 and len(lines) == 1 and flag in lines[0] and "must be" in lines[0], out.stdout
+    conf = tmp_path / "jetserve.toml"
+    conf.write_text("[agent]\ninterval = 0\n")
+    args = build_parser().parse_args(["agent", "--config", str(conf)])
+    with pytest.raises(ValueError, match=r"interval = 0: must be a number in \[0.05, 86400\]"):
+        set_defaults_from_file(args.config_parser, args.config, args.config_table)
