@@ -8,6 +8,7 @@ grpcio-health-checking (which the base install does not carry).
 import grpc
 from google.protobuf.json_format import MessageToDict
 
+from jetserve.config import read_secret
 from jetserve.v1 import inference_pb2, inference_pb2_grpc
 
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
@@ -35,11 +36,10 @@ def read_control_token(path):
     """The service's control-plane token (`--control-api-key-file` there), or None without a file."""
     if not path:
         return None
-    with open(path, encoding="utf-8") as f:
-        token = f.readline().strip()
-    if not token:
-        raise ValueError("--service-token-file %s is empty" % path)
-    return token
+    try:  # not held to mode 600: the service's user owns it, and the agent may run as another
+        return read_secret(path, "--service-token-file", private=False)
+    except OSError as exc:
+        raise ValueError("--service-token-file %s: %s" % (path, exc.strerror or exc))
 
 
 class ServiceClient:

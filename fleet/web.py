@@ -26,15 +26,14 @@ import html
 import ipaddress
 import json
 import logging
-import os
 import re
 import socket
-import stat
 import threading
 import time
 import urllib.parse
 
 from jetserve import fdbudget
+from jetserve.config import read_secret
 
 log = logging.getLogger(__name__)
 
@@ -74,13 +73,9 @@ HEADERS = {
 def read_token(path):
     """The bearer token from `path`, which only its owner may read (like an SSH key)."""
     try:
-        mode = os.stat(path).st_mode
-        with open(path) as f:
-            token = f.read().strip()
+        token = read_secret(path, "--http-token-file")
     except OSError as exc:
         raise ValueError("cannot read the HTTP token file %s: %s" % (path, exc.strerror))
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise ValueError("the HTTP token file %s is open to others (mode %o): chmod 600 it" % (path, mode & 0o777))
     if len(token) < 16:
         raise ValueError("the HTTP token in %s is shorter than 16 characters; make one with: "
                          "python3 -c 'import secrets; print(secrets.token_urlsafe(32))'" % path)

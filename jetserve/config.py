@@ -12,6 +12,7 @@ compatible and standard library only (the agent imports it on a device's Python 
 
 import argparse
 import dataclasses
+import errno
 import json
 import math
 import os
@@ -34,6 +35,7 @@ TABLES = ("serve", "agent", "fleet")
 # A settings file is a few hundred bytes; reading is bounded so that a wrong path (a log, a disk
 # image, /dev/zero) is refused rather than read into memory.
 MAX_CONFIG_BYTES = 1 << 20
+MAX_SECRET_BYTES = 64 << 10  # a token or password file: one line
 
 
 class ConfigError(ValueError):
@@ -138,35 +140,60 @@ def from_args(cls, args, **values):
     return cls(**found)
 
 
-def _read_bounded(path):
-    """The bytes of a regular file of at most MAX_CONFIG_BYTES. Opened without blocking, so a FIFO
-    cannot hang the start; a device or a directory is refused before anything is read."""
+def read_file(path, limit):
+    """The bytes of the regular file `path`, at most `limit` of them. Opened without blocking, so
+    a FIFO named by mistake cannot hang a start, and a device (/dev/zero), a directory or a file
+    past `limit` is refused before it fills memory: as OSError, with `filename` and `strerror`,
+    as the system's own refusals are, so every caller's message for those serves these too."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", path)
+        chunks, size = [], 0
+        while size <= limit:
+            chunk = os.read(fd, limit + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    finally:
+        os.close(fd)
+    if size > limit:
+        raise OSError(errno.EFBIG, "larger than %d KiB" % (limit // 1024), path)
+    return b"".join(chunks)
+
+
+def read_secret(path, flag, private=True):
+    """The first line of the token or password file `path` (named by `flag`), stripped: kept out
+    of `ps` and of the settings file. `private`: like ssh with a private key, a file other users
+    may read or write is refused, since its secret is spent. ValueError naming `flag`, or OSError."""
+    if private:
+        mode = os.stat(path).st_mode
+        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise ValueError("%s %s is accessible by other users (mode %04o): chmod 600 it, owned by the "
+                             "service's user" % (flag, path, stat.S_IMODE(mode)))
+    try:
+        lines = read_file(path, MAX_SECRET_BYTES).decode("utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise ValueError("%s %s is not UTF-8 text" % (flag, path))
+    token = lines[0].strip() if lines else ""
+    if not token:
+        raise ValueError("%s %s is empty" % (flag, path))
+    return token
+
+
+def _read_config(path):
     if not path:
         raise ConfigError("--config is empty: name a TOML file")
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise ConfigError("config %s is not a regular file" % path)
-            chunks, size = [], 0
-            while size <= MAX_CONFIG_BYTES:
-                chunk = os.read(fd, MAX_CONFIG_BYTES + 1 - size)
-                if not chunk:
-                    break
-                chunks.append(chunk)
-                size += len(chunk)
-        finally:
-            os.close(fd)
+        return read_file(path, MAX_CONFIG_BYTES)
     except OSError as exc:
         raise ConfigError("cannot read config %s: %s" % (path, exc.strerror or exc))
-    if size > MAX_CONFIG_BYTES:
-        raise ConfigError("config %s is over %d KiB: not a settings file" % (path, MAX_CONFIG_BYTES // 1024))
-    return b"".join(chunks)
 
 
 def read_table(path, table):
     """Return the `[table]` of a TOML file as a dict with underscore keys."""
-    data = _read_bounded(path)
+    data = _read_config(path)
     try:
         doc = tomllib.loads(data.decode("utf-8"))  # TOML is UTF-8 by definition
     except UnicodeDecodeError as exc:

@@ -16,6 +16,8 @@ import stat
 
 import grpc
 
+from jetserve.config import read_secret
+
 # Load balancers, systemd helpers and the agent's liveness probe call health without a token.
 OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
 CONTROL_PREFIX = "/jetserve.v1.ControlService/"
@@ -116,16 +118,8 @@ def is_local_peer(peer: str) -> bool:
 
 
 def read_token(api_key: str | None, api_key_file: str | None, flag: str = "--api-key-file") -> str | None:
-    """The token from `--api-key` or the first line of a token file (kept out of `ps`). Like ssh
-    with a private key, a file that other users can read is refused: the secret is spent."""
+    """The token from `--api-key` or the first line of a token file, which only its owner may
+    read (`config.read_secret`)."""
     if api_key_file:
-        mode = os.stat(api_key_file).st_mode
-        if mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise ValueError("%s %s is accessible by other users (mode %04o): chmod 600 it, owned by the "
-                             "service's user" % (flag, api_key_file, stat.S_IMODE(mode)))
-        with open(api_key_file, encoding="utf-8") as f:
-            token = f.readline().strip()
-        if not token:
-            raise ValueError("%s %s is empty" % (flag, api_key_file))
-        return token
+        return read_secret(api_key_file, flag)
     return api_key or None

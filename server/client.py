@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 
 import grpc
 
+from jetserve.config import read_file
 from jetserve.v1 import inference_pb2 as pb
 from jetserve.v1 import inference_pb2_grpc as pb_grpc
+
+MAX_PEM_BYTES = 1 << 20  # a certificate chain or key: far below; /dev/zero named by mistake: refused
 
 
 def connect(args) -> pb_grpc.InferenceServiceStub:
     """A stub for `--target` (host:port or unix:/path), over TLS when `--tls-ca` is given."""
     if args.tls_ca:
-        read = lambda path: Path(path).read_bytes() if path else None  # noqa: E731
+        read = lambda path: read_file(path, MAX_PEM_BYTES) if path else None  # noqa: E731
         credentials = grpc.ssl_channel_credentials(read(args.tls_ca), read(args.tls_key), read(args.tls_cert))
         channel = grpc.secure_channel(args.target, credentials)
     else:

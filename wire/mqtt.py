@@ -14,7 +14,7 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from jetserve.config import from_args, int_in, setting
+from jetserve.config import from_args, int_in, read_secret, setting
 
 
 class MqttConfigError(RuntimeError):
@@ -57,11 +57,12 @@ def new_client(client_id, options, manual_ack=False):
     password = options.password
     if options.password_file:
         try:
-            with open(options.password_file) as f:
-                password = f.read().strip()
+            password = read_secret(options.password_file, "--mqtt-password-file", private=False)
         except OSError as exc:
             raise MqttConfigError("cannot read MQTT password file %s: %s"
                                   % (options.password_file, exc.strerror))
+        except ValueError as exc:
+            raise MqttConfigError(str(exc))
     if options.user:
         client.username_pw_set(options.user, password)
     if options.tls:

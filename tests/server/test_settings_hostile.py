@@ -149,8 +149,8 @@ def test_files_that_are_no_settings_file_are_refused_without_reading_them(tmp_pa
         f.truncate(MAX_CONFIG_BYTES + 1)  # sparse: the size is what counts
     (tmp_path / "latin1.toml").write_bytes(b'[serve]\nmodel = "\xff"\n')
     (tmp_path / "deep.toml").write_text("[serve]\nmodel = " + "[" * 100000 + "\n")
-    for name, why in [(fifo, "is not a regular file"), (zero, "is not a regular file"),
-                      (tmp_path, "is not a regular file"), (big, "is over 1024 KiB"),
+    for name, why in [(fifo, "not a regular file"), (zero, "not a regular file"),
+                      (tmp_path, "not a regular file"), (big, "larger than 1024 KiB"),
                       (tmp_path / "latin1.toml", "is not UTF-8 text (byte 17)"),
                       (tmp_path / "deep.toml", "is not valid TOML: nested too deeply"),
                       (tmp_path / "missing.toml", "cannot read config")]:
@@ -177,3 +177,45 @@ def test_serves_own_refusals_are_one_line_and_exit_1(tmp_path):
         done = jetserve("serve", "--no-engine-core-process", *PORTS, *argv)
         assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
         assert done.stderr.strip().splitlines()[-1].startswith("jetserve serve: " + line), done.stderr
+
+
+def test_every_token_password_and_certificate_file_is_read_bounded(tmp_path):
+    """Each file read for a secret (the service's, the agent's, the fleet page's, MQTT's) or a
+    client's certificate: a FIFO once hung the start, /dev/zero or a long file without a newline
+    was read whole into memory. Now each is refused naming its flag, before it is read; a good
+    file still gives its first line."""
+    from jetserve.agent.service import read_control_token
+    from jetserve.config import MAX_SECRET_BYTES
+    from jetserve.fleet import web
+    from jetserve.server.auth import read_token
+    from jetserve.wire.mqtt import MqttConfigError, MqttOptions, new_client
+
+    fifo, zero, long = tmp_path / "fifo", tmp_path / "zero", tmp_path / "long"
+    os.mkfifo(fifo, 0o600)
+    zero.symlink_to("/dev/zero")
+    with open(long, "wb") as f:
+        f.truncate(MAX_SECRET_BYTES + 1)  # sparse: no newline anywhere
+    long.chmod(0o600)
+    good = tmp_path / "good"
+    good.write_text("a-token-of-more-than-16-characters\nignored\n")
+    good.chmod(0o600)
+    readers = [(lambda p: read_token(None, str(p)), "--api-key-file"),
+               (read_control_token, "--service-token-file"),
+               (web.read_token, "--http-token-file"),
+               (lambda p: new_client("t", MqttOptions(user="u", password_file=str(p))), "--mqtt-password-file")]
+    for read, flag in readers:
+        for path, why in [(fifo, "not a regular file"), (zero, "not a regular file"),
+                          (tmp_path, "not a regular file"), (long, "larger than 64 KiB")]:
+            with pytest.raises((OSError, ValueError, MqttConfigError)) as refused:
+                read(path)
+            said = str(refused.value) if not isinstance(refused.value, OSError) else \
+                "%s: %s" % (refused.value.filename, refused.value.strerror)  # what each command prints
+            # /dev/zero is open to everyone: a reader of private files refuses it for that first
+            assert (why in said or path == zero and "accessible by other users" in said) and str(path) in said, \
+                (flag, said)
+    assert read_token(None, str(good)) == read_control_token(str(good)) == web.read_token(str(good)) == \
+        "a-token-of-more-than-16-characters"
+    done = jetserve("generate", "hi", "--tls-ca", zero, "--target", "127.0.0.1:9")
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines() == ["jetserve generate: cannot read %s: not a regular file" % zero], \
+        done.stderr
