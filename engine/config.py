@@ -724,6 +724,11 @@ def _discrete_gpu(device: str) -> bool:
             and not torch.cuda.get_device_properties(torch.device(device)).is_integrated)
 
 
+# Every count and size above is bounded: past int32 it would overflow the kernels' indexing, and
+# a memory plan for 2^70 sequences reads as nonsense rather than as a refusal.
+MAX_SIZE = 2**31 - 1
+
+
 def _positive(name: str, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_SIZE:
+        raise ValueError(f"{name} must be an integer in [1, {MAX_SIZE}], got {value!r}")

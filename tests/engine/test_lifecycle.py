@@ -109,8 +109,10 @@ def test_bad_prompts_and_engine_args_are_clear_errors(tiny):
         LLM(str(path), gpu_memory_utilization=1.5)
     with pytest.raises(ValueError, match="dtype"):
         LLM(str(path), dtype="float8")
-    with pytest.raises(ValueError, match="cudagraph_capture_sizes must be an integer >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"cudagraph_capture_sizes must be an integer in \[1, 2147483647\], got 0"):
         LLM(str(path), cudagraph_capture_sizes=[4, 0])
+    with pytest.raises(ValueError, match=r"max_num_seqs must be an integer in \[1, 2147483647\], got 1180591620717411303424"):
+        LLM(str(path), max_num_seqs=2**70)  # once a memory plan "fitting max_num_seqs=0" instead
     with pytest.raises(ValueError, match="max_cudagraph_capture_size"):
         LLM(str(path), max_cudagraph_capture_size=-1)
     with pytest.raises(ValueError, match="without chunked prefill"):
