@@ -173,7 +173,7 @@ def test_a_limit_the_content_breaks_is_the_batchs_fault_and_a_lost_server_is_tra
         with store.read() as db:
             pid = list(db.execute("SELECT pg_backend_pid()"))[0][0]
         with store.write() as db:
-            db.execute("SELECT pg_terminate_backend(?)", (pid,))
+            db.execute("SELECT pg_terminate_backend(?, 30000)", (pid,))  # returns once it has gone
         with pytest.raises(StoreError), store.read() as db:
             db.execute("SELECT 1")
         with store.read() as db:  # reopened at the next transaction

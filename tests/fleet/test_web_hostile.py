@@ -200,7 +200,8 @@ def test_a_registry_that_cannot_be_read_is_a_503_and_a_broken_row_a_500_both_wit
     assert get(base + "/api/devices")[0] == 200
     name = psycopg.conninfo.conninfo_to_dict(postgres_url)["dbname"]
     with psycopg.connect(postgres_url.replace("/%s?" % name, "/postgres?"), autocommit=True) as admin:
-        admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s "
+        # Each returns once its backend has gone (the signal alone would race the next request).
+        admin.execute("SELECT pg_terminate_backend(pid, 30000) FROM pg_stat_activity WHERE datname = %s "
                       "AND pid <> pg_backend_pid()", (name,))
     status, headers, body = get(base + "/api/devices")
     assert status == 503 and headers["Content-Type"] == "application/json" and headers["Retry-After"], body
