@@ -22,6 +22,7 @@
 #   stream  — tools/stream_probe.py: the shipped tile against its L2-prefetching twin (Tile.prefetch), the
 #             pipelined tiles (Tile.stages), their register-prefetch and prefetching twins, tinygemm and
 #             cuBLAS, product by product ($STREAM_SHAPES, $STREAM_ROWS, $STREAM_FORMATS)
+#   mma     — tools/mma_probe.py: the W4A16 MMA kernel against the engine's INT4 products ($MMA_SHAPES, $MMA_ROWS)
 #   gemlite — tools/gemlite_probe.py: GemLite's kernels product by product ($GEMLITE_SHAPES, $GEMLITE_ROWS, $GEMLITE_FORMATS)
 #   fromstream — after stream: its wins written into this tree's sm90 table (tools/table_from_stream.py,
 #             the rows of $STREAM_ROWS), the table before tarred as /tmp/table-before.tar for a following
@@ -197,6 +198,10 @@ print('[ab] $name', ' '.join(f'b{b}: {r[b]:.4f} (min {r[\"min_ms\"][b]:.4f})' fo
 stream)  # issues 29/30: do more weight bytes in flight (L2 prefetch, cp.async stages) make the products faster?
   timeout ${STREAM_TIMEOUT:-500} python3 tools/stream_probe.py "${STREAM_SHAPES:-qwen3-0.6b,qwen3-4b}" "${STREAM_ROWS:-1,16}" 2>&1 \
     | grep -vE 'Warning|warn' | tee "$OUT/stream.txt" | tail -80
+  ;;
+mma)  # issue 29: the W4A16 MMA kernel (model/mma_kernels.py) against the engine's INT4 products and bf16, 1-8 rows
+  timeout ${MMA_TIMEOUT:-420} python3 tools/mma_probe.py "${MMA_SHAPES:-qwen3-0.6b,qwen3-4b}" "${MMA_ROWS:-1,2,4,8}" 2>&1 \
+    | grep -vE 'Warning|warn' | tee "$OUT/mma.txt" | tail -60
   ;;
 gemlite)  # issue 29: GemLite's W4A16/W8A16 kernels (its wheel in .whl/) against tinygemm, the shipped path and cuBLAS
   timeout ${GEMLITE_TIMEOUT:-420} python3 tools/gemlite_probe.py "${GEMLITE_SHAPES:-qwen3-4b}" "${GEMLITE_ROWS:-1,8}" 2>&1 \

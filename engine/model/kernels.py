@@ -555,7 +555,7 @@ def launch(kernel, grid, pdl: bool, *args, **meta):
     launches streams weights without a gap between kernels (CUDA graphs keep the edges)."""
     if pdl:
         meta["launch_pdl"] = True
-    kernel[grid](*args, PDL=pdl, **meta)
+    return kernel[grid](*args, PDL=pdl, **meta)
 
 
 @triton.jit
@@ -649,7 +649,9 @@ class Tile(NamedTuple):
     without the registers to hold them; `prefetch`: a program first asks L2 for every weight
     byte it will read (`prefetch_l2`), before it waits for the previous kernel under PDL, so the
     memory streams across the kernels' boundary and a program's first steps find their bytes
-    on the way. Tables and caches store a tile as these fields, in order."""
+    on the way; `mma`: the W4A16 product whose threads load their share of an MMA's operand
+straight from the span layout (model/mma_kernels.py; block_n 16 rows, block_k a span of 128
+columns, `split_k` as above). Tables and caches store a tile as these fields, in order."""
 
     block_n: int
     block_k: int
@@ -661,6 +663,7 @@ class Tile(NamedTuple):
     dot: bool = False
     stages: int = 0
     prefetch: bool = False
+    mma: bool = False
 
 
 # Tiles tried for each shape; an FMA tile holds BLOCK_M * BLOCK_N * BLOCK_K products. Main's

@@ -20,6 +20,8 @@ pass before cuBLAS, from the span layout (`dequantized`) or from tinygemm's
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import triton
 import triton.language as tl
@@ -31,6 +33,8 @@ from jetserve.engine.model.kernels import (ADD_NORM, DOT_MIN_ROWS, INTERPRETED, 
                                            Tile, cold_copies, input_chunk, launch, normalized, pdl_supported,
                                            prefetch_l2, prefetching, row_inv_rms, run_apart, split_k, sum_splits,
                                            torch_variant, with_pdl)
+from jetserve.engine.model.mma_kernels import (MAX_INPUT_ROWS, ROWS, SPAN_COLUMNS, _int4_mma_kernel,
+                                               launched_layout_ok)
 from jetserve.engine.model.quant import QuantizedWeight, dequantize, span
 
 
@@ -606,16 +610,41 @@ def _dot_tiles(rows: int, weight: QuantizedWeight, dtype: torch.dtype) -> list[T
     return [t for t in DOT_TILES if group_words % t.block_k == 0 and row_words % t.block_k == 0]
 
 
+# The W4A16 MMA kernel's candidates (model/mma_kernels.py: 16 rows a warp, a span a step): warps a
+# program, K split over programs where N / 16 programs leave the GPU part empty (the narrow o and
+# down projections, and every product of the 0.6B); the prologue always apart (its inputs are
+# loaded straight into the MMA's operand, with no room for a norm).
+MMA_TILES = [Tile(16, 128, 4, apart=True, mma=True), Tile(16, 128, 2, apart=True, mma=True),
+             Tile(16, 128, 4, 2, apart=True, mma=True), Tile(16, 128, 4, 4, apart=True, mma=True),
+             Tile(16, 128, 2, 4, apart=True, mma=True), Tile(16, 128, 2, 8, apart=True, mma=True),
+             Tile(16, 128, 1, 8, apart=True, mma=True)]
+
+
+def _mma_tiles(rows: int, weight: QuantizedWeight, dtype: torch.dtype, device: torch.device | None) -> list[Tile]:
+    """The MMA kernel's candidates: compiled code on a GPU (never in the interpreter, which runs no
+    PTX); INT4 of 16-bit inputs, up to 8 rows, N a multiple of 16, groups of whole spans or one a
+    row."""
+    n, k = weight.shape
+    if (INTERPRETED or device is None or device.type != "cuda" or weight.bits != 4 or rows > MAX_INPUT_ROWS
+            or dtype not in (torch.bfloat16, torch.float16) or n % 16 or k % SPAN_COLUMNS
+            or not (weight.group_size % SPAN_COLUMNS == 0 or weight.group_size == k)):
+        return []
+    return MMA_TILES
+
+
 def fitting_tiles(rows: int, weight: QuantizedWeight, prologue: int = PLAIN, pdl: bool = False,
                   dtype: torch.dtype = torch.bfloat16) -> list[Tile]:
     """Tiles this shape can take: few enough accumulators a thread; fp32 scales (the loader's);
-    a plain product has no prologue to run apart; with and without PDL as `kernels.with_pdl`."""
+    a plain product has no prologue to run apart; with and without PDL as `kernels.with_pdl`
+    (the MMA tiles with it where the GPU has it: they have no L2 prefetch)."""
     if weight.scales.dtype != torch.float32:
         return []
     fma = [t for t in TILES if triton.next_power_of_2(rows) * t.block_n * t.block_k <= _MAX_WORDS_PER_THREAD * 32 * t.warps]
     fma += [t for t in _gemv_tiles(rows, weight) if t.block_n * t.block_k <= _MAX_GEMV_WORDS_PER_THREAD * 32 * t.warps]
     # the tensor-core tiles last: a shape no table lists keeps the first FMA tile, as before them
-    return with_pdl([t for t in fma + _dot_tiles(rows, weight, dtype) if not (t.apart and prologue == PLAIN)], pdl)
+    tiles = with_pdl([t for t in fma + _dot_tiles(rows, weight, dtype) if not (t.apart and prologue == PLAIN)], pdl)
+    mma = [t._replace(pdl=pdl, apart=prologue != PLAIN) for t in _mma_tiles(rows, weight, dtype, weight.qweight.device)]
+    return tiles + [t for t in mma if t.split_k <= weight.shape[1] // SPAN_COLUMNS]
 
 
 def candidates(rows: int, weight: QuantizedWeight, prologue: int = PLAIN, pdl: bool = False,
@@ -641,6 +670,8 @@ def quant_matmul(tile, prologue, x, weight: QuantizedWeight, residual=None, norm
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     res_out = torch.empty(m, k, dtype=x.dtype, device=x.device) if prologue == ADD_NORM else out
     zeros = weight.zeros if weight.zeros is not None else weight.scales
+    if tile.mma:
+        return mma_matmul(tile, x, weight, out)
     kw_split, splits = split_k(weight.qweight.shape[1], tile, tile.block_k)
     target = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     args = (x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, weight.qweight,
@@ -664,6 +695,29 @@ def quant_matmul(tile, prologue, x, weight: QuantizedWeight, residual=None, norm
     if prologue == NORM:
         return out, x
     return (out, res_out) if prologue == ADD_NORM else out
+
+
+log = logging.getLogger(__name__)
+_MMA_WARNED: list[bool] = []  # the fallback's warning, once a process
+
+
+def mma_matmul(tile: Tile, x: torch.Tensor, weight: QuantizedWeight, out: torch.Tensor) -> torch.Tensor:
+    """x @ dequant(weight)^T into `out` by the MMA kernel (model/mma_kernels.py), K split over
+    `tile.split_k` programs of whole spans where it asks (then their partial sums added in order)."""
+    (m, k), n = x.shape, weight.shape[0]
+    per, splits = split_k(k, tile, SPAN_COLUMNS)
+    target = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    zeros = weight.zeros if weight.zeros is not None else weight.scales
+    compiled = launch(_int4_mma_kernel, (n // ROWS, splits), tile.pdl, x, weight.qweight, weight.scales, zeros, target,
+                      m, n, k, GROUP=weight.group_size, HAS_ZEROS=weight.zeros is not None, WARPS=tile.warps,
+                      SPANS_SPLIT=per // SPAN_COLUMNS, num_warps=tile.warps)
+    if launched_layout_ok(compiled, tile.warps) is False:  # another Triton's layout: its result is not the product
+        if not _MMA_WARNED:
+            _MMA_WARNED.append(True)
+            log.warning("this Triton lays out the W4A16 MMA kernel's operands otherwise: its products are "
+                        "computed by dequantizing instead")
+        return torch.matmul(x, dequantized(weight, x.dtype).T, out=out)
+    return out if splits == 1 else sum_splits(target, out, tile.pdl)
 
 
 @triton.jit

@@ -5,7 +5,8 @@ must be off): python -m tests.engine.hopper_compile; with the argument `quant`, 
 W4A16/W8A16 kernel's variants instead; with `quant_dot`, the tensor-core one's for sm_90 and for
 Jetson Orin (sm_87), with its instructions a weight in the inner loop (tools/sass_count.py); with
 `pipelined`, the pipelined tiles' (kernels.Tile.stages) of the bf16 and quantized products; with
-`prefetched`, the products' L2 prefetch (kernels.Tile.prefetch)."""
+`prefetched`, the products' L2 prefetch (kernels.Tile.prefetch); with `mma`, the W4A16 MMA kernel's
+layout and inner loop (model/mma_kernels.py)."""
 
 import functools
 import inspect
@@ -266,7 +267,34 @@ def attention() -> None:
     print("compiled")
 
 
+def mma() -> None:
+    """The W4A16 MMA kernel (model/mma_kernels.py) for sm_90 and sm_87, bf16 and fp16 inputs, every
+    warp count its tiles take, zero points in groups and symmetric one group a row, K whole and
+    split: the layout its PTX assumes (one line each: `layout sm_<arch> <warps> <ok>`), then its
+    inner loop (`loop sm_<arch> <warps> <instructions a weight> <HMMA> <shared-memory ops>`)."""
+    from jetserve.engine.model import mma_kernels
+    from jetserve.engine.model.quant_kernels import MMA_TILES
+    from tools.sass_count import inner_loop
+
+    for arch in (90, 87):
+        for warps in sorted({t.warps for t in MMA_TILES}):
+            for act, group, zeros, split in (("*bf16", 128, True, 20), ("*fp16", 2560, False, 4)):
+                compiled = compile_for_hopper(
+                    mma_kernels._int4_mma_kernel,
+                    dict(x_ptr=act, qw_ptr="*i32", s_ptr="*fp32", z_ptr="*u8" if zeros else "*fp32",
+                         out_ptr=act if split == 20 else "*fp32", M="i32", N="i32"),
+                    dict(K=2560, GROUP=group, HAS_ZEROS=zeros, WARPS=warps, SPANS_SPLIT=split, PDL=arch >= 90),
+                    arch, num_warps=warps)
+                layout = mma_kernels.operand_layout(compiled.asm["ttgir"])
+                print(f"layout sm_{arch} {warps} {layout == mma_kernels.EXPECTED_LAYOUT.format(warps=warps)}")
+                body = inner_loop(compiled.asm["sass"])
+                shared = sum(op.startswith(("LDS", "STS", "LDSM")) for op in body)
+                # a thread's iteration: two rows' four words, 64 weights
+                print(f"loop sm_{arch} {warps} {len(body) / 64:.2f} {sum(op.startswith('HMMA') for op in body)} {shared}")
+    print("compiled")
+
+
 if __name__ == "__main__":
-    {"quant": quant, "quant_dot": quant_dot, "pipelined": pipelined, "prefetched": prefetched,
+    {"mma": mma, "quant": quant, "quant_dot": quant_dot, "pipelined": pipelined, "prefetched": prefetched,
      "attention": attention}.get(
         sys.argv[1] if sys.argv[1:] else "", main)()

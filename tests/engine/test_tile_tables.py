@@ -174,8 +174,9 @@ def test_a_table_round_trips_and_is_made_from_tile_caches(tmp_path):
     again = TileTable.read(path)
     assert again.shapes == table.shapes and again.prefill == table.prefill
     assert len(path.read_text().splitlines()) == 3  # the head, one line a shape, the end
-    # A tile past the format's first eight fields keeps them all; one at their defaults is stored as before them.
-    assert json.loads(path.read_text())["shapes"][shape_key(key)] == [list(A)[:8], list(B)[:8], list(piped), None]
+    # A tile past the format's first eight fields keeps them up to its last one not at its default; one
+    # at their defaults is stored as before them.
+    assert json.loads(path.read_text())["shapes"][shape_key(key)] == [list(A)[:8], list(B)[:8], list(piped)[:10], None]
     old = tmp_path / "old.json"  # from when tables held `ahead`, a step-wide L2 prefetch since removed: still read
     old.write_text(json.dumps({**json.loads(path.read_text()), "ahead": 0.5}))
     assert TileTable.read(old).shapes == table.shapes

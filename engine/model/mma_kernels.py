@@ -1,0 +1,204 @@
+"""W4A16 products of 1 to 8 rows on tensor cores, read straight from quant.py's span layout.
+
+Decode's INT4 products are bound by the instructions a weight costs, not by its bytes: a GPU's
+memory delivers INT4 weights at a sizeable share of its issue rate, so each instruction a weight
+counts (the FMA kernels of quant_kernels.py spend about five, its tensor-core one about three,
+most of them moving the dequantized weights into the dot's operand layout through shared memory).
+Here each thread's loaded words already are its share of an m16n8k16 MMA's weight operand, so
+nothing moves between threads:
+
+- The MMA sums over its 16 k indices in any order, so lane l (t = l % 4) is given the columns of
+  word j = 4 t + v (v = 0..3) of its two rows (l // 4 and l // 4 + 8): a 16-byte load of four
+  consecutive words a row, the four lanes of a row reading a span's 64 bytes side by side.
+- A word's eight fields are INT4 weights on columns 16 f + j of its span (quant.py). Fields f and
+  f + 4 lie 16 bits apart, so one LOP3 (mask, OR with the bits of 128.0 in both halves) makes
+  the pair 128 + q as two exact bf16: the magic-number conversion, a shift and a logic
+  instruction for two weights, no conversion instruction. The 128 comes off the sums, once a
+  span (128 times the inputs' sum, a cancellation below the bf16 output's rounding). fp16's
+  magic number is 1024, eight times the cancellation, so there a packed FMA a pair takes it off
+  the weights instead (exact). Fields (2 s, 2 s + 4) and (2 s + 1, 2 s + 5) are the operand's
+  two k pairs of step s.
+- The inputs are the operand B: lane l holds input row l // 4's same columns, its two 16-bit
+  loads of pairs made one register by a PRMT; input rows past M load zeros (the MMA's n is 8:
+  up to 8 rows, MTP's verify and small batches, at the cost of one).
+- The MMA sums inputs times the operand in fp32; a second MMA, of ones, sums the inputs, so
+  sum a (q - z) s = (part - (offset + z) sum a) s once a span and row (a span of 128 columns is
+  within one group: groups are whole spans).
+
+The kernel is inline PTX inside Triton, and an MMA is a warp's collective: it is correct only
+where Triton gives each thread the elements described above (a blocked layout of four
+consecutive elements a thread, 32 threads along a row, a warp a row). `launched_layout_ok` reads
+that layout from each compiled kernel once; where another Triton lays it out otherwise, the
+product is computed the float way instead (quant_kernels.mma_matmul), never wrongly.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+ROWS = 16  # weight rows a warp: the MMA's m
+MAX_INPUT_ROWS = 8  # the MMA's n
+SPAN_COLUMNS = 128  # INT4 columns a span of 16 words holds (quant.span(4))
+
+# MMA a step of one input row per half: the pairs of two rows' words (P of row l // 4, Q of row
+# l // 4 + 8), the inputs' pairs (B0, B1), accumulating into part ($0-$3) and the inputs' sums
+# ($4-$7). {type} and {magic} are filled per activation dtype.
+_STEP = """
+prmt.b32 b0, {x_lo}, {x_hi}, {sel};
+prmt.b32 b1, {y_lo}, {y_hi}, {sel};
+mma.sync.aligned.m16n8k16.row.col.f32.{type}.{type}.f32 {{$0,$1,$2,$3}}, {{{a0},{a1},{a2},{a3}}}, {{b0,b1}}, {{$0,$1,$2,$3}};
+mma.sync.aligned.m16n8k16.row.col.f32.{type}.{type}.f32 {{$4,$5,$6,$7}}, {{one,one,one,one}}, {{b0,b1}}, {{$4,$5,$6,$7}};
+"""
+
+
+def _pairs(word: str, first: int, half: bool) -> str:
+    """The four pairs (fields p, p + 4) of `word` into registers q{first}..q{first + 3}: magic + q
+    (bf16), q (fp16)."""
+    lines = []
+    for p in range(4):
+        source = word
+        if p:
+            lines.append(f"shr.u32 t, {word}, {4 * p};")
+            source = "t"
+        lines.append(f"lop3.b32 q{first + p}, {source}, mask, magic, 0xEA;")  # (a & b) | c: magic + q
+        if half:
+            lines.append(f"fma.rn.f16x2 q{first + p}, q{first + p}, one, unmagic;")  # q, exact
+    return "\n".join(lines)
+
+
+def _asm(half: bool) -> str:
+    """A span's products for one thread: operands $8-$11 row l // 4's words v = 0..3, $12-$15 row
+    l // 4 + 8's, then the inputs of fields f = 0..7, two registers each (v = 0, 1 and v = 2, 3)."""
+    kind, magic, unmagic, one = (("f16", "0x64006400", "0xE400E400", "0x3C003C00") if half else
+                                 ("bf16", "0x43004300", "0xC300C300", "0x3F803F80"))
+    body = ["{", ".reg .b32 q<8>, t, b0, b1, one, mask, magic, unmagic;",
+            f"mov.b32 one, {one};", "mov.b32 mask, 0x000F000F;", f"mov.b32 magic, {magic};",
+            f"mov.b32 unmagic, {unmagic};"]
+    body += [f"mov.b32 ${i}, 0f00000000;" for i in range(8)]
+    for v in range(4):
+        body += [_pairs(f"${8 + v}", 0, half), _pairs(f"${12 + v}", 4, half)]
+        sel = "0x5410" if v % 2 == 0 else "0x7632"  # the low or the high 16 bits of both
+        for s in range(2):
+            reg = lambda f: f"${16 + 2 * f + v // 2}"  # noqa: E731 - the inputs of field f
+            body.append(_STEP.format(x_lo=reg(2 * s), x_hi=reg(2 * s + 4), y_lo=reg(2 * s + 1), y_hi=reg(2 * s + 5),
+                                     sel=sel, type=kind, a0=f"q{2 * s}", a1=f"q{4 + 2 * s}", a2=f"q{2 * s + 1}",
+                                     a3=f"q{5 + 2 * s}"))
+    body.append("}")
+    return "\n".join(body)
+
+
+_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 8 + ["r"] * 24))
+_ASM_BF16 = tl.constexpr(_asm(half=False))
+_ASM_F16 = tl.constexpr(_asm(half=True))
+
+
+@triton.jit
+def _span_product(w0, w1, x0, x1, x2, x3, x4, x5, x6, x7, HALF: tl.constexpr):
+    """(part, input sums) of one span, fp32: see _asm."""
+    part, sums = tl.inline_asm_elementwise(_ASM_F16 if HALF else _ASM_BF16, _CONSTRAINTS, [w0, w1, x0, x1, x2, x3, x4, x5, x6, x7],
+                                           dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+    return part, sums
+
+
+@triton.jit(do_not_specialize_on_alignment=["M"])
+def _int4_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K: tl.constexpr, GROUP: tl.constexpr,
+                     HAS_ZEROS: tl.constexpr, WARPS: tl.constexpr, SPANS_SPLIT: tl.constexpr, PDL: tl.constexpr):
+    """out[M, N] = x[M, K] @ dequant(w)[N, K]^T, M <= 8, N a multiple of 16: program (i, j) takes
+    rows [16 i, 16 i + 16) over spans [j SPANS_SPLIT, (j + 1) SPANS_SPLIT), its warp w the spans
+    w, w + WARPS, ... of them, the next one's words in flight while it multiplies; the warps'
+    sums added at the end (and the splits' by sum_splits where there are several)."""
+    HALF: tl.constexpr = x_ptr.dtype.element_ty == tl.float16
+    OFFSET: tl.constexpr = 0.0 if HALF else 128.0  # what the PTX leaves on each weight (see _asm)
+    KW: tl.constexpr = K // 8
+    GROUPS: tl.constexpr = K // GROUP
+    SPANS: tl.constexpr = K // 128
+    e = tl.arange(0, 128)  # lane * 4 + v: the layout _asm assumes
+    lane = e // 4
+    v = e % 4
+    w = tl.arange(0, WARPS)
+    row = tl.program_id(0) * 16 + lane // 4  # the operand's row l // 4; + 8 for the other
+    word = 4 * (lane % 4) + v  # of the span
+    c_lo = tl.program_id(1) * SPANS_SPLIT
+    c_hi = tl.minimum(c_lo + SPANS_SPLIT, SPANS)
+    words0 = qw_ptr + row.to(tl.int64)[None, :] * KW + word[None, :]
+    in_row = lane // 4  # the input row of lane l's operand B
+    x_at = x_ptr + in_row[None, :] * K + word[None, :]
+    x_mask = (in_row < M)[None, :] & (w < WARPS)[:, None]
+    # the output element each thread holds: c0, c1 row l // 4, c2, c3 row l // 4 + 8; input rows 2 t, 2 t + 1
+    out_n = tl.program_id(0) * 16 + lane // 4 + 8 * (v // 2)
+    out_m = 2 * (lane % 4) + v % 2
+    cw = tl.minimum(c_lo + w, c_hi - 1)[:, None] * 16  # each warp's first span
+    cur0 = tl.load(words0 + cw)
+    cur1 = tl.load(words0 + cw + 8 * KW)
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    acc = tl.zeros([WARPS, 128], tl.float32)
+    sums = tl.zeros([WARPS, 128], tl.float32)
+    for c0 in range(c_lo, c_hi, WARPS):
+        c = c0 + w
+        nxt = tl.minimum(c + WARPS, c_hi - 1)[:, None] * 16
+        next0 = tl.load(words0 + nxt)
+        next1 = tl.load(words0 + nxt + 8 * KW)
+        col = (tl.minimum(c, c_hi - 1) * 128)[:, None]
+        m = x_mask & (c < c_hi)[:, None]
+        x0 = tl.load(x_at + col, mask=m, other=0.0)
+        x1 = tl.load(x_at + col + 16, mask=m, other=0.0)
+        x2 = tl.load(x_at + col + 32, mask=m, other=0.0)
+        x3 = tl.load(x_at + col + 48, mask=m, other=0.0)
+        x4 = tl.load(x_at + col + 64, mask=m, other=0.0)
+        x5 = tl.load(x_at + col + 80, mask=m, other=0.0)
+        x6 = tl.load(x_at + col + 96, mask=m, other=0.0)
+        x7 = tl.load(x_at + col + 112, mask=m, other=0.0)
+        part, a_sum = _span_product(cur0, cur1, x0, x1, x2, x3, x4, x5, x6, x7, HALF)
+        if GROUPS == 1:
+            acc += part
+            sums += a_sum
+        else:
+            g = (col * GROUPS) // K + out_n[None, :] * GROUPS
+            if HAS_ZEROS:
+                zero = tl.load(z_ptr + g).to(tl.float32)
+            else:
+                zero = 8.0
+            acc += (part - (OFFSET + zero) * a_sum) * tl.load(s_ptr + g)
+        cur0 = next0
+        cur1 = next1
+    out = tl.sum(acc, axis=0)
+    if GROUPS == 1:
+        zero = tl.load(z_ptr + out_n).to(tl.float32) if HAS_ZEROS else 8.0
+        out = (out - (OFFSET + zero) * tl.sum(sums, axis=0)) * tl.load(s_ptr + out_n)
+    mask = out_m < M
+    if SPANS_SPLIT >= SPANS:
+        tl.store(out_ptr + out_m * N + out_n, out.to(x_ptr.dtype.element_ty), mask=mask)
+    else:  # this split's partial sums, [split, M, N] fp32
+        tl.store(out_ptr + (tl.program_id(1) * M + out_m) * N + out_n, out, mask=mask)
+
+
+EXPECTED_LAYOUT = "sizePerThread = [1, 4], threadsPerWarp = [1, 32], warpsPerCTA = [{warps}, 1], order = [1, 0]"
+
+
+def operand_layout(ttgir: str) -> str | None:
+    """The layout of the inline PTX's operands in a compiled kernel's TritonGPU IR, or None."""
+    layouts = dict(re.findall(r"^#(\w+) = #ttg\.blocked<\{(.*)\}>$", ttgir, re.M))
+    used = re.search(r"elementwise_inline_asm.*-> tensor<[^,]*, #(\w+)>", ttgir)
+    return layouts.get(used.group(1)) if used else None
+
+
+_LAYOUTS: dict[int, bool] = {}  # id of a compiled kernel → whether its PTX's operands are laid out as written for
+
+
+def launched_layout_ok(compiled, warps: int) -> bool | None:
+    """Whether a launched kernel (what Triton's launch returns) has the operand layout the PTX
+    assumes, read once from its TritonGPU IR; None where the launch only compiled."""
+    asm = getattr(compiled, "asm", None)
+    if asm is None:
+        return None
+    key = id(compiled)
+    if key not in _LAYOUTS:
+        _LAYOUTS[key] = operand_layout(asm["ttgir"]) == EXPECTED_LAYOUT.format(warps=warps)
+    return _LAYOUTS[key]

@@ -1,0 +1,120 @@
+"""Issue 29 on a GPU: the W4A16 MMA kernel (model/mma_kernels.py) against what the engine runs now.
+
+For each Qwen3 projection and row count (1 to 8), INT4 as `--quantization int4` makes it (groups
+of 128 with zero points): every MMA candidate checked against the fp32 product (its output
+poisoned first), then timed as the tuning times a tile (a CUDA graph over cold copies of the
+weight), beside the shipped table's tile over the same layout and torch's W4A16 kernel where the
+engine takes it (model/int4pack.py; the product alone, its prologue not counted, so the MMA's
+prologue is not counted either). Also checked, not timed: symmetric and one-group-a-row INT4, and
+fp16 inputs. Prints a table; writes $OUT/mma.json. From the repository root:
+
+    python3 tools/mma_probe.py [shapes, default qwen3-0.6b,qwen3-4b] [rows, default 1,2,4,8]
+"""
+
+import json
+import os
+import sys
+
+import torch
+
+from jetserve.bench.quant import operands, shape_projections
+from jetserve.engine.model import int4pack, kernels, parallel_compile, quant
+from jetserve.engine.model.kernels import PLAIN, cold_copies, graph_time, pdl_supported
+from jetserve.engine.model.quant_kernels import QuantFusedKernels, _mma_tiles, mma_matmul
+from jetserve.engine.model.tile_tables import for_device
+
+OUT = os.environ.get("OUT", "/tmp/out")
+SHAPES = (sys.argv[1] if len(sys.argv) > 1 else "qwen3-0.6b,qwen3-4b").split(",")
+ROWS = [int(r) for r in (sys.argv[2] if len(sys.argv) > 2 else "1,2,4,8").split(",")]
+DEV = torch.device("cuda")
+
+
+def mma(tile, x, w):
+    out = torch.full((x.shape[0], w.shape[0]), float("nan"), dtype=x.dtype, device=x.device)  # poisoned
+    return mma_matmul(tile, x, w, out)
+
+
+def timed(call, weight) -> float:
+    """µs call(weight) takes, replayed from a graph over cold copies of the weight."""
+    return graph_time([lambda c=c: call(weight._replace(qweight=c)) for c in cold_copies(weight.qweight)]) * 1e3
+
+
+def checked(tile, x, w) -> float:
+    """The MMA product's error against fp32, relative (norm), raising past tolerance."""
+    ref = x.float() @ quant.dequantize(w, torch.float32).T
+    out = mma(tile, x, w)
+    torch.cuda.synchronize()
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    if not err < 1e-2:
+        raise SystemExit(f"{tile} {tuple(x.shape)} x {w.shape} bits {w.bits} group {w.group_size} "
+                         f"zeros {w.zeros is not None} {x.dtype}: error {err:.3g}")
+    return err
+
+
+def variants() -> None:
+    """The formats the table does not time, checked once: symmetric, one group a row, fp16 inputs."""
+    torch.manual_seed(0)
+    dense = torch.randn(272, 640, device=DEV) / 640**0.5
+    tile = _mma_tiles(1, quant.quantize(dense, 4, 128, False), torch.bfloat16, DEV)
+    for sym in (False, True):
+        for group in (128, 640):
+            w = quant.quantize(dense, 4, group, sym)
+            for dtype in (torch.bfloat16, torch.float16):
+                for m in (1, 3, 8):
+                    x = torch.randn(m, 640, device=DEV, dtype=dtype)
+                    for t in tile:
+                        checked(t, x, w)
+    print(f"variants: {len(tile)} tiles x sym/asym x group 128/640 x bf16/fp16 x rows 1/3/8 within 1e-2", flush=True)
+
+
+def main() -> None:
+    pdl = pdl_supported(DEV)
+    table = for_device(DEV)
+    variants()
+    rows_out = []
+    for shape in SHAPES:
+        for name, (prologue, n, k) in shape_projections(shape).items():
+            if name == "lm_head":
+                continue
+            for m in ROWS:
+                x, w, _, _ = operands(PLAIN, n, k, "int4", DEV, m)
+                tiles = [t._replace(pdl=pdl, apart=False) for t in _mma_tiles(m, w, x.dtype, DEV)]
+                with parallel_compile.compile_only():
+                    for t in tiles:
+                        mma(t, x, w)
+                errors = {t: checked(t, x, w) for t in tiles}
+                times = {t: timed(lambda v, t=t: mma(t, x, v), w) for t in tiles}
+                best = min(times, key=times.get)
+                shipped = QuantFusedKernels(table=table)
+                row = {"shape": shape, "name": name, "rows": m, "n": n, "k": k,
+                       "mma_us": times[best], "mma_tile": list(best), "mma_error": errors[best],
+                       "all_mma_us": {str(list(t)): v for t, v in times.items()},
+                       "span_us": timed(lambda v: shipped.skinny_matmul(PLAIN, x, v), w),
+                       "span_tile": [list(t) if t else None for t in shipped.chosen.values()]}
+                if m <= int4pack.MAX_ROWS and int4pack.applies(4, w.group_size, n, k, torch.bfloat16, DEV):
+                    packed = int4pack.pack(quant.integers(w), quant.zero_points(w), w.scales, w.group_size)
+                    row["tinygemm_us"] = graph_time([lambda: int4pack.matmul(x, packed)]) * 1e3
+                engine = row.get("tinygemm_us", row["span_us"])
+                row["gain"] = engine / row["mma_us"]
+                bf16_x, bf16_w, _, _ = operands(PLAIN, n, k, "bf16", DEV, m)
+                plain = kernels.FusedKernels(table=table)
+                row["bf16_us"] = graph_time([lambda c=c: plain.skinny_matmul(PLAIN, bf16_x, c)
+                                             for c in cold_copies(bf16_w)]) * 1e3
+                rows_out.append(row)
+                print(f"{shape:10} {name:7} rows {m}: engine {engine:7.2f} ({'tinygemm' if 'tinygemm_us' in row else 'span'})"
+                      f"  mma {row['mma_us']:7.2f} {row['gain']:.2f}x  bf16 {row['bf16_us']:7.2f}"
+                      f" ({row['bf16_us'] / row['mma_us']:.2f}x)  {list(best)}", flush=True)
+                save(rows_out)
+
+
+def save(rows: list[dict]) -> None:
+    """$OUT/mma.json, replaced whole (a reader never meets half a file)."""
+    os.makedirs(OUT, exist_ok=True)
+    path = os.path.join(OUT, "mma.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(DEV), "rows": rows}, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+if __name__ == "__main__":
+    main()
