@@ -1,12 +1,13 @@
 """Issue 29 on a GPU: the W4A16 MMA kernel (model/mma_kernels.py) against what the engine runs now.
 
-For each Qwen3 projection and row count (1 to 8), INT4 as `--quantization int4` makes it (groups
-of 128 with zero points): every MMA candidate checked against the fp32 product (its output
-poisoned first), then timed as the tuning times a tile (a CUDA graph over cold copies of the
-weight), beside the shipped table's tile over the same layout and torch's W4A16 kernel where the
-engine takes it (model/int4pack.py; the product alone, its prologue not counted, so the MMA's
-prologue is not counted either). Also checked, not timed: symmetric and one-group-a-row INT4, and
-fp16 inputs. Prints a table; writes $OUT/mma.json. From the repository root:
+For each Qwen3 projection with its prologue (RMSNorm, residual add, SiLU·up: a kernel of its own
+before the MMA, as before torch's kernel) and row count (1 to 8), INT4 as `--quantization int4`
+makes it (groups of 128 with zero points): every MMA candidate checked against the fp32 product,
+then timed as the tuning times a tile (a CUDA graph over cold copies of the weight), beside the
+shipped table's tile over the same layout, torch's W4A16 kernel where the engine takes it
+(model/int4pack.py) and the bf16 product. Also checked, not timed: symmetric and one-group-a-row
+INT4 and fp16 inputs, outputs poisoned first. Prints a table; writes $OUT/mma.json. From the
+repository root:
 
     python3 tools/mma_probe.py [shapes, default qwen3-0.6b,qwen3-4b] [rows, default 1,2,4,8]
 """
@@ -19,8 +20,9 @@ import torch
 
 from jetserve.bench.quant import operands, shape_projections
 from jetserve.engine.model import int4pack, kernels, parallel_compile, quant
-from jetserve.engine.model.kernels import PLAIN, cold_copies, graph_time, pdl_supported
-from jetserve.engine.model.quant_kernels import QuantFusedKernels, _mma_tiles, mma_matmul
+from jetserve.engine.model.kernels import cold_copies, graph_time, pdl_supported
+from jetserve.engine.model.quant_kernels import (QuantFusedKernels, _mma_tiles, fitting_tiles, int4pack_matmul,
+                                                 mma_matmul, quant_matmul)
 from jetserve.engine.model.tile_tables import for_device
 
 OUT = os.environ.get("OUT", "/tmp/out")
@@ -67,6 +69,12 @@ def variants() -> None:
     print(f"variants: {len(tile)} tiles x sym/asym x group 128/640 x bf16/fp16 x rows 1/3/8 within 1e-2", flush=True)
 
 
+def product(tile, prologue, x, w, residual, norm):
+    """The engine's product in `tile` with its prologue (apart, for the MMA tiles), its first output."""
+    out = quant_matmul(tile, prologue, x, w, residual, norm, 1e-6)
+    return out[0] if isinstance(out, tuple) else out
+
+
 def main() -> None:
     pdl = pdl_supported(DEV)
     table = for_device(DEV)
@@ -77,29 +85,38 @@ def main() -> None:
             if name == "lm_head":
                 continue
             for m in ROWS:
-                x, w, _, _ = operands(PLAIN, n, k, "int4", DEV, m)
-                tiles = [t._replace(pdl=pdl, apart=False) for t in _mma_tiles(m, w, x.dtype, DEV)]
+                x, w, residual, norm = operands(prologue, n, k, "int4", DEV, m)
+                tiles = [t for t in fitting_tiles(m, w, prologue, pdl, x.dtype) if t.mma]
                 with parallel_compile.compile_only():
                     for t in tiles:
-                        mma(t, x, w)
-                errors = {t: checked(t, x, w) for t in tiles}
-                times = {t: timed(lambda v, t=t: mma(t, x, v), w) for t in tiles}
+                        product(t, prologue, x, w, residual, norm)
+                dense = quant.dequantize(w, torch.float32)
+                ref = product(None, prologue, x.float(), dense, None if residual is None else residual.float(),
+                              None if norm is None else norm.float())
+                for t in tiles:  # against fp32 (variants() poisons the outputs first)
+                    out = product(t, prologue, x, w, residual, norm)
+                    err = ((out.float() - ref).norm() / ref.norm()).item()
+                    if not err < 2e-2:
+                        raise SystemExit(f"{shape} {name} rows {m} {t}: error {err:.3g}")
+                times = {t: timed(lambda v, t=t: product(t, prologue, x, v, residual, norm), w) for t in tiles}
                 best = min(times, key=times.get)
                 shipped = QuantFusedKernels(table=table)
-                row = {"shape": shape, "name": name, "rows": m, "n": n, "k": k,
-                       "mma_us": times[best], "mma_tile": list(best), "mma_error": errors[best],
-                       "all_mma_us": {str(list(t)): v for t, v in times.items()},
-                       "span_us": timed(lambda v: shipped.skinny_matmul(PLAIN, x, v), w),
-                       "span_tile": [list(t) if t else None for t in shipped.chosen.values()]}
+                shipped.skinny_matmul(prologue, x, w, residual, norm, 1e-6)
+                row = {"shape": shape, "name": name, "format": "int4", "rows": m, "n": n, "k": k,
+                       "mma_us": times[best], "mma_tile": list(best),
+                       "mma_times": [[list(t), us] for t, us in times.items()],
+                       "shipped_tile": [None if t is None else list(t) for t in shipped.chosen.values()][:1],
+                       "shipped_us": timed(lambda v: shipped.skinny_matmul(prologue, x, v, residual, norm, 1e-6), w)}
                 if m <= int4pack.MAX_ROWS and int4pack.applies(4, w.group_size, n, k, torch.bfloat16, DEV):
                     packed = int4pack.pack(quant.integers(w), quant.zero_points(w), w.scales, w.group_size)
-                    row["tinygemm_us"] = graph_time([lambda: int4pack.matmul(x, packed)]) * 1e3
-                engine = row.get("tinygemm_us", row["span_us"])
+                    row["tinygemm_us"] = graph_time([lambda: int4pack_matmul(prologue, x, packed, residual, norm, 1e-6,
+                                                                             pdl)]) * 1e3
+                engine = row.get("tinygemm_us", row["shipped_us"])
                 row["gain"] = engine / row["mma_us"]
-                bf16_x, bf16_w, _, _ = operands(PLAIN, n, k, "bf16", DEV, m)
+                bx, bw, bres, bnorm = operands(prologue, n, k, "bf16", DEV, m)
                 plain = kernels.FusedKernels(table=table)
-                row["bf16_us"] = graph_time([lambda c=c: plain.skinny_matmul(PLAIN, bf16_x, c)
-                                             for c in cold_copies(bf16_w)]) * 1e3
+                row["bf16_us"] = graph_time([lambda c=c: plain.skinny_matmul(prologue, bx, c, bres, bnorm, 1e-6)
+                                             for c in cold_copies(bw)]) * 1e3
                 rows_out.append(row)
                 print(f"{shape:10} {name:7} rows {m}: engine {engine:7.2f} ({'tinygemm' if 'tinygemm_us' in row else 'span'})"
                       f"  mma {row['mma_us']:7.2f} {row['gain']:.2f}x  bf16 {row['bf16_us']:7.2f}"

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import re
 
-import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
