@@ -23,6 +23,7 @@
 #             pipelined tiles (Tile.stages), their register-prefetch and prefetching twins, tinygemm and
 #             cuBLAS, product by product ($STREAM_SHAPES, $STREAM_ROWS, $STREAM_FORMATS)
 #   mma     — tools/mma_probe.py: the W4A16 MMA kernel against the engine's INT4 products ($MMA_SHAPES, $MMA_ROWS)
+#   mmaquant — after mma: `bench quant` INT4 as routed now, then with the MMA wins in the table and tinygemm off
 #   gemlite — tools/gemlite_probe.py: GemLite's kernels product by product ($GEMLITE_SHAPES, $GEMLITE_ROWS, $GEMLITE_FORMATS)
 #   fromstream — after stream: its wins written into this tree's sm90 table (tools/table_from_stream.py,
 #             the rows of $STREAM_ROWS), the table before tarred as /tmp/table-before.tar for a following
@@ -202,6 +203,18 @@ stream)  # issues 29/30: do more weight bytes in flight (L2 prefetch, cp.async s
 mma)  # issue 29: the W4A16 MMA kernel (model/mma_kernels.py) against the engine's INT4 products and bf16, 1-8 rows
   timeout ${MMA_TIMEOUT:-420} python3 tools/mma_probe.py "${MMA_SHAPES:-qwen3-0.6b,qwen3-4b}" "${MMA_ROWS:-1,2,4,8}" 2>&1 \
     | grep -vE 'Warning|warn' | tee "$OUT/mma.txt" | tail -60
+  ;;
+mmaquant)  # after mma: INT4 TPOT (`bench quant`) as the tree routes it, then with the probe's MMA wins in this
+  # copy's sm90 table and every INT4 product in the span layout (tinygemm's route off), same machine
+  timeout ${QUANT_TIMEOUT:-150} $J bench quant --shapes qwen3-0.6b qwen3-4b --methods int4 --repeats 3 \
+    --out "$OUT/quant-route" 2>&1 | grep -E '^\[quant\]|Error' | tail -8
+  cp engine/model/tiles/sm90.json /tmp/sm90-before.json; cp engine/model/int4pack.py /tmp/int4pack-before.py
+  python3 tools/table_from_stream.py "$OUT/mma.json" --rows "${MMA_ROWS:-1,2,4,8}" 2>&1 | tail -40
+  sed -i 's/^MIN_WEIGHTS = 1 << 23$/MIN_WEIGHTS = 1 << 62/' engine/model/int4pack.py
+  timeout ${QUANT_TIMEOUT:-150} $J bench quant --shapes qwen3-0.6b qwen3-4b --methods int4 --repeats 3 \
+    --out "$OUT/quant-mma" 2>&1 | grep -E '^\[quant\]|Error' | tail -8
+  cp engine/model/tiles/sm90.json "$OUT/sm90-mma.json"
+  cp /tmp/sm90-before.json engine/model/tiles/sm90.json; cp /tmp/int4pack-before.py engine/model/int4pack.py
   ;;
 gemlite)  # issue 29: GemLite's W4A16/W8A16 kernels (its wheel in .whl/) against tinygemm, the shipped path and cuBLAS
   timeout ${GEMLITE_TIMEOUT:-420} python3 tools/gemlite_probe.py "${GEMLITE_SHAPES:-qwen3-4b}" "${GEMLITE_ROWS:-1,8}" 2>&1 \

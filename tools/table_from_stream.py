@@ -1,4 +1,5 @@
-"""A family's shipped tile table updated from a `tools/stream_probe.py` result (stream.json) or a
+"""A family's shipped tile table updated from a `tools/stream_probe.py` result (stream.json, or
+`tools/mma_probe.py`'s mma.json) or a
 `tools/quant_gemv_h200.py` sweep (gemv-*.json, one row, its tiles this tree's candidates): for
 each product it timed, where one of its tiles beat the shipped choice by more than the
 timing's spread, the shape's ranking becomes the timed tiles fastest first (then the table's
@@ -51,6 +52,8 @@ def timings(row: dict) -> dict:
         return row["times"]
     shipped = None if row["shipped_tile"] is None else Tile(*row["shipped_tile"])
     out = {shipped: row["shipped_us"]}
+    for fields, us in row.get("mma_times", []):  # tools/mma_probe.py's MMA tiles
+        out.setdefault(Tile(*fields), us)
     if "prefetch_us" in row:
         out.setdefault(shipped._replace(prefetch=True), row["prefetch_us"])
     for label in ("register", "pipelined", "both"):
