@@ -90,7 +90,7 @@ class Product:
 
 
 # The kernels tiles/sass.json counts, as the docs name them.
-KERNEL_NAMES = {"fma": "FMA", "dot": "tensor-core", "tinygemm": "tinygemm"}
+KERNEL_NAMES = {"fma": "FMA", "dot": "tensor-core", "mma": "MMA", "tinygemm": "tinygemm"}
 # Our names for the projections, as the docs and the tile tables' probes call them.
 PRODUCT_NAMES = {"qkv_proj": "q·k·v", "o_proj": "o", "gate_up_proj": "gate·up", "down_proj": "down",
                  "lm_head": "vocab"}

@@ -209,7 +209,7 @@ mmaquant)  # after mma: INT4 TPOT (`bench quant`) as the tree routes it, then wi
   timeout ${QUANT_TIMEOUT:-150} $J bench quant --shapes qwen3-0.6b qwen3-4b --methods int4 --repeats 3 \
     --out "$OUT/quant-route" 2>&1 | grep -E '^\[quant\]|Error' | tail -8
   cp engine/model/tiles/sm90.json /tmp/sm90-before.json; cp engine/model/int4pack.py /tmp/int4pack-before.py
-  python3 tools/table_from_stream.py "$OUT/mma.json" --rows "${MMA_ROWS:-1,2,4,8}" 2>&1 | tail -40
+  python3 tools/table_from_stream.py "$OUT/mma.json" --rows "${TABLE_ROWS:-1,2,4,8}" 2>&1 | tail -40
   sed -i 's/^MIN_WEIGHTS = 1 << 23$/MIN_WEIGHTS = 1 << 62/' engine/model/int4pack.py
   timeout ${QUANT_TIMEOUT:-150} $J bench quant --shapes qwen3-0.6b qwen3-4b --methods int4 --repeats 3 \
     --out "$OUT/quant-mma" 2>&1 | grep -E '^\[quant\]|Error' | tail -8

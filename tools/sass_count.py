@@ -215,6 +215,19 @@ def tinygemm_counts(torch_lib: str, archs=(90, 86)) -> dict[int, LoopCount]:
     return counts
 
 
+def mma_loop(k: int = 2560, warps: int = 4, arch: int = 90) -> LoopCount:
+    """The W4A16 MMA kernel's inner loop (model/mma_kernels.py), bf16 inputs, groups of 128 with
+    zero points, K whole: a thread's iteration is a span of two rows, 64 weights."""
+    from jetserve.engine.model import mma_kernels
+
+    compiled = compile_sass(mma_kernels._int4_mma_kernel,
+                            dict(x_ptr="*bf16", qw_ptr="*i32", s_ptr="*fp32", z_ptr="*u8", out_ptr="*bf16",
+                                 M="i32", N="i32"),
+                            dict(K=k, GROUP=128, HAS_ZEROS=True, WARPS=warps, SPANS_SPLIT=k // 128, PDL=arch >= 90),
+                            arch, warps)
+    return loop_count(compiled, 64)
+
+
 def kernel_counts(arch: int) -> dict:
     """Instructions a weight at batch 1 of each weight format's kernels for sm_`arch` (plain
     products, K = 2560): what engine/plan.py projects a board's decode from (tiles/sass.json)."""
@@ -225,7 +238,8 @@ def kernel_counts(arch: int) -> dict:
             "int8": {"fma": round(quant_loop(fma, 8, 2560, False, 2560, arch=arch).per_weight, 2),
                      "dot": round(quant_loop(dot, 8, 2560, False, 2560, arch=arch).per_weight, 2)},
             "int4": {"fma": round(quant_loop(fma, 4, 128, True, 2560, arch=arch).per_weight, 2),
-                     "dot": round(quant_loop(dot, 4, 128, True, 2560, arch=arch).per_weight, 2)}}
+                     "dot": round(quant_loop(dot, 4, 128, True, 2560, arch=arch).per_weight, 2),
+                     "mma": round(mma_loop(arch=arch).per_weight, 2)}}
 
 
 SASS_TABLE = "engine/model/tiles/sass.json"
@@ -293,6 +307,11 @@ def main() -> None:
     ]
     print("kernel | instructions a weight | registers | shared KB | cp.async | programs an SM | weight KB in flight an SM")
     for arch in args.arch:
+        c = mma_loop(arch=arch)
+        top = ", ".join(f"{op} {n}" for op, n in c.ops.most_common(5))
+        print(f"sm_{arch} int4 g128 asym, MMA (16 rows a warp, 4 warps) | {c.per_weight:.2f} ({c.instructions}/{c.weights}:"
+              f" {top}) | {c.registers} | {c.shared / 1024:.1f} | no | {programs_an_sm(c, 4, arch)} | "
+              f"{programs_an_sm(c, 4, arch) * 4 * 32 * 32 / 1024:.0f}", flush=True)
         for label, tile, bits, group, zeros, k, *rows in cases:
             if bits == 16:
                 c = bf16_loop(tile, k, rows=16 if tile.dot else 1, arch=arch)
