@@ -206,12 +206,12 @@ mma)  # issue 29: the W4A16 MMA kernel (model/mma_kernels.py) against the engine
   ;;
 mmaquant)  # after mma: INT4 TPOT (`bench quant`) as the tree routes it, then with the probe's MMA wins in this
   # copy's sm90 table and every INT4 product in the span layout (tinygemm's route off), same machine
-  timeout ${QUANT_TIMEOUT:-150} $J bench quant --shapes qwen3-0.6b qwen3-4b --methods int4 --repeats 3 \
+  timeout ${QUANT_TIMEOUT:-150} $J bench quant --shapes ${QUANT_SHAPES:-qwen3-0.6b qwen3-4b} --methods int4 --repeats 3 \
     --out "$OUT/quant-route" 2>&1 | grep -E '^\[quant\]|Error' | tail -8
   cp engine/model/tiles/sm90.json /tmp/sm90-before.json; cp engine/model/int4pack.py /tmp/int4pack-before.py
   python3 tools/table_from_stream.py "$OUT/mma.json" --rows "${TABLE_ROWS:-1,2,4,8}" 2>&1 | tail -40
-  sed -i 's/^MIN_WEIGHTS = 1 << 23$/MIN_WEIGHTS = 1 << 62/' engine/model/int4pack.py
-  timeout ${QUANT_TIMEOUT:-150} $J bench quant --shapes qwen3-0.6b qwen3-4b --methods int4 --repeats 3 \
+  [ -n "${KEEP_ROUTE:-}" ] || sed -i 's/^MIN_WEIGHTS = 1 << 23$/MIN_WEIGHTS = 1 << 62/' engine/model/int4pack.py
+  timeout ${QUANT_TIMEOUT:-150} $J bench quant --shapes ${QUANT_SHAPES:-qwen3-0.6b qwen3-4b} --methods int4 --repeats 3 \
     --out "$OUT/quant-mma" 2>&1 | grep -E '^\[quant\]|Error' | tail -8
   cp engine/model/tiles/sm90.json "$OUT/sm90-mma.json"
   cp /tmp/sm90-before.json engine/model/tiles/sm90.json; cp /tmp/int4pack-before.py engine/model/int4pack.py
