@@ -24,6 +24,7 @@
 #             cuBLAS, product by product ($STREAM_SHAPES, $STREAM_ROWS, $STREAM_FORMATS)
 #   mma     — tools/mma_probe.py: the W4A16 MMA kernel against the engine's INT4 products ($MMA_SHAPES, $MMA_ROWS)
 #   mmaquant — after mma: `bench quant` INT4 as routed now, then with the MMA wins in the table and tinygemm off
+#   mmatable — after mma: its wins into this copy's sm90 table, for a following ab
 #   gemlite — tools/gemlite_probe.py: GemLite's kernels product by product ($GEMLITE_SHAPES, $GEMLITE_ROWS, $GEMLITE_FORMATS)
 #   fromstream — after stream: its wins written into this tree's sm90 table (tools/table_from_stream.py,
 #             the rows of $STREAM_ROWS), the table before tarred as /tmp/table-before.tar for a following
@@ -215,6 +216,10 @@ mmaquant)  # after mma: INT4 TPOT (`bench quant`) as the tree routes it, then wi
     --out "$OUT/quant-mma" 2>&1 | grep -E '^\[quant\]|Error' | tail -8
   cp engine/model/tiles/sm90.json "$OUT/sm90-mma.json"
   cp /tmp/sm90-before.json engine/model/tiles/sm90.json; cp /tmp/int4pack-before.py engine/model/int4pack.py
+  ;;
+mmatable)  # after mma: its wins into this copy's sm90 table (the rows of $TABLE_ROWS), the table back as $OUT/sm90-mma.json
+  python3 tools/table_from_stream.py "$OUT/mma.json" --rows "${TABLE_ROWS:-1,2,4,8}" 2>&1 | tail -40
+  cp engine/model/tiles/sm90.json "$OUT/sm90-mma.json"
   ;;
 gemlite)  # issue 29: GemLite's W4A16/W8A16 kernels (its wheel in .whl/) against tinygemm, the shipped path and cuBLAS
   timeout ${GEMLITE_TIMEOUT:-420} python3 tools/gemlite_probe.py "${GEMLITE_SHAPES:-qwen3-4b}" "${GEMLITE_ROWS:-1,8}" 2>&1 \

@@ -111,7 +111,7 @@ def main() -> None:
                        "mma_times": [[list(t), us] for t, us in times.items()],
                        "shipped_tile": next((None if t is None else list(t) for t in shipped.chosen.values()), None),
                        "shipped_us": timed(lambda v: shipped.skinny_matmul(prologue, x, v, residual, norm, 1e-6), w)}
-                if m <= int4pack.MAX_ROWS and int4pack.applies(4, w.group_size, n, k, torch.bfloat16, DEV):
+                if m <= int4pack.MAX_ROWS and n * k >= int4pack.MIN_WEIGHTS:  # tinygemm's own domain before the MMA
                     packed = int4pack.pack(quant.integers(w), quant.zero_points(w), w.scales, w.group_size)
                     row["tinygemm_us"] = graph_time([lambda: int4pack_matmul(prologue, x, packed, residual, norm, 1e-6,
                                                                              pdl)]) * 1e3

@@ -20,7 +20,8 @@ nothing moves between threads:
   two k pairs of step s.
 - The inputs are the operand B: lane l holds input row l // 4's same columns, its two 16-bit
   loads of pairs made one register by a PRMT; input rows past M load zeros (the MMA's n is 8:
-  up to 8 rows, MTP's verify and small batches, at the cost of one).
+  up to 8 rows, MTP's verify and small batches, at the cost of one; 9 to 16 rows multiply each
+  span's words by a second tile of 8).
 - The MMA sums inputs times the operand in fp32; a second MMA, of ones, sums the inputs, so
   sum a (q - z) s = (part - (offset + z) sum a) s once a span and row (a span of 128 columns is
   within one group: groups are whole spans).
@@ -41,7 +42,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 ROWS = 16  # weight rows a warp: the MMA's m
-MAX_INPUT_ROWS = 8  # the MMA's n
+MAX_INPUT_ROWS = 16  # two tiles of the MMA's n = 8
 SPAN_COLUMNS = 128  # INT4 columns a span of 16 words holds (quant.span(4))
 
 # MMA a step of one input row per half: the pairs of two rows' words (P of row l // 4, Q of row
@@ -97,20 +98,60 @@ _ASM_F16 = tl.constexpr(_asm(half=True))
 
 
 @triton.jit
-def _span_product(w0, w1, x0, x1, x2, x3, x4, x5, x6, x7, HALF: tl.constexpr):
-    """(part, input sums) of one span, fp32: see _asm."""
-    part, sums = tl.inline_asm_elementwise(_ASM_F16 if HALF else _ASM_BF16, _CONSTRAINTS, [w0, w1, x0, x1, x2, x3, x4, x5, x6, x7],
+def _span_product(w0, w1, x_at, col, mask, HALF: tl.constexpr):
+    """(part, input sums) of one span for one tile of 8 input rows, fp32 (see _asm): the inputs
+    of fields f = 0..7 on columns col + 16 f + the thread's word, loaded here."""
+    x0 = tl.load(x_at + col, mask=mask, other=0.0)
+    x1 = tl.load(x_at + col + 16, mask=mask, other=0.0)
+    x2 = tl.load(x_at + col + 32, mask=mask, other=0.0)
+    x3 = tl.load(x_at + col + 48, mask=mask, other=0.0)
+    x4 = tl.load(x_at + col + 64, mask=mask, other=0.0)
+    x5 = tl.load(x_at + col + 80, mask=mask, other=0.0)
+    x6 = tl.load(x_at + col + 96, mask=mask, other=0.0)
+    x7 = tl.load(x_at + col + 112, mask=mask, other=0.0)
+    part, sums = tl.inline_asm_elementwise(_ASM_F16 if HALF else _ASM_BF16, _CONSTRAINTS,
+                                           [w0, w1, x0, x1, x2, x3, x4, x5, x6, x7],
                                            dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
     return part, sums
 
 
+@triton.jit
+def _scaled(acc, sums, part, a_sum, s_ptr, z_ptr, col, out_n, K: tl.constexpr, OFFSET: tl.constexpr,
+            GROUPS: tl.constexpr, HAS_ZEROS: tl.constexpr):
+    """acc and sums after the span at column col: with several groups a row, the span's
+    (part - (offset + z) sums) s at once; with one, the raw sums (scaled once at the end,
+    `_store`). The group's addresses are made here, after the MMAs, not held across them."""
+    if GROUPS == 1:
+        return acc + part, sums + a_sum
+    g = (col * GROUPS) // K + out_n[None, :] * GROUPS  # the span's group, each output row's
+    zero = tl.load(z_ptr + g).to(tl.float32) if HAS_ZEROS else 8.0
+    return acc + (part - (OFFSET + zero) * a_sum) * tl.load(s_ptr + g), sums
+
+
+@triton.jit
+def _store(acc, sums, out_ptr, s_ptr, z_ptr, out_m, out_n, M, N, OFFSET: tl.constexpr, GROUPS: tl.constexpr,
+           HAS_ZEROS: tl.constexpr, WHOLE: tl.constexpr, dtype: tl.constexpr):
+    """The warps' sums added and stored: out[out_m, out_n], or this split's fp32 partial sums."""
+    out = tl.sum(acc, axis=0)
+    if GROUPS == 1:
+        zero = tl.load(z_ptr + out_n).to(tl.float32) if HAS_ZEROS else 8.0
+        out = (out - (OFFSET + zero) * tl.sum(sums, axis=0)) * tl.load(s_ptr + out_n)
+    mask = out_m < M
+    if WHOLE:
+        tl.store(out_ptr + out_m * N + out_n, out.to(dtype), mask=mask)
+    else:  # this split's partial sums, [split, M, N] fp32
+        tl.store(out_ptr + (tl.program_id(1) * M + out_m) * N + out_n, out, mask=mask)
+
+
 @triton.jit(do_not_specialize_on_alignment=["M"])
 def _int4_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K: tl.constexpr, GROUP: tl.constexpr,
-                     HAS_ZEROS: tl.constexpr, WARPS: tl.constexpr, SPANS_SPLIT: tl.constexpr, PDL: tl.constexpr):
-    """out[M, N] = x[M, K] @ dequant(w)[N, K]^T, M <= 8, N a multiple of 16: program (i, j) takes
-    rows [16 i, 16 i + 16) over spans [j SPANS_SPLIT, (j + 1) SPANS_SPLIT), its warp w the spans
-    w, w + WARPS, ... of them, the next one's words in flight while it multiplies; the warps'
-    sums added at the end (and the splits' by sum_splits where there are several)."""
+                     HAS_ZEROS: tl.constexpr, WARPS: tl.constexpr, SPANS_SPLIT: tl.constexpr,
+                     INPUT_TILES: tl.constexpr, PDL: tl.constexpr):
+    """out[M, N] = x[M, K] @ dequant(w)[N, K]^T, M <= 8 INPUT_TILES, N a multiple of 16: program
+    (i, j) takes rows [16 i, 16 i + 16) over spans [j SPANS_SPLIT, (j + 1) SPANS_SPLIT), its warp w
+    the spans w, w + WARPS, ... of them, the next one's words in flight while it multiplies, each
+    span's words multiplied by every tile of 8 input rows; the warps' sums added at the end (and
+    the splits' by sum_splits where there are several)."""
     HALF: tl.constexpr = x_ptr.dtype.element_ty == tl.float16
     OFFSET: tl.constexpr = 0.0 if HALF else 128.0  # what the PTX leaves on each weight (see _asm)
     KW: tl.constexpr = K // 8
@@ -125,9 +166,10 @@ def _int4_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K: tl.constexpr
     c_lo = tl.program_id(1) * SPANS_SPLIT
     c_hi = tl.minimum(c_lo + SPANS_SPLIT, SPANS)
     words0 = qw_ptr + row.to(tl.int64)[None, :] * KW + word[None, :]
-    in_row = lane // 4  # the input row of lane l's operand B
+    in_row = lane // 4  # the input row of lane l's operand B (+ 8 in the second input tile)
     x_at = x_ptr + in_row[None, :] * K + word[None, :]
     x_mask = (in_row < M)[None, :] & (w < WARPS)[:, None]
+    x_mask2 = (in_row + 8 < M)[None, :] & (w < WARPS)[:, None]
     # the output element each thread holds: c0, c1 row l // 4, c2, c3 row l // 4 + 8; input rows 2 t, 2 t + 1
     out_n = tl.program_id(0) * 16 + lane // 4 + 8 * (v // 2)
     out_m = 2 * (lane % 4) + v % 2
@@ -139,44 +181,27 @@ def _int4_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K: tl.constexpr
         gdc_wait()
     acc = tl.zeros([WARPS, 128], tl.float32)
     sums = tl.zeros([WARPS, 128], tl.float32)
+    if INPUT_TILES == 2:
+        acc2 = tl.zeros([WARPS, 128], tl.float32)
+        sums2 = tl.zeros([WARPS, 128], tl.float32)
     for c0 in range(c_lo, c_hi, WARPS):
         c = c0 + w
         nxt = tl.minimum(c + WARPS, c_hi - 1)[:, None] * 16
         next0 = tl.load(words0 + nxt)
         next1 = tl.load(words0 + nxt + 8 * KW)
         col = (tl.minimum(c, c_hi - 1) * 128)[:, None]
-        m = x_mask & (c < c_hi)[:, None]
-        x0 = tl.load(x_at + col, mask=m, other=0.0)
-        x1 = tl.load(x_at + col + 16, mask=m, other=0.0)
-        x2 = tl.load(x_at + col + 32, mask=m, other=0.0)
-        x3 = tl.load(x_at + col + 48, mask=m, other=0.0)
-        x4 = tl.load(x_at + col + 64, mask=m, other=0.0)
-        x5 = tl.load(x_at + col + 80, mask=m, other=0.0)
-        x6 = tl.load(x_at + col + 96, mask=m, other=0.0)
-        x7 = tl.load(x_at + col + 112, mask=m, other=0.0)
-        part, a_sum = _span_product(cur0, cur1, x0, x1, x2, x3, x4, x5, x6, x7, HALF)
-        if GROUPS == 1:
-            acc += part
-            sums += a_sum
-        else:
-            g = (col * GROUPS) // K + out_n[None, :] * GROUPS
-            if HAS_ZEROS:
-                zero = tl.load(z_ptr + g).to(tl.float32)
-            else:
-                zero = 8.0
-            acc += (part - (OFFSET + zero) * a_sum) * tl.load(s_ptr + g)
+        part, a_sum = _span_product(cur0, cur1, x_at, col, x_mask & (c < c_hi)[:, None], HALF)
+        acc, sums = _scaled(acc, sums, part, a_sum, s_ptr, z_ptr, col, out_n, K, OFFSET, GROUPS, HAS_ZEROS)
+        if INPUT_TILES == 2:
+            part, a_sum = _span_product(cur0, cur1, x_at + 8 * K, col, x_mask2 & (c < c_hi)[:, None], HALF)
+            acc2, sums2 = _scaled(acc2, sums2, part, a_sum, s_ptr, z_ptr, col, out_n, K, OFFSET, GROUPS, HAS_ZEROS)
         cur0 = next0
         cur1 = next1
-    out = tl.sum(acc, axis=0)
-    if GROUPS == 1:
-        zero = tl.load(z_ptr + out_n).to(tl.float32) if HAS_ZEROS else 8.0
-        out = (out - (OFFSET + zero) * tl.sum(sums, axis=0)) * tl.load(s_ptr + out_n)
-    mask = out_m < M
-    if SPANS_SPLIT >= SPANS:
-        tl.store(out_ptr + out_m * N + out_n, out.to(x_ptr.dtype.element_ty), mask=mask)
-    else:  # this split's partial sums, [split, M, N] fp32
-        tl.store(out_ptr + (tl.program_id(1) * M + out_m) * N + out_n, out, mask=mask)
-
+    dtype: tl.constexpr = x_ptr.dtype.element_ty
+    _store(acc, sums, out_ptr, s_ptr, z_ptr, out_m, out_n, M, N, OFFSET, GROUPS, HAS_ZEROS, SPANS_SPLIT >= SPANS, dtype)
+    if INPUT_TILES == 2:
+        _store(acc2, sums2, out_ptr, s_ptr, z_ptr, out_m + 8, out_n, M, N, OFFSET, GROUPS, HAS_ZEROS,
+               SPANS_SPLIT >= SPANS, dtype)
 
 EXPECTED_LAYOUT = "sizePerThread = [1, 4], threadsPerWarp = [1, 32], warpsPerCTA = [{warps}, 1], order = [1, 0]"
 

@@ -616,27 +616,35 @@ def _dot_tiles(rows: int, weight: QuantizedWeight, dtype: torch.dtype) -> list[T
 # loaded straight into the MMA's operand, with no room for a norm).
 MMA_TILES = [Tile(16, 128, 4, apart=True, mma=True), Tile(16, 128, 2, apart=True, mma=True),
              Tile(16, 128, 4, 2, apart=True, mma=True), Tile(16, 128, 4, 4, apart=True, mma=True),
-             Tile(16, 128, 2, 4, apart=True, mma=True), Tile(16, 128, 2, 8, apart=True, mma=True),
-             Tile(16, 128, 1, 8, apart=True, mma=True)]
+             Tile(16, 128, 4, 8, apart=True, mma=True), Tile(16, 128, 2, 4, apart=True, mma=True),
+             Tile(16, 128, 2, 8, apart=True, mma=True), Tile(16, 128, 1, 8, apart=True, mma=True)]
 
 
 def _mma_tiles(rows: int, weight: QuantizedWeight, dtype: torch.dtype, device: torch.device | None) -> list[Tile]:
     """The MMA kernel's candidates: compiled code on a GPU (never in the interpreter, which runs no
-    PTX); INT4 of 16-bit inputs, up to 8 rows, N a multiple of 16, groups of whole spans or one a
-    row."""
+    PTX; a meta device asks what a GPU would offer); INT4 of 16-bit inputs, up to 16 rows (two
+    tiles of 8), N a multiple of 16, groups of whole spans or one a row."""
     n, k = weight.shape
-    if (INTERPRETED or device is None or device.type != "cuda" or weight.bits != 4 or rows > MAX_INPUT_ROWS
-            or dtype not in (torch.bfloat16, torch.float16) or n % 16 or k % SPAN_COLUMNS
-            or not (weight.group_size % SPAN_COLUMNS == 0 or weight.group_size == k)):
+    if (device is None or device.type not in ("cuda", "meta") or rows > MAX_INPUT_ROWS
+            or not int4pack.mma_takes(weight.bits, weight.group_size, n, k, dtype)):
         return []
-    return MMA_TILES
+    if device.type == "meta":
+        return MMA_TILES
+    if INTERPRETED:
+        return []
+    # first, the default of a shape no table lists: the fewest K splits that give every SM two programs
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    split = next((s for s in (1, 2, 4, 8) if n // ROWS * s >= 2 * sms), 8)
+    first = Tile(ROWS, SPAN_COLUMNS, 4, split, apart=True, mma=True)
+    return [first] + [t for t in MMA_TILES if t != first]
 
 
 def fitting_tiles(rows: int, weight: QuantizedWeight, prologue: int = PLAIN, pdl: bool = False,
                   dtype: torch.dtype = torch.bfloat16) -> list[Tile]:
-    """Tiles this shape can take: few enough accumulators a thread; fp32 scales (the loader's);
-    a plain product has no prologue to run apart; with and without PDL as `kernels.with_pdl`
-    (the MMA tiles with it where the GPU has it: they have no L2 prefetch)."""
+    """Tiles this shape can take, the untimed default first: few enough accumulators a thread;
+    fp32 scales (the loader's); a plain product has no prologue to run apart; with and without
+    PDL as `kernels.with_pdl` (the MMA tiles with it where the GPU has it: they have no L2
+    prefetch)."""
     if weight.scales.dtype != torch.float32:
         return []
     fma = [t for t in TILES if triton.next_power_of_2(rows) * t.block_n * t.block_k <= _MAX_WORDS_PER_THREAD * 32 * t.warps]
@@ -644,7 +652,11 @@ def fitting_tiles(rows: int, weight: QuantizedWeight, prologue: int = PLAIN, pdl
     # the tensor-core tiles last: a shape no table lists keeps the first FMA tile, as before them
     tiles = with_pdl([t for t in fma + _dot_tiles(rows, weight, dtype) if not (t.apart and prologue == PLAIN)], pdl)
     mma = [t._replace(pdl=pdl, apart=prologue != PLAIN) for t in _mma_tiles(rows, weight, dtype, weight.qweight.device)]
-    return tiles + [t for t in mma if t.split_k <= weight.shape[1] // SPAN_COLUMNS]
+    mma = [t for t in mma if t.split_k <= weight.shape[1] // SPAN_COLUMNS]
+    # An INT4 shape no table lists takes an MMA tile up to 8 rows: at most 27% slower than the fastest
+    # at one row and the fastest at four, where the first FMA tile was up to 4.7x slower
+    # (bench/results/mma-h200). Past 8 rows (two tiles of inputs) it is a candidate, not yet timed.
+    return mma + tiles if rows <= 8 else tiles + mma
 
 
 def candidates(rows: int, weight: QuantizedWeight, prologue: int = PLAIN, pdl: bool = False,
@@ -710,7 +722,8 @@ def mma_matmul(tile: Tile, x: torch.Tensor, weight: QuantizedWeight, out: torch.
     zeros = weight.zeros if weight.zeros is not None else weight.scales
     compiled = launch(_int4_mma_kernel, (n // ROWS, splits), tile.pdl, x, weight.qweight, weight.scales, zeros, target,
                       m, n, k, GROUP=weight.group_size, HAS_ZEROS=weight.zeros is not None, WARPS=tile.warps,
-                      SPANS_SPLIT=per // SPAN_COLUMNS, num_warps=tile.warps)
+                      SPANS_SPLIT=per // SPAN_COLUMNS, INPUT_TILES=1 if m <= 8 else 2,
+                      num_warps=tile.warps)
     if launched_layout_ok(compiled, tile.warps) is False:  # another Triton's layout: its result is not the product
         if not _MMA_WARNED:
             _MMA_WARNED.append(True)

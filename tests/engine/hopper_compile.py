@@ -270,7 +270,7 @@ def attention() -> None:
 def mma() -> None:
     """The W4A16 MMA kernel (model/mma_kernels.py) for sm_90 and sm_87, bf16 and fp16 inputs, every
     warp count its tiles take, zero points in groups and symmetric one group a row, K whole and
-    split: the layout its PTX assumes (one line each: `layout sm_<arch> <warps> <ok>`), then its
+    split, one tile of 8 input rows and two: the layout its PTX assumes (one line each: `layout sm_<arch> <warps> <ok>`), then its
     inner loop (`loop sm_<arch> <warps> <instructions a weight> <HMMA> <shared-memory ops>`)."""
     from jetserve.engine.model import mma_kernels
     from jetserve.engine.model.quant_kernels import MMA_TILES
@@ -278,12 +278,13 @@ def mma() -> None:
 
     for arch in (90, 87):
         for warps in sorted({t.warps for t in MMA_TILES}):
-            for act, group, zeros, split in (("*bf16", 128, True, 20), ("*fp16", 2560, False, 4)):
+            for act, group, zeros, split, tiles in (("*bf16", 128, True, 20, 1), ("*fp16", 2560, False, 4, 2)):
                 compiled = compile_for_hopper(
                     mma_kernels._int4_mma_kernel,
                     dict(x_ptr=act, qw_ptr="*i32", s_ptr="*fp32", z_ptr="*u8" if zeros else "*fp32",
                          out_ptr=act if split == 20 else "*fp32", M="i32", N="i32"),
-                    dict(K=2560, GROUP=group, HAS_ZEROS=zeros, WARPS=warps, SPANS_SPLIT=split, PDL=arch >= 90),
+                    dict(K=2560, GROUP=group, HAS_ZEROS=zeros, WARPS=warps, SPANS_SPLIT=split, INPUT_TILES=tiles,
+                         PDL=arch >= 90),
                     arch, num_warps=warps)
                 layout = mma_kernels.operand_layout(compiled.asm["ttgir"])
                 print(f"layout sm_{arch} {warps} {layout == mma_kernels.EXPECTED_LAYOUT.format(warps=warps)}")

@@ -102,9 +102,9 @@ def _word(x: float) -> int:
 
 
 def emulated_product(x: torch.Tensor, w: quant.QuantizedWeight) -> torch.Tensor:
-    """What `_int4_mma_kernel` computes, its PTX run by `run_ptx`: for each 16 rows and span, a warp
-    whose lane l holds, at element v, word 4 (l % 4) + v of rows l // 4 and l // 4 + 8 and input
-    row l // 4's columns 16 f + that word (f = 0..7, two 16-bit elements a register), then the
+    """What `_int4_mma_kernel` computes, its PTX run by `run_ptx`: for each 16 rows, tile of 8 input
+    rows and span, a warp whose lane l holds, at element v, word 4 (l % 4) + v of rows l // 4 and
+    l // 4 + 8 and the tile's input row l // 4's columns 16 f + that word (f = 0..7, two 16-bit elements a register), then the
     Triton code's arithmetic on the results: (part - (offset + z) sums) s once a span (or a row)."""
     from jetserve.engine.model import mma_kernels
 
@@ -118,49 +118,51 @@ def emulated_product(x: torch.Tensor, w: quant.QuantizedWeight) -> torch.Tensor:
     out = torch.zeros(m, n, dtype=torch.float64)
     for tile in range(n // 16):
         rows = torch.arange(16) + 16 * tile
-        total, sums_total = torch.zeros(16, 8, dtype=torch.float64), torch.zeros(16, 8, dtype=torch.float64)
-        for span in range(k // 128):
-            lanes = []
-            for lane in range(32):
-                g, t = lane // 4, lane % 4
-                r = {}
-                for v in range(4):
-                    j = 16 * span + 4 * t + v
-                    r[f"${8 + v}"] = words[16 * tile + g][j] & 0xFFFFFFFF
-                    r[f"${12 + v}"] = words[16 * tile + g + 8][j] & 0xFFFFFFFF
-                for f in range(8):
-                    cols = [128 * span + 16 * f + 4 * t + v for v in range(4)]
-                    vals = x[g, cols] if g < m else torch.zeros(4, dtype=x.dtype)
-                    b = _bits16(vals, half)
-                    r[f"${16 + 2 * f}"] = (b[0] & 0xFFFF) | ((b[1] & 0xFFFF) << 16)
-                    r[f"${16 + 2 * f + 1}"] = (b[2] & 0xFFFF) | ((b[3] & 0xFFFF) << 16)
-                lanes.append(r)
-            result = run_ptx(text, lanes, half)
-            part, sums = torch.zeros(16, 8, dtype=torch.float64), torch.zeros(16, 8, dtype=torch.float64)
-            for lane, r in enumerate(result):  # output element v of lane l: row l // 4 + 8 (v // 2), input row 2 (l % 4) + v % 2
-                for v in range(4):
-                    part[lane // 4 + 8 * (v // 2), 2 * (lane % 4) + v % 2] = r[f"${v}"]
-                    sums[lane // 4 + 8 * (v // 2), 2 * (lane % 4) + v % 2] = r[f"${4 + v}"]
+        for first in range(0, m, 8):  # each tile of 8 input rows
+            total, sums_total = torch.zeros(16, 8, dtype=torch.float64), torch.zeros(16, 8, dtype=torch.float64)
+            for span in range(k // 128):
+                lanes = []
+                for lane in range(32):
+                    g, t = lane // 4, lane % 4
+                    r = {}
+                    for v in range(4):
+                        j = 16 * span + 4 * t + v
+                        r[f"${8 + v}"] = words[16 * tile + g][j] & 0xFFFFFFFF
+                        r[f"${12 + v}"] = words[16 * tile + g + 8][j] & 0xFFFFFFFF
+                    for f in range(8):
+                        cols = [128 * span + 16 * f + 4 * t + v for v in range(4)]
+                        vals = x[first + g, cols] if first + g < m else torch.zeros(4, dtype=x.dtype)
+                        b = _bits16(vals, half)
+                        r[f"${16 + 2 * f}"] = (b[0] & 0xFFFF) | ((b[1] & 0xFFFF) << 16)
+                        r[f"${16 + 2 * f + 1}"] = (b[2] & 0xFFFF) | ((b[3] & 0xFFFF) << 16)
+                    lanes.append(r)
+                result = run_ptx(text, lanes, half)
+                part, sums = torch.zeros(16, 8, dtype=torch.float64), torch.zeros(16, 8, dtype=torch.float64)
+                for lane, r in enumerate(result):  # element v of lane l: row l // 4 + 8 (v // 2), input 2 (l % 4) + v % 2
+                    for v in range(4):
+                        part[lane // 4 + 8 * (v // 2), 2 * (lane % 4) + v % 2] = r[f"${v}"]
+                        sums[lane // 4 + 8 * (v // 2), 2 * (lane % 4) + v % 2] = r[f"${4 + v}"]
+                if groups == 1:
+                    total += part
+                    sums_total += sums
+                else:
+                    g = span * 128 // w.group_size
+                    total += (part - (offset + zeros[rows, g])[:, None] * sums) * scales[rows, g][:, None]
             if groups == 1:
-                total += part
-                sums_total += sums
-            else:
-                g = span * 128 // w.group_size
-                total += (part - (offset + zeros[rows, g])[:, None] * sums) * scales[rows, g][:, None]
-        if groups == 1:
-            total = (total - (offset + zeros[rows, 0])[:, None] * sums_total) * scales[rows, 0][:, None]
-        out[:, rows] = total[:, :m].T
+                total = (total - (offset + zeros[rows, 0])[:, None] * sums_total) * scales[rows, 0][:, None]
+            out[first:first + 8, rows] = total[:, :min(8, m - first)].T
     return out
 
 
 @pytest.mark.parametrize("sym,group,k,rows,dtype", [(False, 128, 384, 1, torch.bfloat16),
                                                     (True, 256, 512, 3, torch.bfloat16),
                                                     (False, 384, 384, 8, torch.float16),
-                                                    (True, 128, 256, 5, torch.float16)])
+                                                    (True, 128, 256, 5, torch.float16),
+                                                    (False, 128, 256, 13, torch.bfloat16)])
 def test_the_ptx_computes_the_product(sym, group, k, rows, dtype):
     """The kernel's PTX, lane by lane, gives x @ dequant(w)^T: INT4 with zero points or symmetric,
-    groups of one and several spans and one group a row (384), 1 to 8 input rows, bf16 and fp16
-    inputs, 32 rows (two warps' tiles) by two to four spans."""
+    groups of one and several spans and one group a row (384), 1 to 16 input rows (13: a second
+    tile of 8 in part), bf16 and fp16 inputs, 32 rows (two warps' tiles) by two to four spans."""
     torch.manual_seed(rows + group)
     w = quant.quantize(torch.randn(32, k) / k**0.5, 4, group, sym)
     x = torch.randn(rows, k).to(dtype)
@@ -201,7 +203,7 @@ def test_mma_tiles_need_a_gpu():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernel itself needs a GPU")
 @pytest.mark.parametrize("sym,group", [(False, 128), (True, 128), (False, 640)])
 def test_mma_kernel_on_a_gpu(sym, group):
-    """Every MMA tile against fp32, fresh random inputs, outputs poisoned first: 1 to 8 rows, bf16
+    """Every MMA tile against fp32, fresh random inputs, outputs poisoned first: 1 to 16 rows, bf16
     and fp16, K whole and split."""
     from jetserve.engine.model.quant_kernels import _mma_tiles, mma_matmul
 
@@ -212,7 +214,7 @@ def test_mma_kernel_on_a_gpu(sym, group):
     tiles = _mma_tiles(1, w, torch.bfloat16, device)
     assert tiles
     for dtype in (torch.bfloat16, torch.float16):
-        for rows in (1, 2, 7, 8):
+        for rows in (1, 2, 7, 8, 9, 16):
             x = torch.randn(rows, 640, device=device, dtype=dtype)
             want = x.float() @ ref_w.T
             for tile in tiles:
