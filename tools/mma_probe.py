@@ -21,6 +21,7 @@ import sys
 
 import torch
 
+from jetserve.atomic import write_file
 from jetserve.bench.quant import operands, shape_projections
 from jetserve.engine.model import int4pack, kernels, parallel_compile, quant
 from jetserve.engine.model.kernels import cold_copies, graph_time, pdl_supported
@@ -130,12 +131,10 @@ def main() -> None:
 
 
 def save(rows: list[dict]) -> None:
-    """$OUT/mma.json, replaced whole (a reader never meets half a file)."""
+    """$OUT/mma.json, replaced whole (jetserve.atomic: a reader never meets half a file)."""
     os.makedirs(OUT, exist_ok=True)
-    path = os.path.join(OUT, "mma.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(DEV), "rows": rows}, f, indent=1)
-    os.replace(path + ".tmp", path)
+    write_file(os.path.join(OUT, "mma.json"), json.dumps({"device": torch.cuda.get_device_name(DEV), "rows": rows},
+                                                         indent=1))
 
 
 if __name__ == "__main__":
