@@ -514,9 +514,9 @@ class EngineArgs:
             values["served_model_name"] = values["served_model_name"][0]
         return cls(**values)
 
-    def resolve(self, device: str | None = None) -> EngineConfig:
-        """Check every field and apply every default, once; errors name the field. `device`:
-        resolve for that device without asking torch (the memory plan of another board)."""
+    def check(self) -> EngineArgs:
+        """The checks that need neither the checkpoint nor torch, so a front end makes them before
+        it starts anything (the service before its listeners); errors name the field."""
         if not self.model:
             raise ValueError("model must name a checkpoint directory")
         for name in ("max_num_seqs", "block_size", "max_waiting"):
@@ -536,6 +536,12 @@ class EngineArgs:
             raise ValueError(f"backend must be 'torch' or 'tensorrt-llm', got {self.backend!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        return self
+
+    def resolve(self, device: str | None = None) -> EngineConfig:
+        """Check every field and apply every default, once; errors name the field. `device`:
+        resolve for that device without asking torch (the memory plan of another board)."""
+        self.check()
         model = demo_model_dir() if self.model == DEMO_MODEL and not Path(self.model).is_dir() else str(self.model)
         hf_config = read_json(Path(model) / "config.json")
         model_config = ModelConfig.from_dict(hf_config)

@@ -115,9 +115,9 @@ def run_serve(args):
         sys.exit("jetserve serve: --api-key and --api-key-file both name the token: give one")
     from jetserve.engine.config import EngineArgs  # no torch: checked before the engine core starts
 
-    try:
-        engine_args = EngineArgs.from_cli_args(args)
-    except ValueError as exc:  # MODEL and --model that disagree
+    try:  # MODEL and --model that disagree, a count out of bounds: one line, before any listener
+        engine_args = EngineArgs.from_cli_args(args).check()
+    except ValueError as exc:
         sys.exit("jetserve serve: %s" % exc)
     core_process = None
     if getattr(args, "backend", None) == "torch" and getattr(args, "engine_core_process", False):

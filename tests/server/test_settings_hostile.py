@@ -161,7 +161,8 @@ def test_files_that_are_no_settings_file_are_refused_without_reading_them(tmp_pa
 
 def test_serves_own_refusals_are_one_line_and_exit_1(tmp_path):
     """A token file missing, not UTF-8, or MODEL and --model that disagree were tracebacks; an
-    empty --model served the demo; --api-key with --api-key-file dropped one unsaid."""
+    empty --model served the demo; --api-key with --api-key-file dropped one unsaid; an engine
+    count out of bounds was refused only once the listeners were up and the model loading."""
     bad = tmp_path / "token"
     bad.write_bytes(b"\xff\n")
     bad.chmod(0o600)
@@ -173,7 +174,11 @@ def test_serves_own_refusals_are_one_line_and_exit_1(tmp_path):
                        (["--api-key-file", bad], "--api-key-file %s is not UTF-8 text" % bad),
                        (["--api-key", "k", "--api-key-file", bad], "--api-key and --api-key-file both name the token"),
                        (["--model="], "--model '' is not a directory"),
-                       ([model, "--model", "%s/" % model], "MODEL %r and --model %r disagree" % (str(model), "%s/" % model))]:
+                       ([model, "--model", "%s/" % model], "MODEL %r and --model %r disagree" % (str(model), "%s/" % model)),
+                       # engine counts out of bounds: refused before any listener, not at model load
+                       (["--max-num-seqs", "0"], "max_num_seqs must be an integer in [1, 2147483647], got 0"),
+                       (["--max-num-batched-tokens", 2**40], "max_num_batched_tokens must be an integer in [1, "),
+                       (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization must be in (0, 1], got 1.5")]:
         done = jetserve("serve", "--no-engine-core-process", *PORTS, *argv)
         assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
         assert done.stderr.strip().splitlines()[-1].startswith("jetserve serve: " + line), done.stderr
