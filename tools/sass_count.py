@@ -224,7 +224,7 @@ def mma_loop(k: int = 2560, warps: int = 4, arch: int = 90) -> LoopCount:
                             dict(x_ptr="*bf16", qw_ptr="*i32", s_ptr="*fp32", z_ptr="*u8", out_ptr="*bf16",
                                  M="i32", N="i32"),
                             dict(K=k, GROUP=128, HAS_ZEROS=True, WARPS=warps, SPANS_SPLIT=k // 128, INPUT_TILES=1,
-                                 PDL=arch >= 90),
+                                 PDL=arch >= 90, INTERPRETED=False),
                             arch, warps)
     return loop_count(compiled, 64)
 

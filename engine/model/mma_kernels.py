@@ -116,6 +116,28 @@ def _span_product(w0, w1, x_at, col, mask, HALF: tl.constexpr):
 
 
 @triton.jit
+def _span_reference(qw_ptr, x_ptr, out_n, in_m, col, c_ok, M, K: tl.constexpr, HALF: tl.constexpr):
+    """What `_span_product` returns, computed element by element from memory: Triton's interpreter
+    runs no PTX, so the kernel's tests run this in its place (and the PTX itself in a PTX
+    interpreter of their own). Element (w, e) is output row out_n[e] and input row in_m[e] over
+    the span at column col[w]: the sum of (q + what the PTX leaves on a weight) times the input,
+    and the sum of the inputs."""
+    KW: tl.constexpr = K // 8
+    j = tl.arange(0, 16)
+    words = tl.load(qw_ptr + out_n.to(tl.int64)[None, :, None] * KW + (col // 8)[:, :, None] + j[None, None, :])
+    x_mask = (in_m < M)[None, :, None] & c_ok[:, :, None]
+    part = tl.zeros([col.shape[0], out_n.shape[0]], tl.float32)
+    sums = tl.zeros([col.shape[0], out_n.shape[0]], tl.float32)
+    for f in tl.static_range(8):  # field f of word j: column 16 f + j of the span
+        q = ((words >> (4 * f)) & 15).to(tl.float32) + (0.0 if HALF else 128.0)
+        x = tl.load(x_ptr + in_m[None, :, None] * K + col[:, :, None] + 16 * f + j[None, None, :], mask=x_mask,
+                    other=0.0).to(tl.float32)
+        part += tl.sum(q * x, axis=2)
+        sums += tl.sum(x, axis=2)
+    return part, sums
+
+
+@triton.jit
 def _scaled(acc, sums, part, a_sum, s_ptr, z_ptr, col, out_n, K: tl.constexpr, OFFSET: tl.constexpr,
             GROUPS: tl.constexpr, HAS_ZEROS: tl.constexpr):
     """acc and sums after the span at column col: with several groups a row, the span's
@@ -146,7 +168,7 @@ def _store(acc, sums, out_ptr, s_ptr, z_ptr, out_m, out_n, M, N, OFFSET: tl.cons
 @triton.jit(do_not_specialize_on_alignment=["M"])
 def _int4_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K: tl.constexpr, GROUP: tl.constexpr,
                      HAS_ZEROS: tl.constexpr, WARPS: tl.constexpr, SPANS_SPLIT: tl.constexpr,
-                     INPUT_TILES: tl.constexpr, PDL: tl.constexpr):
+                     INPUT_TILES: tl.constexpr, PDL: tl.constexpr, INTERPRETED: tl.constexpr = False):
     """out[M, N] = x[M, K] @ dequant(w)[N, K]^T, M <= 8 INPUT_TILES, N a multiple of 16: program
     (i, j) takes rows [16 i, 16 i + 16) over spans [j SPANS_SPLIT, (j + 1) SPANS_SPLIT), its warp w
     the spans w, w + WARPS, ... of them, the next one's words in flight while it multiplies, each
@@ -190,10 +212,16 @@ def _int4_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K: tl.constexpr
         next0 = tl.load(words0 + nxt)
         next1 = tl.load(words0 + nxt + 8 * KW)
         col = (tl.minimum(c, c_hi - 1) * 128)[:, None]
-        part, a_sum = _span_product(cur0, cur1, x_at, col, x_mask & (c < c_hi)[:, None], HALF)
+        if INTERPRETED:
+            part, a_sum = _span_reference(qw_ptr, x_ptr, out_n, out_m, col, (c < c_hi)[:, None], M, K, HALF)
+        else:
+            part, a_sum = _span_product(cur0, cur1, x_at, col, x_mask & (c < c_hi)[:, None], HALF)
         acc, sums = _scaled(acc, sums, part, a_sum, s_ptr, z_ptr, col, out_n, K, OFFSET, GROUPS, HAS_ZEROS)
         if INPUT_TILES == 2:
-            part, a_sum = _span_product(cur0, cur1, x_at + 8 * K, col, x_mask2 & (c < c_hi)[:, None], HALF)
+            if INTERPRETED:
+                part, a_sum = _span_reference(qw_ptr, x_ptr, out_n, out_m + 8, col, (c < c_hi)[:, None], M, K, HALF)
+            else:
+                part, a_sum = _span_product(cur0, cur1, x_at + 8 * K, col, x_mask2 & (c < c_hi)[:, None], HALF)
             acc2, sums2 = _scaled(acc2, sums2, part, a_sum, s_ptr, z_ptr, col, out_n, K, OFFSET, GROUPS, HAS_ZEROS)
         cur0 = next0
         cur1 = next1

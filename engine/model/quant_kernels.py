@@ -722,7 +722,7 @@ def mma_matmul(tile: Tile, x: torch.Tensor, weight: QuantizedWeight, out: torch.
     zeros = weight.zeros if weight.zeros is not None else weight.scales
     compiled = launch(_int4_mma_kernel, (n // ROWS, splits), tile.pdl, x, weight.qweight, weight.scales, zeros, target,
                       m, n, k, GROUP=weight.group_size, HAS_ZEROS=weight.zeros is not None, WARPS=tile.warps,
-                      SPANS_SPLIT=per // SPAN_COLUMNS, INPUT_TILES=1 if m <= 8 else 2,
+                      SPANS_SPLIT=per // SPAN_COLUMNS, INPUT_TILES=1 if m <= 8 else 2, INTERPRETED=INTERPRETED,
                       num_warps=tile.warps)
     if launched_layout_ok(compiled, tile.warps) is False:  # another Triton's layout: its result is not the product
         if not _MMA_WARNED:

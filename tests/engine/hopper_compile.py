@@ -284,7 +284,7 @@ def mma() -> None:
                     dict(x_ptr=act, qw_ptr="*i32", s_ptr="*fp32", z_ptr="*u8" if zeros else "*fp32",
                          out_ptr=act if split == 20 else "*fp32", M="i32", N="i32"),
                     dict(K=2560, GROUP=group, HAS_ZEROS=zeros, WARPS=warps, SPANS_SPLIT=split, INPUT_TILES=tiles,
-                         PDL=arch >= 90),
+                         PDL=arch >= 90, INTERPRETED=False),
                     arch, num_warps=warps)
                 layout = mma_kernels.operand_layout(compiled.asm["ttgir"])
                 print(f"layout sm_{arch} {warps} {layout == mma_kernels.EXPECTED_LAYOUT.format(warps=warps)}")

@@ -189,6 +189,33 @@ def test_mma_kernel_compiles_for_hopper_and_orin():
         assert float(per_weight) < counted["sm" + arch[3:]]["int4"]["dot"], (arch, warps, per_weight)
 
 
+@pytest.mark.parametrize("sym,group,k,rows,dtype", [(False, 128, 384, 1, torch.bfloat16),
+                                                    (True, 256, 1024, 5, torch.bfloat16),
+                                                    (False, 640, 640, 8, torch.float16),
+                                                    (False, 128, 256, 13, torch.bfloat16),
+                                                    (True, 128, 384, 16, torch.float16)])
+def test_the_kernel_computes_the_product_in_the_interpreter(sym, group, k, rows, dtype):
+    """The kernel's Triton code in Triton's interpreter (the span's MMAs by `_span_reference`, the
+    PTX being the first test's): every warp count and K split its tiles take, the splits' partial
+    sums added in order (all of them at K = 1024), groups of one and several spans and one a row,
+    zero points or none, 1 to 16 input rows (two input tiles past 8), bf16 and fp16, 48 rows (three
+    programs), each output poisoned first, against the fp32 product of the dequantized weights."""
+    require_module("triton")
+    from jetserve.engine.model.quant_kernels import MMA_TILES, mma_matmul
+
+    torch.manual_seed(k + rows)
+    w = quant.quantize(torch.randn(48, k) / k**0.5, 4, group, sym)
+    x = torch.randn(rows, k).to(dtype)
+    want = x.float() @ quant.dequantize(w, torch.float32).T
+    tiles = [t for t in MMA_TILES if t.split_k <= k // 128]
+    assert {t.split_k for t in tiles} >= {1, 2} and {t.warps for t in tiles} >= {2, 4}
+    for tile in tiles:
+        out = torch.full((rows, 48), float("nan"), dtype=dtype)
+        got = mma_matmul(tile, x, w, out)
+        assert got is out
+        torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2, msg=str(tile))
+
+
 def test_mma_tiles_need_a_gpu():
     """Without compiled PTX (the interpreter, a CPU) no MMA tile is offered: the other tiles
     serve every shape there."""
