@@ -37,6 +37,9 @@ from jetserve.engine.model.mma_kernels import (MAX_INPUT_ROWS, ROWS, SPAN_COLUMN
                                                launched_layout_ok)
 from jetserve.engine.model.quant import QuantizedWeight, dequantize, span
 
+log = logging.getLogger(__name__)
+_MMA_WARNED: list[bool] = []  # the MMA kernel's fallback warning, once a process
+
 
 @triton.jit
 def _as_float(q):
@@ -674,16 +677,16 @@ def quant_matmul(tile, prologue, x, weight: QuantizedWeight, residual=None, norm
     prologue's own kernel where it runs apart); None: dequantize and take the float path."""
     if tile is None:
         return torch_variant(prologue, x, dequantized(weight, x.dtype), residual, norm_weight, eps)
-    if tile.apart and prologue != PLAIN:
+    if (tile.apart or tile.mma) and prologue != PLAIN:  # the MMA kernel fuses no prologue
         return run_apart(lambda y: quant_matmul(tile, PLAIN, y, weight), prologue, x, residual, norm_weight, eps,
                          tile.pdl)
     m, (n, k) = x.shape[0], weight.shape
     block_m = triton.next_power_of_2(m)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    res_out = torch.empty(m, k, dtype=x.dtype, device=x.device) if prologue == ADD_NORM else out
-    zeros = weight.zeros if weight.zeros is not None else weight.scales
     if tile.mma:
         return mma_matmul(tile, x, weight, out)
+    res_out = torch.empty(m, k, dtype=x.dtype, device=x.device) if prologue == ADD_NORM else out
+    zeros = weight.zeros if weight.zeros is not None else weight.scales
     kw_split, splits = split_k(weight.qweight.shape[1], tile, tile.block_k)
     target = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     args = (x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, weight.qweight,
@@ -707,10 +710,6 @@ def quant_matmul(tile, prologue, x, weight: QuantizedWeight, residual=None, norm
     if prologue == NORM:
         return out, x
     return (out, res_out) if prologue == ADD_NORM else out
-
-
-log = logging.getLogger(__name__)
-_MMA_WARNED: list[bool] = []  # the fallback's warning, once a process
 
 
 def mma_matmul(tile: Tile, x: torch.Tensor, weight: QuantizedWeight, out: torch.Tensor) -> torch.Tensor:

@@ -216,6 +216,30 @@ def test_the_kernel_computes_the_product_in_the_interpreter(sym, group, k, rows,
         torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2, msg=str(tile))
 
 
+def test_an_mma_tile_runs_the_prologue_apart():
+    """A product with a fused prologue (SiLU·up, residual add + RMSNorm) through an MMA tile runs the
+    prologue as its own kernel first, whatever the tile says: the MMA kernel reads its inputs
+    straight into the operand and fuses none (Triton's interpreter, against torch)."""
+    require_module("triton")
+    from jetserve.engine.model.kernels import ADD_NORM, SILU_MUL
+    from jetserve.engine.model.quant_kernels import MMA_TILES, quant_matmul
+
+    torch.manual_seed(3)
+    w = quant.quantize(torch.randn(32, 256) / 16, 4, 128, False)
+    dense = quant.dequantize(w, torch.float32)
+    tile = MMA_TILES[0]._replace(apart=False)  # as a table could store it for a plain product
+    x2 = torch.randn(3, 512).to(torch.bfloat16)
+    want = (torch.nn.functional.silu(x2[:, :256].float()) * x2[:, 256:].float()) @ dense.T
+    torch.testing.assert_close(quant_matmul(tile, SILU_MUL, x2, w).float(), want, rtol=3e-2, atol=3e-2)
+    x, residual = torch.randn(3, 256).to(torch.bfloat16), torch.randn(3, 256).to(torch.bfloat16)
+    norm = (torch.rand(256) + 0.5).to(torch.bfloat16)
+    out, res_out = quant_matmul(tile, ADD_NORM, x, w, residual, norm, 1e-6)
+    h = x.float() + residual.float()
+    torch.testing.assert_close(res_out.float(), h, rtol=1e-2, atol=1e-2)
+    normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.float()
+    torch.testing.assert_close(out.float(), normed @ dense.T, rtol=3e-2, atol=3e-2)
+
+
 def test_mma_tiles_need_a_gpu():
     """Without compiled PTX (the interpreter, a CPU) no MMA tile is offered: the other tiles
     serve every shape there."""
