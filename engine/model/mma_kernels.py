@@ -98,7 +98,7 @@ _ASM_F16 = tl.constexpr(_asm(half=True))
 
 
 @triton.jit
-def _span_product(w0, w1, x_at, col, mask, HALF: tl.constexpr):
+def _span_product(w0, w1, x_at, col, mask, HALF: tl.constexpr, INTERPRETED: tl.constexpr):
     """(part, input sums) of one span for one tile of 8 input rows, fp32 (see _asm): the inputs
     of fields f = 0..7 on columns col + 16 f + the thread's word, loaded here."""
     x0 = tl.load(x_at + col, mask=mask, other=0.0)
@@ -109,6 +109,8 @@ def _span_product(w0, w1, x_at, col, mask, HALF: tl.constexpr):
     x5 = tl.load(x_at + col + 80, mask=mask, other=0.0)
     x6 = tl.load(x_at + col + 96, mask=mask, other=0.0)
     x7 = tl.load(x_at + col + 112, mask=mask, other=0.0)
+    if INTERPRETED:
+        return _span_reference(w0, w1, x0, x1, x2, x3, x4, x5, x6, x7, HALF)
     part, sums = tl.inline_asm_elementwise(_ASM_F16 if HALF else _ASM_BF16, _CONSTRAINTS,
                                            [w0, w1, x0, x1, x2, x3, x4, x5, x6, x7],
                                            dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
@@ -116,25 +118,33 @@ def _span_product(w0, w1, x_at, col, mask, HALF: tl.constexpr):
 
 
 @triton.jit
-def _span_reference(qw_ptr, x_ptr, out_n, in_m, col, c_ok, M, K: tl.constexpr, HALF: tl.constexpr):
-    """What `_span_product` returns, computed element by element from memory: Triton's interpreter
-    runs no PTX, so the kernel's tests run this in its place (and the PTX itself in a PTX
-    interpreter of their own). Element (w, e) is output row out_n[e] and input row in_m[e] over
-    the span at column col[w]: the sum of (q + what the PTX leaves on a weight) times the input,
-    and the sum of the inputs."""
-    KW: tl.constexpr = K // 8
-    j = tl.arange(0, 16)
-    words = tl.load(qw_ptr + out_n.to(tl.int64)[None, :, None] * KW + (col // 8)[:, :, None] + j[None, None, :])
-    x_mask = (in_m < M)[None, :, None] & c_ok[:, :, None]
-    part = tl.zeros([col.shape[0], out_n.shape[0]], tl.float32)
-    sums = tl.zeros([col.shape[0], out_n.shape[0]], tl.float32)
-    for f in tl.static_range(8):  # field f of word j: column 16 f + j of the span
-        q = ((words >> (4 * f)) & 15).to(tl.float32) + (0.0 if HALF else 128.0)
-        x = tl.load(x_ptr + in_m[None, :, None] * K + col[:, :, None] + 16 * f + j[None, None, :], mask=x_mask,
-                    other=0.0).to(tl.float32)
-        part += tl.sum(q * x, axis=2)
+def _span_reference(w0, w1, x0, x1, x2, x3, x4, x5, x6, x7, HALF: tl.constexpr):
+    """What the PTX of `_span_product` computes from the same operands, in plain Triton: the
+    interpreter runs no PTX, so the kernel's tests run this in its place (and the PTX itself in a
+    PTX interpreter of their own). A warp's element 16 g + 4 t + v holds word 4 t + v of rows g
+    (w0) and g + 8 (w1) and input row g's columns of it (x_f: field f); its results are output
+    row g + 8 (v // 2) against input row 2 t + v % 2, the sum of (q + what the PTX leaves on a
+    weight) times the input, and the sum of the inputs."""
+    W: tl.constexpr = w0.shape[0]
+    offset = 0.0 if HALF else 128.0
+    low = tl.zeros([W, 8, 8], tl.float32)  # [warp, output row g, input row]
+    high = tl.zeros([W, 8, 8], tl.float32)  # output row g + 8
+    sums = tl.zeros([W, 8], tl.float32)
+    words0 = tl.reshape(w0, [W, 8, 16])
+    words1 = tl.reshape(w1, [W, 8, 16])
+    for f in tl.static_range(8):
+        x = x0 if f == 0 else x1 if f == 1 else x2 if f == 2 else x3 if f == 3 else x4 if f == 4 else x5 if f == 5 \
+            else x6 if f == 6 else x7
+        x = tl.reshape(x.to(tl.float32), [W, 8, 16])  # [warp, input row, word]
+        q0 = ((words0 >> (4 * f)) & 15).to(tl.float32) + offset
+        q1 = ((words1 >> (4 * f)) & 15).to(tl.float32) + offset
+        low += tl.sum(q0[:, :, None, :] * x[:, None, :, :], axis=3)
+        high += tl.sum(q1[:, :, None, :] * x[:, None, :, :], axis=3)
         sums += tl.sum(x, axis=2)
-    return part, sums
+    both = tl.join(tl.reshape(low, [W, 8, 4, 2]), tl.reshape(high, [W, 8, 4, 2]))  # [W, g, t, parity, half]
+    part = tl.reshape(tl.permute(both, (0, 1, 2, 4, 3)), [W, 128])
+    sums = tl.broadcast_to(tl.reshape(sums, [W, 1, 4, 1, 2]), [W, 8, 4, 2, 2])
+    return part, tl.reshape(sums, [W, 128])
 
 
 @triton.jit
@@ -212,16 +222,11 @@ def _int4_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K: tl.constexpr
         next0 = tl.load(words0 + nxt)
         next1 = tl.load(words0 + nxt + 8 * KW)
         col = (tl.minimum(c, c_hi - 1) * 128)[:, None]
-        if INTERPRETED:
-            part, a_sum = _span_reference(qw_ptr, x_ptr, out_n, out_m, col, (c < c_hi)[:, None], M, K, HALF)
-        else:
-            part, a_sum = _span_product(cur0, cur1, x_at, col, x_mask & (c < c_hi)[:, None], HALF)
+        part, a_sum = _span_product(cur0, cur1, x_at, col, x_mask & (c < c_hi)[:, None], HALF, INTERPRETED)
         acc, sums = _scaled(acc, sums, part, a_sum, s_ptr, z_ptr, col, out_n, K, OFFSET, GROUPS, HAS_ZEROS)
         if INPUT_TILES == 2:
-            if INTERPRETED:
-                part, a_sum = _span_reference(qw_ptr, x_ptr, out_n, out_m + 8, col, (c < c_hi)[:, None], M, K, HALF)
-            else:
-                part, a_sum = _span_product(cur0, cur1, x_at + 8 * K, col, x_mask2 & (c < c_hi)[:, None], HALF)
+            part, a_sum = _span_product(cur0, cur1, x_at + 8 * K, col, x_mask2 & (c < c_hi)[:, None], HALF,
+                                        INTERPRETED)
             acc2, sums2 = _scaled(acc2, sums2, part, a_sum, s_ptr, z_ptr, col, out_n, K, OFFSET, GROUPS, HAS_ZEROS)
         cur0 = next0
         cur1 = next1
