@@ -1,9 +1,9 @@
-"""W4A16 products of 1 to 8 rows on tensor cores, read straight from quant.py's span layout.
+"""W4A16 products of 1 to 16 rows on tensor cores, read straight from quant.py's span layout.
 
-Decode's INT4 products are bound by the instructions a weight costs, not by its bytes: a GPU's
-memory delivers INT4 weights at a sizeable share of its issue rate, so each instruction a weight
-counts (the FMA kernels of quant_kernels.py spend about five, its tensor-core one about three,
-most of them moving the dequantized weights into the dot's operand layout through shared memory).
+Decode's INT4 products are bound by the instructions a weight costs as much as by its bytes: a
+GPU's memory delivers INT4 weights at a sizeable share of its issue rate, so each instruction a
+weight counts (quant_kernels.py's tensor-core kernel spends most of its own moving the dequantized
+weights into the dot's operand layout through shared memory; tiles/sass.json counts them all).
 Here each thread's loaded words already are its share of an m16n8k16 MMA's weight operand, so
 nothing moves between threads:
 
@@ -45,9 +45,9 @@ ROWS = 16  # weight rows a warp: the MMA's m
 MAX_INPUT_ROWS = 16  # two tiles of the MMA's n = 8
 SPAN_COLUMNS = 128  # INT4 columns a span of 16 words holds (quant.span(4))
 
-# MMA a step of one input row per half: the pairs of two rows' words (P of row l // 4, Q of row
-# l // 4 + 8), the inputs' pairs (B0, B1), accumulating into part ($0-$3) and the inputs' sums
-# ($4-$7). {type} and {magic} are filled per activation dtype.
+# One MMA step: the operand B's two registers made by PRMT from the inputs of two fields each (x, y),
+# then the weights' pairs (a0-a3: rows l // 4 and l // 4 + 8) times them into $0-$3 and an operand of
+# ones times them into $4-$7 (the inputs' sums); {type}: the activations' bf16 or f16.
 _STEP = """
 prmt.b32 b0, {x_lo}, {x_hi}, {sel};
 prmt.b32 b1, {y_lo}, {y_hi}, {sel};
@@ -235,6 +235,7 @@ def _int4_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K: tl.constexpr
     if INPUT_TILES == 2:
         _store(acc2, sums2, out_ptr, s_ptr, z_ptr, out_m + 8, out_n, M, N, OFFSET, GROUPS, HAS_ZEROS,
                SPANS_SPLIT >= SPANS, dtype)
+
 
 EXPECTED_LAYOUT = "sizePerThread = [1, 4], threadsPerWarp = [1, 32], warpsPerCTA = [{warps}, 1], order = [1, 0]"
 
