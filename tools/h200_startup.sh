@@ -130,11 +130,12 @@ for n, c in r['configs'].items(): print('[prefill]', n, 'TTFT', c['long_ttft_ms'
   'ITL p50/p99 during', c['during_itl_p50_ms'], c['during_itl_p99_ms'], 'worst', c['during_itl_p99_worst_ms'], 'chunks', len(c.get('long_chunks') or []))
 print('[prefill] recommended', r.get('recommended_budget'), r.get('recommended_target_ms'))"
   ;;
-gputests)  # the GPU-marked tests of $TESTS (default: the CUDA graph tests), their log kept
+gputests)  # the GPU-marked tests of $TESTS (default: the CUDA graph tests), their log kept; $TEST_ARGS: more
+  # of pytest's (--noconftest: a test file that needs none of the extras the image lacks)
   # --import-mode=append: the repository root (whose jetserve/ is the top package alone) after the link farm
   # the repository root after the link farm too: tests that start `python -m tests.…`
   PYTHONPATH=$PYTHONPATH:$PWD timeout 300 python3 -m pytest -q -p no:cacheprovider --import-mode=append \
-    ${TESTS:-tests/engine/test_cuda_graphs.py} ${TEST_K:+-k "$TEST_K"} > "$OUT/gpu-tests.log" 2>&1
+    ${TESTS:-tests/engine/test_cuda_graphs.py} ${TEST_K:+-k "$TEST_K"} ${TEST_ARGS:-} > "$OUT/gpu-tests.log" 2>&1
   grep -E "passed|failed|Error" "$OUT/gpu-tests.log" | tail -8
   ;;
 pack)  # every stage packs (below); kept so older command lines still run

@@ -11,8 +11,7 @@ repository root:
 
     python3 tools/mma_probe.py [shapes, default qwen3-0.6b,qwen3-4b] [rows, default 1,2,4,8]
 
-Rows past 8 (no MMA tile) time the shipped span tile against tinygemm alone: what moving every
-INT4 product into the span layout would cost MTP's wider verify steps.
+Rows 9 to 16 take the MMA tiles of two input tiles (at depths whose registers do not spill).
 """
 
 import json
@@ -62,14 +61,16 @@ def variants() -> None:
     torch.manual_seed(0)
     dense = torch.randn(272, 640, device=DEV) / 640**0.5
     tile = _mma_tiles(1, quant.quantize(dense, 4, 128, False), torch.bfloat16, DEV)
-    for sym in (False, True):
-        for group in (128, 640):
-            w = quant.quantize(dense, 4, group, sym)
-            for dtype in (torch.bfloat16, torch.float16):
-                for m in (1, 3, 8):
-                    x = torch.randn(m, 640, device=DEV, dtype=dtype)
-                    for t in tile:
-                        checked(t, x, w)
+    cases = [(quant.quantize(dense, 4, group, sym), torch.randn(m, 640, device=DEV, dtype=dtype))
+             for sym in (False, True) for group in (128, 640) for dtype in (torch.bfloat16, torch.float16)
+             for m in (1, 3, 8)]
+    with parallel_compile.compile_only():  # every variant's kernel compiled side by side first
+        for w, x in cases:
+            for t in tile:
+                mma(t, x, w)
+    for w, x in cases:
+        for t in tile:
+            checked(t, x, w)
     print(f"variants: {len(tile)} tiles x sym/asym x group 128/640 x bf16/fp16 x rows 1/3/8 within 1e-2", flush=True)
 
 

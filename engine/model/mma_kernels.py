@@ -163,7 +163,7 @@ def _scaled(acc, sums, part, a_sum, s_ptr, z_ptr, col, out_n, K: tl.constexpr, O
 @triton.jit
 def _store(acc, sums, out_ptr, s_ptr, z_ptr, out_m, out_n, M, N, OFFSET: tl.constexpr, GROUPS: tl.constexpr,
            HAS_ZEROS: tl.constexpr, WHOLE: tl.constexpr, dtype: tl.constexpr):
-    """The warps' sums added and stored: out[out_m, out_n], or this split's fp32 partial sums."""
+    """The slots' sums added and stored: out[out_m, out_n], or this split's fp32 partial sums."""
     out = tl.sum(acc, axis=0)
     if GROUPS == 1:
         zero = tl.load(z_ptr + out_n).to(tl.float32) if HAS_ZEROS else 8.0
@@ -177,13 +177,17 @@ def _store(acc, sums, out_ptr, s_ptr, z_ptr, out_m, out_n, M, N, OFFSET: tl.cons
 
 @triton.jit(do_not_specialize_on_alignment=["M"])
 def _int4_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K: tl.constexpr, GROUP: tl.constexpr,
-                     HAS_ZEROS: tl.constexpr, WARPS: tl.constexpr, SPANS_SPLIT: tl.constexpr,
+                     HAS_ZEROS: tl.constexpr, SLOTS: tl.constexpr, SPANS_SPLIT: tl.constexpr,
                      INPUT_TILES: tl.constexpr, PDL: tl.constexpr, INTERPRETED: tl.constexpr = False):
     """out[M, N] = x[M, K] @ dequant(w)[N, K]^T, M <= 8 INPUT_TILES, N a multiple of 16: program
-    (i, j) takes rows [16 i, 16 i + 16) over spans [j SPANS_SPLIT, (j + 1) SPANS_SPLIT), its warp w
-    the spans w, w + WARPS, ... of them, the next one's words in flight while it multiplies, each
-    span's words multiplied by every tile of 8 input rows; the warps' sums added at the end (and
-    the splits' by sum_splits where there are several)."""
+    (i, j) takes rows [16 i, 16 i + 16) over spans [j SPANS_SPLIT, (j + 1) SPANS_SPLIT), its slot s
+    the spans s, s + SLOTS, ... of them, the next step's words in flight while it multiplies, each
+    span's words multiplied by every tile of 8 input rows; the slots' sums added at the end (and
+    the splits' by sum_splits where there are several). A slot is a row of the [SLOTS, 128]
+    operands: Triton gives row s to warp s % num_warps, so a warp holds SLOTS / num_warps spans a
+    step (the tile's depth), all their loads issued before the first MMA waits on one; one
+    memory latency then brings that many spans a warp, where the memory's bandwidth needs more
+    bytes in flight than one span a warp."""
     HALF: tl.constexpr = x_ptr.dtype.element_ty == tl.float16
     OFFSET: tl.constexpr = 0.0 if HALF else 128.0  # what the PTX leaves on each weight (see _asm)
     KW: tl.constexpr = K // 8
@@ -192,7 +196,7 @@ def _int4_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K: tl.constexpr
     e = tl.arange(0, 128)  # lane * 4 + v: the layout _asm assumes
     lane = e // 4
     v = e % 4
-    w = tl.arange(0, WARPS)
+    w = tl.arange(0, SLOTS)
     row = tl.program_id(0) * 16 + lane // 4  # the operand's row l // 4; + 8 for the other
     word = 4 * (lane % 4) + v  # of the span
     c_lo = tl.program_id(1) * SPANS_SPLIT
@@ -200,25 +204,25 @@ def _int4_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K: tl.constexpr
     words0 = qw_ptr + row.to(tl.int64)[None, :] * KW + word[None, :]
     in_row = lane // 4  # the input row of lane l's operand B (+ 8 in the second input tile)
     x_at = x_ptr + in_row[None, :] * K + word[None, :]
-    x_mask = (in_row < M)[None, :] & (w < WARPS)[:, None]
-    x_mask2 = (in_row + 8 < M)[None, :] & (w < WARPS)[:, None]
+    x_mask = (in_row < M)[None, :] & (w < SLOTS)[:, None]
+    x_mask2 = (in_row + 8 < M)[None, :] & (w < SLOTS)[:, None]
     # the output element each thread holds: c0, c1 row l // 4, c2, c3 row l // 4 + 8; input rows 2 t, 2 t + 1
     out_n = tl.program_id(0) * 16 + lane // 4 + 8 * (v // 2)
     out_m = 2 * (lane % 4) + v % 2
-    cw = tl.minimum(c_lo + w, c_hi - 1)[:, None] * 16  # each warp's first span
+    cw = tl.minimum(c_lo + w, c_hi - 1)[:, None] * 16  # each slot's first span
     cur0 = tl.load(words0 + cw)
     cur1 = tl.load(words0 + cw + 8 * KW)
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
-    acc = tl.zeros([WARPS, 128], tl.float32)
-    sums = tl.zeros([WARPS, 128], tl.float32)
+    acc = tl.zeros([SLOTS, 128], tl.float32)
+    sums = tl.zeros([SLOTS, 128], tl.float32)
     if INPUT_TILES == 2:
-        acc2 = tl.zeros([WARPS, 128], tl.float32)
-        sums2 = tl.zeros([WARPS, 128], tl.float32)
-    for c0 in range(c_lo, c_hi, WARPS):
+        acc2 = tl.zeros([SLOTS, 128], tl.float32)
+        sums2 = tl.zeros([SLOTS, 128], tl.float32)
+    for c0 in range(c_lo, c_hi, SLOTS):
         c = c0 + w
-        nxt = tl.minimum(c + WARPS, c_hi - 1)[:, None] * 16
+        nxt = tl.minimum(c + SLOTS, c_hi - 1)[:, None] * 16
         next0 = tl.load(words0 + nxt)
         next1 = tl.load(words0 + nxt + 8 * KW)
         col = (tl.minimum(c, c_hi - 1) * 128)[:, None]
@@ -235,6 +239,12 @@ def _int4_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K: tl.constexpr
     if INPUT_TILES == 2:
         _store(acc2, sums2, out_ptr, s_ptr, z_ptr, out_m + 8, out_n, M, N, OFFSET, GROUPS, HAS_ZEROS,
                SPANS_SPLIT >= SPANS, dtype)
+
+
+def slots(tile) -> int:
+    """The kernel's SLOTS for a tile (kernels.Tile): its warps times its depth, the spans a warp
+    takes a step (block_k, a whole number of spans)."""
+    return tile.warps * tile.block_k // SPAN_COLUMNS
 
 
 EXPECTED_LAYOUT = "sizePerThread = [1, 4], threadsPerWarp = [1, 32], warpsPerCTA = [{warps}, 1], order = [1, 0]"

@@ -35,6 +35,7 @@ from jetserve.engine.model.kernels import (ADD_NORM, DOT_MIN_ROWS, INTERPRETED, 
                                            torch_variant, with_pdl)
 from jetserve.engine.model.mma_kernels import (MAX_INPUT_ROWS, ROWS, SPAN_COLUMNS, _int4_mma_kernel,
                                                launched_layout_ok)
+from jetserve.engine.model.mma_kernels import slots as mma_slots
 from jetserve.engine.model.quant import QuantizedWeight, dequantize, span
 
 log = logging.getLogger(__name__)
@@ -613,14 +614,22 @@ def _dot_tiles(rows: int, weight: QuantizedWeight, dtype: torch.dtype) -> list[T
     return [t for t in DOT_TILES if group_words % t.block_k == 0 and row_words % t.block_k == 0]
 
 
-# The W4A16 MMA kernel's candidates (model/mma_kernels.py: 16 rows a warp, a span a step): warps a
-# program, K split over programs where N / 16 programs leave the GPU part empty (the narrow o and
-# down projections, and every product of the 0.6B); the prologue always apart (its inputs are
-# loaded straight into the MMA's operand, with no room for a norm).
+# The W4A16 MMA kernel's candidates (model/mma_kernels.py: 16 rows a warp, block_k a warp's spans a
+# step, its depth): warps a program, K split over programs where N / 16 programs leave the GPU part
+# empty (the narrow o and down projections, and every product of the 0.6B); deeper steps where a
+# program's chain of memory latencies, not its instructions, is what a product waits for (one
+# latency a step: a program of 20 spans takes five at depth 1 and four warps, two at depth 2); the
+# prologue always apart (its inputs are loaded straight into the MMA's operand, with no room for a
+# norm).
 MMA_TILES = [Tile(16, 128, 4, apart=True, mma=True), Tile(16, 128, 2, apart=True, mma=True),
              Tile(16, 128, 4, 2, apart=True, mma=True), Tile(16, 128, 4, 4, apart=True, mma=True),
              Tile(16, 128, 4, 8, apart=True, mma=True), Tile(16, 128, 2, 4, apart=True, mma=True),
-             Tile(16, 128, 2, 8, apart=True, mma=True), Tile(16, 128, 1, 8, apart=True, mma=True)]
+             Tile(16, 128, 2, 8, apart=True, mma=True), Tile(16, 128, 1, 8, apart=True, mma=True),
+             Tile(16, 256, 4, apart=True, mma=True), Tile(16, 256, 4, 2, apart=True, mma=True),
+             Tile(16, 256, 4, 4, apart=True, mma=True), Tile(16, 256, 2, 2, apart=True, mma=True),
+             Tile(16, 256, 2, 4, apart=True, mma=True), Tile(16, 512, 4, apart=True, mma=True),
+             Tile(16, 512, 2, 2, apart=True, mma=True), Tile(16, 512, 1, 4, apart=True, mma=True)]
+MMA_MAX_DEPTH_TWO_TILES = 2  # two tiles of inputs hold twice the sums: at depth 4 a thread's registers spill
 
 
 def _mma_tiles(rows: int, weight: QuantizedWeight, dtype: torch.dtype, device: torch.device | None) -> list[Tile]:
@@ -631,15 +640,16 @@ def _mma_tiles(rows: int, weight: QuantizedWeight, dtype: torch.dtype, device: t
     if (device is None or device.type not in ("cuda", "meta") or rows > MAX_INPUT_ROWS
             or not int4pack.mma_takes(weight.bits, weight.group_size, n, k, dtype)):
         return []
+    tiles = [t for t in MMA_TILES if rows <= 8 or t.block_k <= MMA_MAX_DEPTH_TWO_TILES * SPAN_COLUMNS]
     if device.type == "meta":
-        return MMA_TILES
+        return tiles
     if INTERPRETED:
         return []
     # first, the default of a shape no table lists: the fewest K splits that give every SM two programs
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     split = next((s for s in (1, 2, 4, 8) if n // ROWS * s >= 2 * sms), 8)
     first = Tile(ROWS, SPAN_COLUMNS, 4, split, apart=True, mma=True)
-    return [first] + [t for t in MMA_TILES if t != first]
+    return [first] + [t for t in tiles if t != first]
 
 
 def fitting_tiles(rows: int, weight: QuantizedWeight, prologue: int = PLAIN, pdl: bool = False,
@@ -720,7 +730,7 @@ def mma_matmul(tile: Tile, x: torch.Tensor, weight: QuantizedWeight, out: torch.
     target = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     zeros = weight.zeros if weight.zeros is not None else weight.scales
     compiled = launch(_int4_mma_kernel, (n // ROWS, splits), tile.pdl, x, weight.qweight, weight.scales, zeros, target,
-                      m, n, k, GROUP=weight.group_size, HAS_ZEROS=weight.zeros is not None, WARPS=tile.warps,
+                      m, n, k, GROUP=weight.group_size, HAS_ZEROS=weight.zeros is not None, SLOTS=mma_slots(tile),
                       SPANS_SPLIT=per // SPAN_COLUMNS, INPUT_TILES=1 if m <= 8 else 2, INTERPRETED=INTERPRETED,
                       num_warps=tile.warps)
     if launched_layout_ok(compiled, tile.warps) is False:  # another Triton's layout: its result is not the product

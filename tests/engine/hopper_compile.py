@@ -269,29 +269,34 @@ def attention() -> None:
 
 def mma() -> None:
     """The W4A16 MMA kernel (model/mma_kernels.py) for sm_90 and sm_87, bf16 and fp16 inputs, every
-    warp count its tiles take, zero points in groups and symmetric one group a row, K whole and
-    split, one tile of 8 input rows and two: the layout its PTX assumes (one line each: `layout sm_<arch> <warps> <ok>`), then its
-    inner loop (`loop sm_<arch> <warps> <instructions a weight> <HMMA> <shared-memory ops>`)."""
+    warp count and depth its tiles take, zero points in groups and symmetric one group a row, K
+    whole and split, one tile of 8 input rows and two (at the depths offered for two): the layout
+    its PTX assumes (one line each: `layout sm_<arch> <warps> <ok>`), then its inner loop (`loop
+    sm_<arch> <warps> <depth> <instructions a weight> <HMMA> <shared-memory ops>`)."""
     from jetserve.engine.model import mma_kernels
-    from jetserve.engine.model.quant_kernels import MMA_TILES
+    from jetserve.engine.model.quant_kernels import MMA_MAX_DEPTH_TWO_TILES, MMA_TILES
     from tools.sass_count import inner_loop
 
     for arch in (90, 87):
-        for warps in sorted({t.warps for t in MMA_TILES}):
+        for warps, depth in sorted({(t.warps, t.block_k // mma_kernels.SPAN_COLUMNS) for t in MMA_TILES}):
             for act, group, zeros, split, tiles in (("*bf16", 128, True, 20, 1), ("*fp16", 2560, False, 4, 2)):
+                if tiles == 2 and depth > MMA_MAX_DEPTH_TWO_TILES:
+                    continue
                 compiled = compile_for_hopper(
                     mma_kernels._int4_mma_kernel,
                     dict(x_ptr=act, qw_ptr="*i32", s_ptr="*fp32", z_ptr="*u8" if zeros else "*fp32",
                          out_ptr=act if split == 20 else "*fp32", M="i32", N="i32"),
-                    dict(K=2560, GROUP=group, HAS_ZEROS=zeros, WARPS=warps, SPANS_SPLIT=split, INPUT_TILES=tiles,
-                         PDL=arch >= 90, INTERPRETED=False),
+                    dict(K=2560, GROUP=group, HAS_ZEROS=zeros, SLOTS=warps * depth, SPANS_SPLIT=split,
+                         INPUT_TILES=tiles, PDL=arch >= 90, INTERPRETED=False),
                     arch, num_warps=warps)
                 layout = mma_kernels.operand_layout(compiled.asm["ttgir"])
                 print(f"layout sm_{arch} {warps} {layout == mma_kernels.EXPECTED_LAYOUT.format(warps=warps)}")
-                body = inner_loop(compiled.asm["sass"])
-                shared = sum(op.startswith(("LDS", "STS", "LDSM")) for op in body)
-                # a thread's iteration: two rows' four words, 64 weights
-                print(f"loop sm_{arch} {warps} {len(body) / 64:.2f} {sum(op.startswith('HMMA') for op in body)} {shared}")
+                if tiles == 1:  # K whole in one program: a loop of many steps
+                    body = inner_loop(compiled.asm["sass"])
+                    shared = sum(op.startswith(("LDS", "STS", "LDSM")) for op in body)
+                    # a thread's step: `depth` spans of two rows' four words, 64 weights each
+                    print(f"loop sm_{arch} {warps} {depth} {len(body) / 64 / depth:.2f} "
+                          f"{sum(op.startswith('HMMA') for op in body)} {shared}")
     print("compiled")
 
 

@@ -172,7 +172,7 @@ def test_the_ptx_computes_the_product(sym, group, k, rows, dtype):
 
 def test_mma_kernel_compiles_for_hopper_and_orin():
     """Triton's compiler and ptxas (no GPU) take the kernel for sm_90 and sm_87 at each warp count
-    its tiles use; every compile gives the PTX's operands the layout it is written for; the
+    and depth its tiles use; every compile gives the PTX's operands the layout it is written for; the
     inner loop reads nothing through shared memory, runs its 16 MMAs, and spends fewer
     instructions a weight than the tensor-core dot kernel (tiles/sass.json, the plan's counts)."""
     from jetserve.engine import plan
@@ -183,10 +183,11 @@ def test_mma_kernel_compiles_for_hopper_and_orin():
     layouts = [line.split() for line in lines if line.startswith("layout ")]
     assert layouts and all(ok == "True" for *_, ok in layouts), layouts
     loops = [line.split() for line in lines if line.startswith("loop ")]
-    for _, arch, warps, per_weight, mmas, shared in loops[::2]:  # bf16, K whole: a loop of many spans
-        # 16 MMAs a span (ptxas may lift one of them across the loop's back edge)
-        assert int(mmas) in (15, 16) and int(shared) == 0, (arch, warps, mmas, shared)
-        assert float(per_weight) < counted["sm" + arch[3:]]["int4"]["dot"], (arch, warps, per_weight)
+    assert {line[3] for line in loops} >= {"1", "2", "4"}, loops  # every depth the tiles take
+    for _, arch, warps, depth, per_weight, mmas, shared in loops:
+        # 16 MMAs a span (ptxas may lift a few of them across the loop's back edge)
+        assert 14 * int(depth) <= int(mmas) <= 16 * int(depth) and int(shared) == 0, (arch, warps, depth, mmas)
+        assert float(per_weight) < counted["sm" + arch[3:]]["int4"]["dot"], (arch, warps, depth, per_weight)
 
 
 @pytest.mark.parametrize("sym,group,k,rows,dtype", [(False, 128, 384, 1, torch.bfloat16),
@@ -197,18 +198,19 @@ def test_mma_kernel_compiles_for_hopper_and_orin():
 def test_the_kernel_computes_the_product_in_the_interpreter(sym, group, k, rows, dtype):
     """The kernel's Triton code in Triton's interpreter (the span's MMAs by `_span_reference`, the
     PTX being the first test's): every warp count and K split its tiles take, the splits' partial
-    sums added in order (all of them at K = 1024), groups of one and several spans and one a row,
+    sums added in order (all of them at K = 1024), depths of 1 to 4 spans a warp, groups of one and several spans and one a row,
     zero points or none, 1 to 16 input rows (two input tiles past 8), bf16 and fp16, 48 rows (three
     programs), each output poisoned first, against the fp32 product of the dequantized weights."""
     require_module("triton")
-    from jetserve.engine.model.quant_kernels import MMA_TILES, mma_matmul
+    from jetserve.engine.model.quant_kernels import _mma_tiles, mma_matmul
 
     torch.manual_seed(k + rows)
     w = quant.quantize(torch.randn(48, k) / k**0.5, 4, group, sym)
     x = torch.randn(rows, k).to(dtype)
     want = x.float() @ quant.dequantize(w, torch.float32).T
-    tiles = [t for t in MMA_TILES if t.split_k <= k // 128]
+    tiles = [t for t in _mma_tiles(rows, w, dtype, torch.device("meta")) if t.split_k <= k // 128]
     assert {t.split_k for t in tiles} >= {1, 2} and {t.warps for t in tiles} >= {2, 4}
+    assert {t.block_k // 128 for t in tiles} >= ({1, 2} if rows > 8 else {1, 2, 4})
     for tile in tiles:
         out = torch.full((rows, 48), float("nan"), dtype=dtype)
         got = mma_matmul(tile, x, w, out)
@@ -262,12 +264,12 @@ def test_mma_kernel_on_a_gpu(sym, group):
     torch.manual_seed(group)
     w = quant.quantize(torch.randn(272, 640, device=device) / 640**0.5, 4, group, sym)
     ref_w = quant.dequantize(w, torch.float32)
-    tiles = _mma_tiles(1, w, torch.bfloat16, device)
-    assert tiles
     for dtype in (torch.bfloat16, torch.float16):
         for rows in (1, 2, 7, 8, 9, 16):
             x = torch.randn(rows, 640, device=device, dtype=dtype)
             want = x.float() @ ref_w.T
+            tiles = _mma_tiles(rows, w, dtype, device)
+            assert tiles
             for tile in tiles:
                 out = torch.full((rows, 272), float("nan"), dtype=dtype, device=device)
                 got = mma_matmul(tile, x, w, out).float()
