@@ -22,7 +22,8 @@
 #   stream  — tools/stream_probe.py: the shipped tile against its L2-prefetching twin (Tile.prefetch), the
 #             pipelined tiles (Tile.stages), their register-prefetch and prefetching twins, tinygemm and
 #             cuBLAS, product by product ($STREAM_SHAPES, $STREAM_ROWS, $STREAM_FORMATS)
-#   mma     — tools/mma_probe.py: the W4A16 MMA kernel against the engine's INT4 products ($MMA_SHAPES, $MMA_ROWS)
+#   mma     — tools/mma_probe.py: the quantized MMA kernel against the engine's products ($MMA_SHAPES, $MMA_ROWS,
+#             $MMA_FORMATS)
 #   mmaquant — after mma: `bench quant` INT4 as routed now, then with the MMA wins in the table and tinygemm off
 #   mmatable — after mma: its wins into this copy's sm90 table, for a following ab
 #   gemlite — tools/gemlite_probe.py: GemLite's kernels product by product ($GEMLITE_SHAPES, $GEMLITE_ROWS, $GEMLITE_FORMATS)
@@ -202,8 +203,9 @@ stream)  # issues 29/30: do more weight bytes in flight (L2 prefetch, cp.async s
   timeout ${STREAM_TIMEOUT:-500} python3 tools/stream_probe.py "${STREAM_SHAPES:-qwen3-0.6b,qwen3-4b}" "${STREAM_ROWS:-1,16}" 2>&1 \
     | grep -vE 'Warning|warn' | tee "$OUT/stream.txt" | tail -80
   ;;
-mma)  # issue 29: the W4A16 MMA kernel (model/mma_kernels.py) against the engine's INT4 products and bf16, 1-8 rows
-  timeout ${MMA_TIMEOUT:-420} python3 tools/mma_probe.py "${MMA_SHAPES:-qwen3-0.6b,qwen3-4b}" "${MMA_ROWS:-1,2,4,8}" 2>&1 \
+mma)  # issue 29: the quantized MMA kernel (model/mma_kernels.py) against the engine's products and bf16, 1-16 rows
+  timeout ${MMA_TIMEOUT:-420} python3 tools/mma_probe.py "${MMA_SHAPES:-qwen3-0.6b,qwen3-4b}" "${MMA_ROWS:-1,2,4,8}" \
+    "${MMA_FORMATS:-int4}" 2>&1 \
     | grep -vE 'Warning|warn' | tee "$OUT/mma.txt" | tail -60
   ;;
 mmaquant)  # after mma: INT4 TPOT (`bench quant`) as the tree routes it, then with the probe's MMA wins in this

@@ -215,18 +215,20 @@ def tinygemm_counts(torch_lib: str, archs=(90, 86)) -> dict[int, LoopCount]:
     return counts
 
 
-def mma_loop(k: int = 2560, warps: int = 4, arch: int = 90) -> LoopCount:
-    """The W4A16 MMA kernel's inner loop (model/mma_kernels.py), bf16 inputs, groups of 128 with
-    zero points, K whole: a thread's iteration is a span of two rows, 64 weights."""
+def mma_loop(bits: int = 4, k: int = 2560, warps: int = 4, depth: int = 1, arch: int = 90) -> LoopCount:
+    """The quantized MMA kernel's inner loop (model/mma_kernels.py), bf16 inputs, K whole, formats as
+    the other kernels are counted (INT4 groups of 128 with zero points, INT8 one group a row,
+    symmetric): a thread's iteration is `depth` spans of two rows' four words each."""
     from jetserve.engine.model import mma_kernels
 
-    compiled = compile_sass(mma_kernels._int4_mma_kernel,
-                            dict(x_ptr="*bf16", qw_ptr="*i32", s_ptr="*fp32", z_ptr="*u8", out_ptr="*bf16",
-                                 M="i32", N="i32"),
-                            dict(K=k, GROUP=128, HAS_ZEROS=True, WARPS=warps, SPANS_SPLIT=k // 128, INPUT_TILES=1,
-                                 PDL=arch >= 90, INTERPRETED=False),
+    group, zeros = (128, True) if bits == 4 else (k, False)
+    compiled = compile_sass(mma_kernels._quant_mma_kernel,
+                            dict(x_ptr="*bf16", qw_ptr="*i32", s_ptr="*fp32", z_ptr="*u8" if zeros else "*fp32",
+                                 out_ptr="*bf16", M="i32", N="i32"),
+                            dict(K=k, BITS=bits, GROUP=group, HAS_ZEROS=zeros, SLOTS=warps * depth,
+                                 SPANS_SPLIT=k * bits // 512, INPUT_TILES=1, PDL=arch >= 90, INTERPRETED=False),
                             arch, warps)
-    return loop_count(compiled, 64)
+    return loop_count(compiled, 8 * 32 // bits * depth)
 
 
 def kernel_counts(arch: int) -> dict:
@@ -237,7 +239,8 @@ def kernel_counts(arch: int) -> dict:
     fma, dot = Tile(8, 128, 4), Tile(64, 16, 4, dot=True)
     return {"bf16": round(bf16_loop(Tile(4, 1024, 4), 2560, arch=arch).per_weight, 2),
             "int8": {"fma": round(quant_loop(fma, 8, 2560, False, 2560, arch=arch).per_weight, 2),
-                     "dot": round(quant_loop(dot, 8, 2560, False, 2560, arch=arch).per_weight, 2)},
+                     "dot": round(quant_loop(dot, 8, 2560, False, 2560, arch=arch).per_weight, 2),
+                     "mma": round(mma_loop(8, arch=arch).per_weight, 2)},
             "int4": {"fma": round(quant_loop(fma, 4, 128, True, 2560, arch=arch).per_weight, 2),
                      "dot": round(quant_loop(dot, 4, 128, True, 2560, arch=arch).per_weight, 2),
                      "mma": round(mma_loop(arch=arch).per_weight, 2)}}
@@ -308,11 +311,15 @@ def main() -> None:
     ]
     print("kernel | instructions a weight | registers | shared KB | cp.async | programs an SM | weight KB in flight an SM")
     for arch in args.arch:
-        c = mma_loop(arch=arch)
-        top = ", ".join(f"{op} {n}" for op, n in c.ops.most_common(5))
-        print(f"sm_{arch} int4 g128 asym, MMA (16 rows a warp, 4 warps) | {c.per_weight:.2f} ({c.instructions}/{c.weights}:"
-              f" {top}) | {c.registers} | {c.shared / 1024:.1f} | no | {programs_an_sm(c, 4, arch)} | "
-              f"{programs_an_sm(c, 4, arch) * 4 * 32 * 32 / 1024:.0f}", flush=True)
+        for bits, label in ((4, "int4 g128 asym"), (8, "int8 per-row sym")):
+            for depth in (1, 2, 4):
+                c = mma_loop(bits, depth=depth, arch=arch)
+                top = ", ".join(f"{op} {n}" for op, n in c.ops.most_common(5))
+                # in flight: a step's spans of 16 rows' 64 bytes a warp, the next step's loaded while it multiplies
+                print(f"sm_{arch} {label}, MMA (16 rows a warp, 4 warps, depth {depth}) | {c.per_weight:.2f} "
+                      f"({c.instructions}/{c.weights}: {top}) | {c.registers} | {c.shared / 1024:.1f} | no | "
+                      f"{programs_an_sm(c, 4, arch)} | {programs_an_sm(c, 4, arch) * 4 * depth}",
+                      flush=True)
         for label, tile, bits, group, zeros, k, *rows in cases:
             if bits == 16:
                 c = bf16_loop(tile, k, rows=16 if tile.dot else 1, arch=arch)

@@ -2,7 +2,7 @@
 
 On a CUDA GPU of compute capability 8.0 or more (the H200, Orin, Thor) with bf16 activations, a
 large INT4 projection is stored in tinygemm's layout instead of quant.py's span layout. (The span
-layout's W4A16 MMA kernel, `mma_takes`, ran the 4B's batch 1 and 4 faster than tinygemm, but its
+layout's MMA kernel, model/mma_kernels.py, ran the 4B's batch 1 and 4 faster than tinygemm, but its
 8- and 16-row products are not timed yet: bench/results/mma-h200.) The
 kernel's weights arrive in registers already laid out as the tensor cores' m16n8k16 B fragments,
 two 4-bit values converted per logic instruction, which is what a bandwidth-bound decode needs
@@ -83,14 +83,6 @@ def applies(bits: int, group_size: int, out_features: int, in_features: int, dty
     """Whether a projection of this format and shape takes tinygemm on `device`."""
     device = torch.device(device)
     return takes(bits, group_size, out_features, in_features, dtype, device.type) and _runs_on(device)
-
-
-def mma_takes(bits: int, group_size: int, out_features: int, in_features: int, dtype: torch.dtype) -> bool:
-    """Whether the W4A16 MMA kernel (model/mma_kernels.py) takes a projection of this format and
-    shape on a GPU: INT4 of 16-bit inputs, 16 rows a warp, groups of whole 128-column spans or one
-    a row."""
-    return (bits == 4 and dtype in (torch.bfloat16, torch.float16) and out_features % 16 == 0
-            and in_features % 128 == 0 and (group_size % 128 == 0 or group_size == in_features))
 
 
 def takes(bits: int, group_size: int, out_features: int, in_features: int, dtype: torch.dtype,

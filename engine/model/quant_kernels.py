@@ -33,9 +33,10 @@ from jetserve.engine.model.kernels import (ADD_NORM, DOT_MIN_ROWS, INTERPRETED, 
                                            Tile, cold_copies, input_chunk, launch, normalized, pdl_supported,
                                            prefetch_l2, prefetching, row_inv_rms, run_apart, split_k, sum_splits,
                                            torch_variant, with_pdl)
-from jetserve.engine.model.mma_kernels import (MAX_INPUT_ROWS, ROWS, SPAN_COLUMNS, _int4_mma_kernel,
+from jetserve.engine.model.mma_kernels import (MAX_INPUT_ROWS, ROWS, SPAN_COLUMNS, _quant_mma_kernel,
                                                launched_layout_ok)
 from jetserve.engine.model.mma_kernels import slots as mma_slots
+from jetserve.engine.model.mma_kernels import takes as mma_takes
 from jetserve.engine.model.quant import QuantizedWeight, dequantize, span
 
 log = logging.getLogger(__name__)
@@ -634,11 +635,11 @@ MMA_MAX_DEPTH_TWO_TILES = 2  # two tiles of inputs hold twice the sums: at depth
 
 def _mma_tiles(rows: int, weight: QuantizedWeight, dtype: torch.dtype, device: torch.device | None) -> list[Tile]:
     """The MMA kernel's candidates: compiled code on a GPU (never in the interpreter, which runs no
-    PTX; a meta device asks what a GPU would offer); INT4 of 16-bit inputs, up to 16 rows (two
-    tiles of 8), N a multiple of 16, groups of whole spans or one a row."""
+    PTX; a meta device asks what a GPU would offer); INT4 or INT8 of 16-bit inputs, up to 16 rows
+    (two tiles of 8), N a multiple of 16, groups of whole spans or one a row."""
     n, k = weight.shape
     if (device is None or device.type not in ("cuda", "meta") or rows > MAX_INPUT_ROWS
-            or not int4pack.mma_takes(weight.bits, weight.group_size, n, k, dtype)):
+            or not mma_takes(weight.bits, weight.group_size, n, k, dtype)):
         return []
     tiles = [t for t in MMA_TILES if rows <= 8 or t.block_k <= MMA_MAX_DEPTH_TWO_TILES * SPAN_COLUMNS]
     if device.type == "meta":
@@ -665,11 +666,11 @@ def fitting_tiles(rows: int, weight: QuantizedWeight, prologue: int = PLAIN, pdl
     # the tensor-core tiles last: a shape no table lists keeps the first FMA tile, as before them
     tiles = with_pdl([t for t in fma + _dot_tiles(rows, weight, dtype) if not (t.apart and prologue == PLAIN)], pdl)
     mma = [t._replace(pdl=pdl, apart=prologue != PLAIN) for t in _mma_tiles(rows, weight, dtype, weight.qweight.device)]
-    mma = [t for t in mma if t.split_k <= weight.shape[1] // SPAN_COLUMNS]
+    mma = [t for t in mma if t.split_k <= weight.shape[1] // span(weight.bits)]
     # An INT4 shape no table lists takes an MMA tile up to 8 rows: at most 27% slower than the fastest
     # at one row and the fastest at four, where the first FMA tile was up to 4.7x slower
-    # (bench/results/mma-h200). Past 8 rows (two tiles of inputs) it is a candidate, not yet timed.
-    return mma + tiles if rows <= 8 else tiles + mma
+    # (bench/results/mma-h200). Past 8 rows (two tiles of inputs), and INT8, it is a candidate.
+    return mma + tiles if rows <= 8 and weight.bits == 4 else tiles + mma
 
 
 def candidates(rows: int, weight: QuantizedWeight, prologue: int = PLAIN, pdl: bool = False,
@@ -726,17 +727,17 @@ def mma_matmul(tile: Tile, x: torch.Tensor, weight: QuantizedWeight, out: torch.
     """x @ dequant(weight)^T into `out` by the MMA kernel (model/mma_kernels.py), K split over
     `tile.split_k` programs of whole spans where it asks (then their partial sums added in order)."""
     (m, k), n = x.shape, weight.shape[0]
-    per, splits = split_k(k, tile, SPAN_COLUMNS)
+    per, splits = split_k(k, tile, span(weight.bits))
     target = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     zeros = weight.zeros if weight.zeros is not None else weight.scales
-    compiled = launch(_int4_mma_kernel, (n // ROWS, splits), tile.pdl, x, weight.qweight, weight.scales, zeros, target,
-                      m, n, k, GROUP=weight.group_size, HAS_ZEROS=weight.zeros is not None, SLOTS=mma_slots(tile),
-                      SPANS_SPLIT=per // SPAN_COLUMNS, INPUT_TILES=1 if m <= 8 else 2, INTERPRETED=INTERPRETED,
-                      num_warps=tile.warps)
+    compiled = launch(_quant_mma_kernel, (n // ROWS, splits), tile.pdl, x, weight.qweight, weight.scales, zeros, target,
+                      m, n, k, BITS=weight.bits, GROUP=weight.group_size, HAS_ZEROS=weight.zeros is not None,
+                      SLOTS=mma_slots(tile), SPANS_SPLIT=per // span(weight.bits), INPUT_TILES=1 if m <= 8 else 2,
+                      INTERPRETED=INTERPRETED, num_warps=tile.warps)
     if launched_layout_ok(compiled, tile.warps) is False:  # another Triton's layout: its result is not the product
         if not _MMA_WARNED:
             _MMA_WARNED.append(True)
-            log.warning("this Triton lays out the W4A16 MMA kernel's operands otherwise: its products are "
+            log.warning("this Triton lays out the quantized MMA kernel's operands otherwise: its products are "
                         "computed by dequantizing instead")
         return torch.matmul(x, dequantized(weight, x.dtype).T, out=out)
     return out if splits == 1 else sum_splits(target, out, tile.pdl)

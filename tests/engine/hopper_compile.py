@@ -5,7 +5,7 @@ must be off): python -m tests.engine.hopper_compile; with the argument `quant`, 
 W4A16/W8A16 kernel's variants instead; with `quant_dot`, the tensor-core one's for sm_90 and for
 Jetson Orin (sm_87), with its instructions a weight in the inner loop (tools/sass_count.py); with
 `pipelined`, the pipelined tiles' (kernels.Tile.stages) of the bf16 and quantized products; with
-`prefetched`, the products' L2 prefetch (kernels.Tile.prefetch); with `mma`, the W4A16 MMA kernel's
+`prefetched`, the products' L2 prefetch (kernels.Tile.prefetch); with `mma`, the quantized MMA kernel's
 layout and inner loop (model/mma_kernels.py)."""
 
 import functools
@@ -268,25 +268,27 @@ def attention() -> None:
 
 
 def mma() -> None:
-    """The W4A16 MMA kernel (model/mma_kernels.py) for sm_90 and sm_87, bf16 and fp16 inputs, every
-    warp count and depth its tiles take, zero points in groups and symmetric one group a row, K
-    whole and split, one tile of 8 input rows and two (at the depths offered for two): the layout
-    its PTX assumes (one line each: `layout sm_<arch> <warps> <ok>`), then its inner loop (`loop
-    sm_<arch> <warps> <depth> <instructions a weight> <HMMA> <shared-memory ops>`)."""
+    """The quantized MMA kernel (model/mma_kernels.py) for sm_90 and sm_87, INT4 and INT8, bf16 and
+    fp16 inputs, every warp count and depth its tiles take, zero points in groups and symmetric one
+    group a row (INT8 the other way round), K whole and split, one tile of 8 input rows and two (at
+    the depths offered for two): the layout its PTX assumes (one line each: `layout sm_<arch>
+    <warps> <ok>`), then its inner loop (`loop sm_<arch> int<bits> <warps> <depth> <instructions a
+    weight> <HMMA> <shared-memory ops>`)."""
     from jetserve.engine.model import mma_kernels
     from jetserve.engine.model.quant_kernels import MMA_MAX_DEPTH_TWO_TILES, MMA_TILES
     from tools.sass_count import inner_loop
 
     for arch in (90, 87):
         for warps, depth in sorted({(t.warps, t.block_k // mma_kernels.SPAN_COLUMNS) for t in MMA_TILES}):
-            for act, group, zeros, split, tiles in (("*bf16", 128, True, 20, 1), ("*fp16", 2560, False, 4, 2)):
+            for bits, act, group, zeros, split, tiles in ((4, "*bf16", 128, True, 20, 1), (4, "*fp16", 2560, False, 4, 2),
+                                                          (8, "*bf16", 2560, False, 40, 1), (8, "*fp16", 64, True, 8, 2)):
                 if tiles == 2 and depth > MMA_MAX_DEPTH_TWO_TILES:
                     continue
                 compiled = compile_for_hopper(
-                    mma_kernels._int4_mma_kernel,
+                    mma_kernels._quant_mma_kernel,
                     dict(x_ptr=act, qw_ptr="*i32", s_ptr="*fp32", z_ptr="*u8" if zeros else "*fp32",
-                         out_ptr=act if split == 20 else "*fp32", M="i32", N="i32"),
-                    dict(K=2560, GROUP=group, HAS_ZEROS=zeros, SLOTS=warps * depth, SPANS_SPLIT=split,
+                         out_ptr=act if split == 2560 // (512 // bits) else "*fp32", M="i32", N="i32"),
+                    dict(K=2560, BITS=bits, GROUP=group, HAS_ZEROS=zeros, SLOTS=warps * depth, SPANS_SPLIT=split,
                          INPUT_TILES=tiles, PDL=arch >= 90, INTERPRETED=False),
                     arch, num_warps=warps)
                 layout = mma_kernels.operand_layout(compiled.asm["ttgir"])
@@ -294,8 +296,9 @@ def mma() -> None:
                 if tiles == 1:  # K whole in one program: a loop of many steps
                     body = inner_loop(compiled.asm["sass"])
                     shared = sum(op.startswith(("LDS", "STS", "LDSM")) for op in body)
-                    # a thread's step: `depth` spans of two rows' four words, 64 weights each
-                    print(f"loop sm_{arch} {warps} {depth} {len(body) / 64 / depth:.2f} "
+                    # a thread's step: `depth` spans of two rows' four words, 32 bits / `bits` weights a word
+                    weights = 8 * 32 // bits * depth
+                    print(f"loop sm_{arch} int{bits} {warps} {depth} {len(body) / weights:.2f} "
                           f"{sum(op.startswith('HMMA') for op in body)} {shared}")
     print("compiled")
 

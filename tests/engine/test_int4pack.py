@@ -83,13 +83,6 @@ def test_where_it_applies():
                                      (4, 128, 40, 256, torch.bfloat16), (4, 128, 48, 256, torch.float32)]:
         assert not int4pack.applies(bits, group, n, k, dtype, cpu), (bits, group, n, k, dtype)
     assert [int4pack.inner_k_tiles(k) for k in (256, 192, 96, 48)] == [8, 4, 2, None]
-    # The W4A16 MMA kernel's domain (the span layout's, on a GPU): INT4 of 16-bit inputs, whole spans.
-    assert int4pack.mma_takes(4, 128, 32, 256, torch.bfloat16) and int4pack.mma_takes(4, 256, 32, 256, torch.float16)
-    assert int4pack.mma_takes(4, 192, 32, 192 * 2, torch.bfloat16) is False  # a group that is not whole spans
-    for bits, group, n, k, dtype in [(4, 64, 32, 256, torch.bfloat16), (8, 128, 32, 256, torch.bfloat16),
-                                     (4, 128, 40, 256, torch.bfloat16), (4, 128, 32, 192, torch.bfloat16),
-                                     (4, 128, 32, 256, torch.float32)]:
-        assert not int4pack.mma_takes(bits, group, n, k, dtype), (bits, group, n, k, dtype)
     if not GPU:
         return
     cuda = torch.device("cuda")

@@ -1,4 +1,4 @@
-"""The W4A16 MMA kernel (model/mma_kernels.py): its PTX run by a small interpreter of the
+"""The quantized MMA kernel (model/mma_kernels.py): its PTX run by a small interpreter of the
 instructions it uses, lane by lane with the MMA's fragment rules, against the fp64 product of the
 dequantized weights; its layout and inner loop as Triton compiles it for sm_90 and sm_87; on a
 GPU, the kernel itself against fp32 (outputs poisoned first).
@@ -102,15 +102,17 @@ def _word(x: float) -> int:
 
 
 def emulated_product(x: torch.Tensor, w: quant.QuantizedWeight) -> torch.Tensor:
-    """What `_int4_mma_kernel` computes, its PTX run by `run_ptx`: for each 16 rows, tile of 8 input
-    rows and span, a warp whose lane l holds, at element v, word 4 (l % 4) + v of rows l // 4 and
-    l // 4 + 8 and the tile's input row l // 4's columns 16 f + that word (f = 0..7, two 16-bit elements a register), then the
-    Triton code's arithmetic on the results: (part - (offset + z) sums) s once a span (or a row)."""
+    """What `_quant_mma_kernel` computes, its PTX run by `run_ptx`: for each 16 rows, tile of 8
+    input rows and span, a warp whose lane l holds, at element v, word 4 (l % 4) + v of rows l // 4
+    and l // 4 + 8 and the tile's input row l // 4's columns 16 f + that word (f = 0..7 INT4's
+    fields, 0..3 INT8's bytes; two 16-bit elements a register), then the Triton code's arithmetic
+    on the results: (part - (offset + z) sums) s once a span (or a row)."""
     from jetserve.engine.model import mma_kernels
 
-    half = x.dtype == torch.float16
-    text = mma_kernels._asm(half)
-    offset = 0.0 if half else 128.0  # what the PTX leaves on each weight
+    half, bits = x.dtype == torch.float16, w.bits
+    text = mma_kernels._asm(half, bits)
+    offset = mma_kernels.offset(half, bits)  # what the PTX leaves on each weight
+    cols = quant.span(bits)
     (m, k), n = x.shape, w.shape[0]
     words = w.qweight.tolist()
     zeros, scales = quant.zero_points(w).double(), w.scales.double()
@@ -120,7 +122,7 @@ def emulated_product(x: torch.Tensor, w: quant.QuantizedWeight) -> torch.Tensor:
         rows = torch.arange(16) + 16 * tile
         for first in range(0, m, 8):  # each tile of 8 input rows
             total, sums_total = torch.zeros(16, 8, dtype=torch.float64), torch.zeros(16, 8, dtype=torch.float64)
-            for span in range(k // 128):
+            for span in range(k // cols):
                 lanes = []
                 for lane in range(32):
                     g, t = lane // 4, lane % 4
@@ -129,9 +131,9 @@ def emulated_product(x: torch.Tensor, w: quant.QuantizedWeight) -> torch.Tensor:
                         j = 16 * span + 4 * t + v
                         r[f"${8 + v}"] = words[16 * tile + g][j] & 0xFFFFFFFF
                         r[f"${12 + v}"] = words[16 * tile + g + 8][j] & 0xFFFFFFFF
-                    for f in range(8):
-                        cols = [128 * span + 16 * f + 4 * t + v for v in range(4)]
-                        vals = x[first + g, cols] if first + g < m else torch.zeros(4, dtype=x.dtype)
+                    for f in range(32 // bits):
+                        at = [cols * span + 16 * f + 4 * t + v for v in range(4)]
+                        vals = x[first + g, at] if first + g < m else torch.zeros(4, dtype=x.dtype)
                         b = _bits16(vals, half)
                         r[f"${16 + 2 * f}"] = (b[0] & 0xFFFF) | ((b[1] & 0xFFFF) << 16)
                         r[f"${16 + 2 * f + 1}"] = (b[2] & 0xFFFF) | ((b[3] & 0xFFFF) << 16)
@@ -146,7 +148,7 @@ def emulated_product(x: torch.Tensor, w: quant.QuantizedWeight) -> torch.Tensor:
                     total += part
                     sums_total += sums
                 else:
-                    g = span * 128 // w.group_size
+                    g = span * cols // w.group_size
                     total += (part - (offset + zeros[rows, g])[:, None] * sums) * scales[rows, g][:, None]
             if groups == 1:
                 total = (total - (offset + zeros[rows, 0])[:, None] * sums_total) * scales[rows, 0][:, None]
@@ -154,27 +156,33 @@ def emulated_product(x: torch.Tensor, w: quant.QuantizedWeight) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("sym,group,k,rows,dtype", [(False, 128, 384, 1, torch.bfloat16),
-                                                    (True, 256, 512, 3, torch.bfloat16),
-                                                    (False, 384, 384, 8, torch.float16),
-                                                    (True, 128, 256, 5, torch.float16),
-                                                    (False, 128, 256, 13, torch.bfloat16)])
-def test_the_ptx_computes_the_product(sym, group, k, rows, dtype):
-    """The kernel's PTX, lane by lane, gives x @ dequant(w)^T: INT4 with zero points or symmetric,
-    groups of one and several spans and one group a row (384), 1 to 16 input rows (13: a second
-    tile of 8 in part), bf16 and fp16 inputs, 32 rows (two warps' tiles) by two to four spans."""
-    torch.manual_seed(rows + group)
-    w = quant.quantize(torch.randn(32, k) / k**0.5, 4, group, sym)
+@pytest.mark.parametrize("bits,sym,group,k,rows,dtype", [(4, False, 128, 384, 1, torch.bfloat16),
+                                                         (4, True, 256, 512, 3, torch.bfloat16),
+                                                         (4, False, 384, 384, 8, torch.float16),
+                                                         (4, True, 128, 256, 5, torch.float16),
+                                                         (4, False, 128, 256, 13, torch.bfloat16),
+                                                         (8, False, 64, 192, 1, torch.bfloat16),
+                                                         (8, True, 128, 256, 6, torch.bfloat16),
+                                                         (8, False, 192, 192, 8, torch.float16),
+                                                         (8, True, 64, 128, 11, torch.float16)])
+def test_the_ptx_computes_the_product(bits, sym, group, k, rows, dtype):
+    """The kernel's PTX, lane by lane, gives x @ dequant(w)^T: INT4 and INT8 with zero points or
+    symmetric, groups of one and several spans and one group a row (384; INT8 192), 1 to 16 input
+    rows (past 8: a second tile of 8 in part), bf16 and fp16 inputs, 32 rows (two warps' tiles) by
+    two to four spans."""
+    torch.manual_seed(rows + group + bits)
+    w = quant.quantize(torch.randn(32, k) / k**0.5, bits, group, sym)
     x = torch.randn(rows, k).to(dtype)
     want = x.double() @ quant.dequantize(w, torch.float64).T
     torch.testing.assert_close(emulated_product(x, w), want, rtol=1e-5, atol=1e-5)
 
 
 def test_mma_kernel_compiles_for_hopper_and_orin():
-    """Triton's compiler and ptxas (no GPU) take the kernel for sm_90 and sm_87 at each warp count
-    and depth its tiles use; every compile gives the PTX's operands the layout it is written for; the
-    inner loop reads nothing through shared memory, runs its 16 MMAs, and spends fewer
-    instructions a weight than the tensor-core dot kernel (tiles/sass.json, the plan's counts)."""
+    """Triton's compiler and ptxas (no GPU) take the kernel for sm_90 and sm_87, INT4 and INT8, at
+    each warp count and depth its tiles use; every compile gives the PTX's operands the layout it
+    is written for; the inner loop reads nothing through shared memory, runs its 16 MMAs a span,
+    and spends fewer instructions a weight than the format's other Triton kernels (tiles/sass.json,
+    the plan's counts)."""
     from jetserve.engine import plan
 
     done = compile_for_gpus("mma", timeout=600)
@@ -183,32 +191,38 @@ def test_mma_kernel_compiles_for_hopper_and_orin():
     layouts = [line.split() for line in lines if line.startswith("layout ")]
     assert layouts and all(ok == "True" for *_, ok in layouts), layouts
     loops = [line.split() for line in lines if line.startswith("loop ")]
-    assert {line[3] for line in loops} >= {"1", "2", "4"}, loops  # every depth the tiles take
-    for _, arch, warps, depth, per_weight, mmas, shared in loops:
+    assert {(line[2], line[4]) for line in loops} >= {(f"int{b}", d) for b in (4, 8) for d in "124"}, loops
+    for _, arch, bits, warps, depth, per_weight, mmas, shared in loops:
         # 16 MMAs a span (ptxas may lift a few of them across the loop's back edge)
-        assert 14 * int(depth) <= int(mmas) <= 16 * int(depth) and int(shared) == 0, (arch, warps, depth, mmas)
-        assert float(per_weight) < counted["sm" + arch[3:]]["int4"]["dot"], (arch, warps, depth, per_weight)
+        assert 12 * int(depth) <= int(mmas) <= 16 * int(depth) and int(shared) == 0, (arch, bits, warps, depth, mmas)
+        # fewer instructions a weight than any other kernel of the format (tiles/sass.json)
+        others = [n for family, n in counted["sm" + arch[3:]][bits].items() if family not in ("mma", "tinygemm")]
+        assert float(per_weight) < min(others), (arch, bits, warps, depth, per_weight)
 
 
-@pytest.mark.parametrize("sym,group,k,rows,dtype", [(False, 128, 384, 1, torch.bfloat16),
-                                                    (True, 256, 1024, 5, torch.bfloat16),
-                                                    (False, 640, 640, 8, torch.float16),
-                                                    (False, 128, 256, 13, torch.bfloat16),
-                                                    (True, 128, 384, 16, torch.float16)])
-def test_the_kernel_computes_the_product_in_the_interpreter(sym, group, k, rows, dtype):
+@pytest.mark.parametrize("bits,sym,group,k,rows,dtype", [(4, False, 128, 384, 1, torch.bfloat16),
+                                                         (4, True, 256, 1024, 5, torch.bfloat16),
+                                                         (4, False, 640, 640, 8, torch.float16),
+                                                         (4, False, 128, 256, 13, torch.bfloat16),
+                                                         (4, True, 128, 384, 16, torch.float16),
+                                                         (8, False, 64, 512, 3, torch.bfloat16),
+                                                         (8, True, 320, 320, 8, torch.float16),
+                                                         (8, True, 128, 256, 12, torch.bfloat16)])
+def test_the_kernel_computes_the_product_in_the_interpreter(bits, sym, group, k, rows, dtype):
     """The kernel's Triton code in Triton's interpreter (the span's MMAs by `_span_reference`, the
     PTX being the first test's): every warp count and K split its tiles take, the splits' partial
-    sums added in order (all of them at K = 1024), depths of 1 to 4 spans a warp, groups of one and several spans and one a row,
-    zero points or none, 1 to 16 input rows (two input tiles past 8), bf16 and fp16, 48 rows (three
-    programs), each output poisoned first, against the fp32 product of the dequantized weights."""
+    sums added in order (all of them at INT4's K = 1024), depths of 1 to 4 spans a warp, groups
+    of one and several spans and one a row, zero points or none, INT4 and INT8, 1 to 16 input
+    rows (two input tiles past 8), bf16 and fp16, 48 rows (three programs), each output poisoned
+    first, against the fp32 product of the dequantized weights."""
     require_module("triton")
     from jetserve.engine.model.quant_kernels import _mma_tiles, mma_matmul
 
     torch.manual_seed(k + rows)
-    w = quant.quantize(torch.randn(48, k) / k**0.5, 4, group, sym)
+    w = quant.quantize(torch.randn(48, k) / k**0.5, bits, group, sym)
     x = torch.randn(rows, k).to(dtype)
     want = x.float() @ quant.dequantize(w, torch.float32).T
-    tiles = [t for t in _mma_tiles(rows, w, dtype, torch.device("meta")) if t.split_k <= k // 128]
+    tiles = [t for t in _mma_tiles(rows, w, dtype, torch.device("meta")) if t.split_k <= k // quant.span(bits)]
     assert {t.split_k for t in tiles} >= {1, 2} and {t.warps for t in tiles} >= {2, 4}
     assert {t.block_k // 128 for t in tiles} >= ({1, 2} if rows > 8 else {1, 2, 4})
     for tile in tiles:
@@ -242,6 +256,24 @@ def test_an_mma_tile_runs_the_prologue_apart():
     torch.testing.assert_close(out.float(), normed @ dense.T, rtol=3e-2, atol=3e-2)
 
 
+def test_the_kernels_domain():
+    """Which projections the kernel takes (the span layout's, on a GPU): INT4 or INT8 of 16-bit
+    inputs, 16 rows a warp, groups of whole spans (128 columns; INT8 64) or one a row."""
+    require_module("triton")
+    from jetserve.engine.model.mma_kernels import takes
+
+    for bits, group, n, k, dtype in [(4, 128, 32, 256, torch.bfloat16), (4, 256, 32, 256, torch.float16),
+                                     (4, 384, 32, 384, torch.bfloat16), (8, 64, 32, 192, torch.bfloat16),
+                                     (8, 192, 32, 192, torch.float16), (8, 128, 16, 256, torch.bfloat16)]:
+        assert takes(bits, group, n, k, dtype), (bits, group, n, k, dtype)
+    for bits, group, n, k, dtype in [(4, 64, 32, 256, torch.bfloat16), (4, 192, 32, 384, torch.bfloat16),
+                                     (4, 128, 40, 256, torch.bfloat16), (4, 128, 32, 192, torch.bfloat16),
+                                     (4, 128, 32, 256, torch.float32), (8, 32, 32, 256, torch.bfloat16),
+                                     (8, 64, 32, 96, torch.bfloat16), (2, 128, 32, 256, torch.bfloat16),
+                                     (16, 128, 32, 256, torch.bfloat16)]:
+        assert not takes(bits, group, n, k, dtype), (bits, group, n, k, dtype)
+
+
 def test_mma_tiles_need_a_gpu():
     """Without compiled PTX (the interpreter, a CPU) no MMA tile is offered: the other tiles
     serve every shape there."""
@@ -254,15 +286,16 @@ def test_mma_tiles_need_a_gpu():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernel itself needs a GPU")
-@pytest.mark.parametrize("sym,group", [(False, 128), (True, 128), (False, 640)])
-def test_mma_kernel_on_a_gpu(sym, group):
-    """Every MMA tile against fp32, fresh random inputs, outputs poisoned first: 1 to 16 rows, bf16
-    and fp16, K whole and split."""
+@pytest.mark.parametrize("bits,sym,group", [(4, False, 128), (4, True, 128), (4, False, 640), (8, True, 640),
+                                             (8, False, 128)])
+def test_mma_kernel_on_a_gpu(bits, sym, group):
+    """Every MMA tile against fp32, fresh random inputs, outputs poisoned first: INT4 and INT8, 1 to
+    16 rows, bf16 and fp16, K whole and split."""
     from jetserve.engine.model.quant_kernels import _mma_tiles, mma_matmul
 
     device = torch.device("cuda")
-    torch.manual_seed(group)
-    w = quant.quantize(torch.randn(272, 640, device=device) / 640**0.5, 4, group, sym)
+    torch.manual_seed(group + bits)
+    w = quant.quantize(torch.randn(272, 640, device=device) / 640**0.5, bits, group, sym)
     ref_w = quant.dequantize(w, torch.float32)
     for dtype in (torch.bfloat16, torch.float16):
         for rows in (1, 2, 7, 8, 9, 16):
