@@ -1,13 +1,14 @@
 """INT4 products through torch's own W4A16 kernel: ATen's `_weight_int4pack_mm` (tinygemm), and its CPU build.
 
-On a CUDA GPU of compute capability 8.0 or more (the H200, Orin, Thor) with bf16 activations, a
-large INT4 projection is stored in tinygemm's layout instead of quant.py's span layout. (The span
-layout's MMA kernel, model/mma_kernels.py, ran the 4B's batch 1 and 4 faster than tinygemm, but its
-8- and 16-row products are not timed yet: bench/results/mma-h200.) The
-kernel's weights arrive in registers already laid out as the tensor cores' m16n8k16 B fragments,
-two 4-bit values converted per logic instruction, which is what a bandwidth-bound decode needs
-and what the Triton W4A16 kernels do not reach. It is a well-kept library kernel in every CUDA
-build of torch, NVIDIA's Jetson wheels included: nothing compiles at start, nothing is tuned.
+On a CUDA GPU the engine's INT4 products take the span layout's MMA kernel (model/mma_kernels.py),
+which reads its tensor cores' operands straight from quant.py's layout: against tinygemm it made
+the 4B's decode step about as fast at batch 1 and 1.16-1.47x faster at batch 4-16, MTP's verify
+rows (bench/results/mma-depth). tinygemm stays for the INT4 projections that kernel does not
+take (a group size of 32 or 64, N not a multiple of 16), where the GPU's compute capability is
+8.0 or more (the H200, Orin, Thor) and the activations bf16. Its weights arrive in registers
+already laid out as the tensor cores' m16n8k16 B fragments, two 4-bit values converted per logic
+instruction; it is a well-kept library kernel in every CUDA build of torch, NVIDIA's Jetson
+wheels included: nothing compiles at start, nothing is tuned.
 
 Two rules, both measured (bench/results/int4-tinygemm-h200):
 - up to MAX_ROWS rows (decode, MTP verify) a product takes tinygemm; more (prefill) dequantize
@@ -89,8 +90,14 @@ def takes(bits: int, group_size: int, out_features: int, in_features: int, dtype
           device_type: str) -> bool:
     """Whether a projection of this format and shape takes tinygemm on a device of this type whose
     torch has the kernel (`applies` checks that too; the memory plan asks it of a board)."""
-    if device_type not in ROW_MULTIPLE or (device_type == "cuda" and out_features * in_features < MIN_WEIGHTS):
+    if device_type not in ROW_MULTIPLE:
         return False
+    if device_type == "cuda":
+        from jetserve.engine.model import mma_kernels  # Triton's: imported where a GPU is asked about
+
+        if (out_features * in_features < MIN_WEIGHTS
+                or mma_kernels.takes(bits, group_size, out_features, in_features, dtype)):
+            return False
     return (bits == 4 and group_size in GROUP_SIZES and out_features % ROW_MULTIPLE[device_type] == 0
             and dtype == torch.bfloat16 and inner_k_tiles(in_features) is not None)
 

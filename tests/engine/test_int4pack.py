@@ -75,22 +75,28 @@ def test_prefill_dequantizes_the_tinygemm_layout(inner, group):
 def test_where_it_applies():
     """INT4 in groups the kernel takes, K a multiple of 32, bf16 activations: on the CPU, N a
     multiple of 16 and any size (the CPU has no fused kernels to keep); on a CUDA sm80+ GPU, N a
-    multiple of 8 and projections of MIN_WEIGHTS or more. And where the span layout's MMA kernel
-    applies."""
+    multiple of 8, projections of MIN_WEIGHTS or more, and only where the span layout's MMA
+    kernel does not take the shape (a group of 64, N not a multiple of 16)."""
     cpu = torch.device("cpu")
     assert int4pack.applies(4, 128, 48, 256, torch.bfloat16, cpu)
     for bits, group, n, k, dtype in [(8, 128, 48, 256, torch.bfloat16), (4, 96, 48, 384, torch.bfloat16),
                                      (4, 128, 40, 256, torch.bfloat16), (4, 128, 48, 256, torch.float32)]:
         assert not int4pack.applies(bits, group, n, k, dtype, cpu), (bits, group, n, k, dtype)
     assert [int4pack.inner_k_tiles(k) for k in (256, 192, 96, 48)] == [8, 4, 2, None]
+    big = int4pack.MIN_WEIGHTS // 256
+    # what the memory plan asks of a board, no GPU needed
+    assert int4pack.takes(4, 128, big, 256, torch.bfloat16, "cpu")
+    assert not int4pack.takes(4, 128, big, 256, torch.bfloat16, "cuda")  # the MMA kernel's
+    assert int4pack.takes(4, 64, big, 256, torch.bfloat16, "cuda")  # a group the MMA kernel does not take
+    assert int4pack.takes(4, 128, big + 8, 256, torch.bfloat16, "cuda")  # N not a multiple of 16
     if not GPU:
         return
     cuda = torch.device("cuda")
-    big = int4pack.MIN_WEIGHTS // 256
-    assert int4pack.applies(4, 128, big, 256, torch.bfloat16, cuda)
-    for bits, group, n, k, dtype in [(8, 128, big, 256, torch.bfloat16), (4, 96, big, 384, torch.bfloat16),
-                                     (4, 128, big - 4, 256, torch.bfloat16), (4, 128, big, 256, torch.float16),
-                                     (4, 128, big, 256, torch.float32), (4, 128, big // 2, 256, torch.bfloat16)]:
+    assert int4pack.applies(4, 64, big, 256, torch.bfloat16, cuda)
+    for bits, group, n, k, dtype in [(8, 64, big, 256, torch.bfloat16), (4, 96, big, 384, torch.bfloat16),
+                                     (4, 64, big - 4, 256, torch.bfloat16), (4, 64, big, 256, torch.float16),
+                                     (4, 64, big, 256, torch.float32), (4, 64, big // 2, 256, torch.bfloat16),
+                                     (4, 128, big, 256, torch.bfloat16)]:
         assert not int4pack.applies(bits, group, n, k, dtype, cuda), (bits, group, n, k, dtype)
 
 
@@ -178,6 +184,9 @@ def test_an_int4_engine_scores_prompts_as_the_triton_kernels_do(tmp_path, monkey
 
     with monkeypatch.context() as patch:
         patch.setattr(int4pack, "MIN_WEIGHTS", 0)  # this model's projections are small
+        from jetserve.engine.model import mma_kernels
+
+        patch.setattr(mma_kernels, "takes", lambda *shape: False)  # and the MMA kernel would take them
         llm = LLM(str(tmp_path), dtype="bfloat16", quantization="int4", max_num_seqs=2, max_model_len=128)
     assert llm.engine.runner.model.layers[0].mlp.down_proj.tinygemm
     ours = _prompt_scores(llm, prompts)

@@ -62,16 +62,17 @@ def _products(out: str) -> dict[str, tuple[str, str, str, str]]:
 
 
 def test_each_product_is_projected_with_the_kernel_it_takes(capsys):
-    """The 4B's INT4 projections are big enough for torch's W4A16 kernel and the 0.6B's are not
-    (int4pack.MIN_WEIGHTS), the vocab projection stays bf16; on an Orin Nano the 4B's INT4
-    products are bound by instructions and its bf16 vocab projection by memory, each said."""
+    """The INT4 projections take the MMA kernel, not torch's W4A16 kernel (model/int4pack.py: only
+    where the MMA kernel does not take a shape), the vocab projection stays bf16; on an Orin Nano
+    the MMA kernel's few instructions a weight leave the 4B's INT4 products bound by memory, as its
+    bf16 vocab projection is, each said."""
     common = ["plan", "--device", "orin-nano-8gb", "--max-model-len", "4096", "--quantization", "int4"]
     main([*common, "--model", "qwen3-4b"])
     big = _products(capsys.readouterr().out)
     assert list(big) == ["q·k·v", "o", "gate·up", "down", "vocab"]
-    assert all(big[name][:3] == ("int4", "tinygemm", "x36") for name in ["q·k·v", "o", "gate·up", "down"])
+    assert all(big[name][:3] == ("int4", "MMA", "x36") for name in ["q·k·v", "o", "gate·up", "down"])
     assert big["vocab"] == ("bf16", "FMA", "x1", "memory")
-    assert {big[name][3] for name in ["q·k·v", "o", "gate·up", "down"]} == {"instructions"}
+    assert {big[name][3] for name in ["q·k·v", "o", "gate·up", "down"]} == {"memory"}
     main([*common, "--model", "qwen3-0.6b"])
     small = _products(capsys.readouterr().out)
     assert all(small[name][0] == "int4" and small[name][1] != "tinygemm" and small[name][2] == "x28"
