@@ -31,6 +31,7 @@
 #             the rows of $STREAM_ROWS), the table before tarred as /tmp/table-before.tar for a following
 #             `AB_VARIANTS=before=/tmp/table-before.tar … ab`; the new table back as $OUT/sm90-from-stream.json
 #   gputests — the GPU tests named in $TESTS (those matching $TEST_K, when set)
+#   script  — $SCRIPT once for each of $SCRIPT_ARGS ("a b;c"): a one-off probe carried in .ab/
 #   spy     — after start: a warm 4B INT4 start under py-spy
 set -uo pipefail
 # Stages write under /tmp/res; after each one, everything so far is packed into $OUT/results.tgz
@@ -138,6 +139,13 @@ gputests)  # the GPU-marked tests of $TESTS (default: the CUDA graph tests), the
   PYTHONPATH=$PYTHONPATH:$PWD timeout 300 python3 -m pytest -q -p no:cacheprovider --import-mode=append \
     ${TESTS:-tests/engine/test_cuda_graphs.py} ${TEST_K:+-k "$TEST_K"} ${TEST_ARGS:-} > "$OUT/gpu-tests.log" 2>&1
   grep -E "passed|failed|Error" "$OUT/gpu-tests.log" | tail -8
+  ;;
+script)  # $SCRIPT (a file: one carried in .ab/, say) once for each of $SCRIPT_ARGS ("a b;c"), its output kept
+  IFS=';' read -r -a RUNS <<<"${SCRIPT_ARGS:-}"
+  for args in "${RUNS[@]:-}"; do
+    # shellcheck disable=SC2086  # each run's arguments split as written
+    timeout ${SCRIPT_TIMEOUT:-200} python3 "${SCRIPT:?a script to run}" $args 2>&1 | grep -vE 'Warning|warn' | tee -a "$OUT/script.txt"
+  done
   ;;
 pack)  # every stage packs (below); kept so older command lines still run
   ;;
