@@ -1,7 +1,7 @@
-"""W4A16 products of 1 to 16 rows on tensor cores, read straight from quant.py's span layout.
+"""W4A16 and W8A16 products of 1 to 16 rows on tensor cores, read straight from quant.py's span layout.
 
-Decode's INT4 products are bound by the instructions a weight costs as much as by its bytes: a
-GPU's memory delivers INT4 weights at a sizeable share of its issue rate, so each instruction a
+Decode's quantized products are bound by the instructions a weight costs as much as by its bytes:
+a GPU's memory delivers INT4 weights at a sizeable share of its issue rate, so each instruction a
 weight counts (quant_kernels.py's tensor-core kernel spends most of its own moving the dequantized
 weights into the dot's operand layout through shared memory; tiles/sass.json counts them all).
 Here each thread's loaded words already are its share of an m16n8k16 MMA's weight operand, so
@@ -10,25 +10,29 @@ nothing moves between threads:
 - The MMA sums over its 16 k indices in any order, so lane l (t = l % 4) is given the columns of
   word j = 4 t + v (v = 0..3) of its two rows (l // 4 and l // 4 + 8): a 16-byte load of four
   consecutive words a row, the four lanes of a row reading a span's 64 bytes side by side.
-- A word's eight fields are INT4 weights on columns 16 f + j of its span (quant.py). Fields f and
-  f + 4 lie 16 bits apart, so one LOP3 (mask, OR with the bits of 128.0 in both halves) makes
-  the pair 128 + q as two exact bf16: the magic-number conversion, a shift and a logic
+- INT4: a word's eight fields are weights on columns 16 f + j of its span (quant.py). Fields f
+  and f + 4 lie 16 bits apart, so one LOP3 (mask, OR with the bits of 128.0 in both halves)
+  makes the pair 128 + q as two exact bf16: the magic-number conversion, a shift and a logic
   instruction for two weights, no conversion instruction. The 128 comes off the sums, once a
   span (128 times the inputs' sum, a cancellation below the bf16 output's rounding). fp16's
   magic number is 1024, eight times the cancellation, so there a packed FMA a pair takes it off
   the weights instead (exact). Fields (2 s, 2 s + 4) and (2 s + 1, 2 s + 5) are the operand's
   two k pairs of step s.
+- INT8: a word's four bytes are weights on columns 16 b + j. The same LOP3 on its nibbles makes
+  a byte's low half 128 + l and, with a magic number whose last mantissa bit is worth 16, its
+  high half 2048 + 16 h; both take the byte's input, so the MMA sums (q + 2176) times it, every
+  value exact.
 - The inputs are the operand B: lane l holds input row l // 4's same columns, its two 16-bit
   loads of pairs made one register by a PRMT; input rows past M load zeros (the MMA's n is 8:
   up to 8 rows, MTP's verify and small batches, at the cost of one; 9 to 16 rows multiply each
   span's words by a second tile of 8).
 - The MMA sums inputs times the operand in fp32; a second MMA, of ones, sums the inputs, so
-  sum a (q - z) s = (part - (offset + z) sum a) s once a span and row (a span of 128 columns is
-  within one group: groups are whole spans).
+  sum a (q - z) s = (part - (offset + z) sum a) s once a span and row (a span is within one
+  group: groups are whole spans).
 
 The kernel is inline PTX inside Triton, and an MMA is a warp's collective: it is correct only
 where Triton gives each thread the elements described above (a blocked layout of four
-consecutive elements a thread, 32 threads along a row, a warp a row). `launched_layout_ok` reads
+consecutive elements a thread, 32 threads along a row, a warp a row of slots). `launched_layout_ok` reads
 that layout from each compiled kernel once; where another Triton lays it out otherwise, the
 product is computed the float way instead (quant_kernels.mma_matmul), never wrongly.
 """
@@ -223,9 +227,9 @@ def _quant_mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K: tl.constexp
     span's words multiplied by every tile of 8 input rows; the slots' sums added at the end (and
     the splits' by sum_splits where there are several). A slot is a row of the [SLOTS, 128]
     operands: Triton gives row s to warp s % num_warps, so a warp holds SLOTS / num_warps spans a
-    step (the tile's depth), all their loads issued before the first MMA waits on one; one
-    memory latency then brings that many spans a warp, where the memory's bandwidth needs more
-    bytes in flight than one span a warp."""
+    step (the tile's depth), all their loads issued before its first MMA waits on one. More spans
+    in flight cost registers, so programs an SM: which depth a shape takes is the tables'
+    timing."""
     HALF: tl.constexpr = x_ptr.dtype.element_ty == tl.float16
     # what comes off each weight's q besides a stored zero point: what the PTX leaves (offset()), and
     # a symmetric format's zero point, 2 ** (BITS - 1)
