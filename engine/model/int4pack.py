@@ -2,8 +2,8 @@
 
 On a CUDA GPU the engine's INT4 products take the span layout's MMA kernel (model/mma_kernels.py),
 which reads its tensor cores' operands straight from quant.py's layout: against tinygemm it made
-the 4B's decode step about as fast at batch 1 and 1.16-1.47x faster at batch 4-16, MTP's verify
-rows (bench/results/mma-depth). tinygemm stays for the INT4 projections that kernel does not
+the 4B's decode step as fast at batch 1 and faster at batch 4 to 16, MTP's verify rows
+(bench/results/mma-depth). tinygemm stays for the INT4 projections that kernel does not
 take (a group size of 32 or 64, N not a multiple of 16), where the GPU's compute capability is
 8.0 or more (the H200, Orin, Thor) and the activations bf16. Its weights arrive in registers
 already laid out as the tensor cores' m16n8k16 B fragments, two 4-bit values converted per logic

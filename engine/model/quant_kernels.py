@@ -615,13 +615,12 @@ def _dot_tiles(rows: int, weight: QuantizedWeight, dtype: torch.dtype) -> list[T
     return [t for t in DOT_TILES if group_words % t.block_k == 0 and row_words % t.block_k == 0]
 
 
-# The W4A16 MMA kernel's candidates (model/mma_kernels.py: 16 rows a warp, block_k a warp's spans a
-# step, its depth): warps a program, K split over programs where N / 16 programs leave the GPU part
-# empty (the narrow o and down projections, and every product of the 0.6B); deeper steps where a
-# program's chain of memory latencies, not its instructions, is what a product waits for (one
-# latency a step: a program of 20 spans takes five at depth 1 and four warps, two at depth 2); the
-# prologue always apart (its inputs are loaded straight into the MMA's operand, with no room for a
-# norm).
+# The quantized MMA kernel's candidates (model/mma_kernels.py: 16 rows a warp, block_k a warp's
+# spans a step, its depth): warps a program, K split over programs where N / 16 programs leave the
+# GPU part empty (the narrow o and down projections, and every product of the 0.6B); depths 1 to 4,
+# more spans in flight a warp against fewer programs an SM, which of them wins a shape is timed;
+# the prologue always apart (its inputs are loaded straight into the MMA's operand, with no room
+# for a norm).
 MMA_TILES = [Tile(16, 128, 4, apart=True, mma=True), Tile(16, 128, 2, apart=True, mma=True),
              Tile(16, 128, 4, 2, apart=True, mma=True), Tile(16, 128, 4, 4, apart=True, mma=True),
              Tile(16, 128, 4, 8, apart=True, mma=True), Tile(16, 128, 2, 4, apart=True, mma=True),
