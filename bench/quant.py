@@ -67,7 +67,8 @@ def operands(prologue: int, n: int, k: int, method: str, device, rows: int = 1):
 
 
 def _tiles(method: str, prologue: int, k: int, rows: int) -> list:
-    """Every tile the start-up tuning times for this product (K = k) on a GPU with PDL."""
+    """Every tile the start-up tuning times for this product (K = k) on a GPU with PDL: asked of a
+    weight on the meta device, which is offered what a GPU would be (the MMA kernel's tiles too)."""
     import torch
 
     from jetserve.engine.config import ON_THE_FLY
@@ -76,7 +77,8 @@ def _tiles(method: str, prologue: int, k: int, rows: int) -> list:
 
     if method == "bf16":
         return kernels.candidate_tiles(rows, prologue, pdl=True)[1:]
-    return fitting_tiles(rows, quant.quantize(torch.zeros(1, k), *ON_THE_FLY[method]), prologue, pdl=True)
+    weight = quant.quantize(torch.zeros(16, k, device="meta"), *ON_THE_FLY[method])
+    return fitting_tiles(rows, weight, prologue, pdl=True)
 
 
 def projection_variants(shapes, methods, rows: int) -> list[tuple]:

@@ -541,6 +541,17 @@ def test_serve_refuses_what_cannot_fit(tmp_path, caplog):
     assert code == 1 and failed and "does not fit" in failed[0] and "KV cache" in failed[0]
 
 
+def test_bench_quant_precompiles_the_mma_kernels_tiles():
+    """`bench quant` compiles, before it times anything, the tiles the tuning will time on a GPU:
+    the MMA kernel's among them, INT4 and INT8 (else each compiles in the timing process, one
+    after another)."""
+    require_module("triton")
+    from jetserve.bench.quant import projection_variants
+
+    variants = projection_variants(["qwen3-0.6b"], ["int4", "int8"], 4)
+    assert {v[0] for v in variants if v[4] is not None and v[4].mma} == {"int4", "int8"}
+
+
 def test_bench_quant_projects_each_product_on_each_board():
     """`bench quant`'s kernel table projects each product on every Jetson board as `jetserve plan`
     does, and again at the share of bandwidth the kernel measured on this GPU reached."""
