@@ -257,7 +257,7 @@ def step_pieces(graphs, k: int, bucket: int) -> dict:
     n, meta = bucket * q, graphs.meta(q, bucket)
     ids, positions = graphs.ids[:n], graphs.positions[:n]
     accept = graphs.acceptance(q, bucket)
-    rope = model.rotary(positions, model.embed_tokens.weight.dtype)
+    rope = model.rotary(positions, model.dtype)
     hidden = model(ids, positions, kv, meta, rope)
     target = graphs.draw(model.compute_logits(hidden), q, bucket).view(-1, q)
     x, res = model.mtp_layer(0, model.draft_input(0, target.flatten(), hidden), rope, kv, meta)
@@ -265,7 +265,7 @@ def step_pieces(graphs, k: int, bucket: int) -> dict:
     xl, rl, chain = accept(ids, target, positions, x, res, k - 1, packed)
     logits, total = model.draft_logits(0, xl, rl)
     pieces = {
-        "RoPE rows": lambda: model.rotary(positions, model.embed_tokens.weight.dtype),
+        "RoPE rows": lambda: model.rotary(positions, model.dtype),
         "verify forward": lambda: model(ids, positions, kv, meta, rope),
         "vocab projection + draw (verify rows)": lambda: graphs.draw(model.compute_logits(hidden), q, bucket),
         "MTP pass (input + layer)": lambda: model.mtp_layer(0, model.draft_input(0, target.flatten(), hidden), rope,

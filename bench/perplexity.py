@@ -1,9 +1,11 @@
 """Quality of weight-only quantization on the demo model: perplexity on held-out Python and the
-MTP head's draft agreement, bf16 vs INT8 vs INT4 (AWQ and GPTQ layouts).
+MTP head's draft agreement, bf16 vs INT8 vs INT4 (on the fly, AWQ and GPTQ layouts).
 
 Held-out text: the sources of an installed pip package (jinja2 by default); the demo model was
 trained on CPython's standard library. How the weights are made:
 - int8: `--quantization int8`, per output channel, symmetric, round to nearest (in the loader);
+- int4: `--quantization int4`, group 128, zero points, round to nearest (in the loader); like
+  int8, with the vocab projection (and the embedding tied to it) INT8 per channel;
 - int4-awq: AWQ checkpoint (group 128, zero points) packed by AutoAWQ's `WQLinear_GEMM` from
   AutoAWQ's round-to-nearest quantizer (its formula, without the activation-aware scale search);
 - int4-gptq: GPTQ (v1) checkpoint, group 128, symmetric round to nearest, converted to GPTQ's
@@ -50,7 +52,7 @@ def run(args) -> dict:
         "package": args.package, "files": len(files), "tokens": windows.numel()}, "activations": "bfloat16",
         "variants": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        checkpoints = {"bf16": (model_dir, None), "int8": (model_dir, "int8"),
+        checkpoints = {"bf16": (model_dir, None), "int8": (model_dir, "int8"), "int4": (model_dir, "int4"),
                        "int4-awq": (_write(model_dir, Path(tmp) / "awq", sym=False), None),
                        "int4-gptq": (_write(model_dir, Path(tmp) / "gptq", sym=True), None)}
         runs = [(name, draft) for name in checkpoints for draft in (("auto", "none") if name != "bf16" else ("auto",))]

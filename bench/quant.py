@@ -44,8 +44,13 @@ def shape_projections(shape: str) -> dict:
 
 
 def _methods(name: str, methods: list[str]) -> list[str]:
-    """The vocab projection stays in the model dtype (as in AWQ and GPTQ exports)."""
-    return ["bf16"] if name == "lm_head" else methods
+    """The vocab projection: in the model dtype (as AWQ and GPTQ exports keep it) and in the
+    format either on-the-fly method gives it (QuantizationConfig.vocab)."""
+    from jetserve.engine.config import ON_THE_FLY, VOCAB_QUANTIZATION
+
+    if name != "lm_head":
+        return methods
+    return ["bf16"] + ([VOCAB_QUANTIZATION] if any(m in ON_THE_FLY for m in methods) else [])
 
 
 def operands(prologue: int, n: int, k: int, method: str, device, rows: int = 1):

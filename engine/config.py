@@ -226,6 +226,11 @@ class SpeculativeConfig:
 
 QUANTIZATION_METHODS = ("awq", "gptq", "int8", "int4")  # checkpoint formats, then on-the-fly methods
 ON_THE_FLY = {"int8": (8, -1, True), "int4": (4, 128, False)}  # method: bits, group size (-1: per channel), sym
+# What a float checkpoint's vocab projection becomes under either method (and a tied embedding with
+# it): at batch 1 it is the biggest single read of a small model's step (the 0.6B's INT4 step reads
+# more vocab than layers), and 8 bits a channel keep its logits within the other projections'
+# rounding, where 4 would not (llama.cpp keeps its output tensor at 6 bits or more for the same reason).
+VOCAB_QUANTIZATION = "int8"
 DRAFT_QUANTIZATION = ("auto", "none", "int8")  # MTP heads: as the base, kept in the model dtype, or INT8
 
 
@@ -234,7 +239,8 @@ class QuantizationConfig:
     """Weight-only quantization, activations stay in the model dtype. A checkpoint's own
     `quantization_config` (AWQ, GPTQ) decides the layout; `quantization="int8"` (vLLM's flag)
     quantizes a float checkpoint's projections per output channel while loading, "int4" per
-    group of 128 (round to nearest, with zero points); method "none" quantizes only the MTP heads.
+    group of 128 (round to nearest, with zero points), each with the vocab projection at INT8
+    (`vocab`); method "none" quantizes only the MTP heads.
     `draft` says what the MTP heads get."""
 
     method: str
@@ -247,6 +253,12 @@ class QuantizationConfig:
     @property
     def on_the_fly(self) -> bool:
         return self.method in ON_THE_FLY
+
+    @property
+    def vocab(self) -> str | None:
+        """The vocab projection's on-the-fly method, or None: kept in the model dtype (AWQ and GPTQ
+        exports keep it so, and method "none" quantizes only the MTP heads)."""
+        return VOCAB_QUANTIZATION if self.on_the_fly else None
 
     @classmethod
     def resolve(cls, checkpoint: dict, requested: str | None, draft: str) -> QuantizationConfig | None:
@@ -476,8 +488,9 @@ class EngineArgs:
                                         action=argparse.BooleanOptionalAction)
     # Weight-only: int8/int4 on the fly; awq/gptq come from the checkpoint.
     quantization: str | None = setting(
-        None, "weight-only: int8 (per channel) or int4 (group 128) quantizes a float checkpoint while loading; "
-              "AWQ and GPTQ checkpoints are recognised without it", choices=QUANTIZATION_METHODS)
+        None, "weight-only: int8 (per channel) or int4 (group 128) quantizes a float checkpoint while loading, "
+              "its vocab projection (and a tied embedding) int8; AWQ and GPTQ checkpoints are recognised without it",
+        choices=QUANTIZATION_METHODS)
     # None: cache_root()/tiles; "none": the shipped table alone.
     tile_cache_dir: str | None = setting(
         None, "where `jetserve tune` keeps the matmul tiles it timed on this GPU and software, read at every start "

@@ -368,7 +368,7 @@ class MixedStepGraphs:
             self.merges, self.decodes, self.block_tables = self.staged.views
         self.logits = torch.zeros(max_seqs, model.config.vocab_size, dtype=torch.float32, device=kv_cache.device)
         # The MTP pass's inputs, outside the pool: every row's final hidden state and the token after it.
-        self.hidden = torch.zeros(self.max_tokens, model.config.hidden_size, dtype=model.embed_tokens.weight.dtype,
+        self.hidden = torch.zeros(self.max_tokens, model.config.hidden_size, dtype=model.dtype,
                                   device=kv_cache.device) if mtp_pass else None
         self.shifted = torch.zeros(self.max_tokens, dtype=torch.int32, device=kv_cache.device) if mtp_pass else None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}

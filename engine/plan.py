@@ -32,7 +32,7 @@ from jetserve.engine.config import EngineConfig
 from jetserve.engine.model.checkpoint import Checkpoint
 from jetserve.engine.model import int4pack
 from jetserve.engine.model.loader import build_meta_model, torch_dtype
-from jetserve.engine.model.quant import QuantLinear
+from jetserve.engine.model.quant import MAX_DEQUANTIZED, QuantLinear
 from jetserve.engine.runner import block_bytes, kv_reserve
 
 GiB = 2**30
@@ -246,9 +246,9 @@ def memory_plan(config: EngineConfig, device: str) -> MemoryPlan:
     weights = _bytes(model)
     spec, c = config.speculative, config.model_config
     if spec and spec.draft_vocab_size < c.vocab_size:  # the draft vocabulary's rows, gathered (the runner's)
-        weights += spec.draft_vocab_size * c.hidden_size * dtype.itemsize
+        weights += _bytes(model.lm_head) * spec.draft_vocab_size // c.vocab_size
     read = _bytes(model.layers) + _bytes(model.norm) + _bytes(model.lm_head)
-    dequantized = max((m.in_features * m.out_features * dtype.itemsize for m in model.modules()
+    dequantized = max((min(m.in_features * m.out_features, MAX_DEQUANTIZED) * dtype.itemsize for m in model.modules()
                        if isinstance(m, QuantLinear)), default=0)
     measure = _activation_formula(config, dtype.itemsize, dequantized)
     activations = kv_reserve(replace(config, cuda_graphs=None), measure)

@@ -108,7 +108,7 @@ def speculative_step(model, kv_cache: torch.Tensor, ids: torch.Tensor, positions
     MTP layer's input is one kernel (`Qwen3ForCausalLM.draft_input`: the embedding, both norms,
     and in the chain the previous draft's argmax and final norm), and a draft head is its final
     norm fused into the projection of the draft vocabulary."""
-    rope = model.rotary(positions, model.embed_tokens.weight.dtype)
+    rope = model.rotary(positions, model.dtype)
     hidden = model(ids, positions, kv_cache, meta, rope)
     target = sample_rows(model.compute_logits(hidden)).view(-1, q)
     # Row j's successor is target[j] for every row up to the first rejection: the shifted ids.

@@ -167,5 +167,9 @@ class Checkpoint:
         self._slice(name)  # raises a clear error when missing
         return self._open(self._file_of[name]).get_tensor(name)
 
+    def rows(self, name: str, start: int, stop: int):
+        """Rows [start, stop) of one tensor, read alone (a big tensor a block at a time)."""
+        return self._slice(name)[start:stop]
+
     def mtp_names(self) -> list[str]:
         return [n for n in self._file_of if is_mtp_tensor(n, self.config)]

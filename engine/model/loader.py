@@ -10,6 +10,7 @@ loading, so a model whose float weights would not fit the device never exists in
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -88,12 +89,17 @@ def build_meta_model(ckpt: Checkpoint, dtype: torch.dtype, max_positions: int,
     with torch.device("meta"):
         model = Qwen3ForCausalLM(cfg, max_positions).to(dtype)
         sources = parameter_sources(ckpt, cfg)
+        if quantization and quantization.vocab and cfg.tie_word_embeddings:  # one table: the quantized projection's
+            sources = {"lm_head.weight" if name == "embed_tokens.weight" else name: names
+                       for name, names in sources.items()}
         modes = quantization_modes(ckpt, model, sources, quantization) if quantization else {}
         for name, mode in modes.items():
             if mode != "dequantize":
                 module = name.removesuffix(".weight")
                 linear = model.get_submodule(module)
                 model.set_submodule(module, _quant_linear(linear, quantization, mode, dtype, device))
+        if "lm_head.weight" in modes and cfg.tie_word_embeddings:
+            model.embed_tokens = quant.QuantEmbedding(model.lm_head, dtype)
     _check(ckpt, cfg, {name: p for name, p in model.named_parameters() if name not in modes},
            {name: names for name, names in sources.items() if name not in modes})  # quantized: read_quantized checks
     return model, sources, modes
@@ -110,7 +116,7 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_pos
     # Python which imports torch's symbolic-shape machinery (sympy), seconds of every start.
     model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     model.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, max_positions).to(device)  # fp32 tables
-    if cfg.tie_word_embeddings:
+    if cfg.tie_word_embeddings and "lm_head.weight" not in modes:
         model.lm_head.weight = model.embed_tokens.weight
     params = dict(model.named_parameters())
     quantizing = threading.Lock()
@@ -121,11 +127,14 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_pos
             if name not in modes:
                 _copy_rows(params[name], [ckpt.get(s) for s in names])
                 return
+            module = model.get_submodule(name.removesuffix(".weight"))
+            if modes[name] in ON_THE_FLY and len(names) == 1 and _weights(ckpt, names) > quant.MAX_DEQUANTIZED:
+                return _quantize_by_rows(ckpt, names[0], module, modes[name], device, quantizing)
             weight = _quantized_weight(ckpt, names, quantization, modes[name], device, quantizing)
             if modes[name] == "dequantize":
                 params[name].copy_(quant.dequantize(weight, dtype))
             else:
-                model.get_submodule(name.removesuffix(".weight")).load(weight)
+                module.load(weight)
 
     # One report of progress, never two on one stream: with `progress` (the service's log records)
     # no bar; without it a bar, on a terminal only (tqdm's None).
@@ -153,11 +162,16 @@ def quantization_modes(ckpt: Checkpoint, model: Qwen3ForCausalLM, sources: dict[
     """How each projection loads: "packed" (AWQ/GPTQ tensors as they are), "int8" or "int4"
     (quantized while loading, from a float tensor or from packed ones: MTP heads asked for int8)
     or "dequantize" (packed, kept in the model dtype: MTP heads asked for none). The vocab
-    projection and the embedding stay in the model dtype, as in AWQ and GPTQ exports."""
+    projection (and an embedding tied to it) is quantized on the fly with the others
+    (`QuantizationConfig.vocab`), else kept in the model dtype, as in AWQ and GPTQ exports."""
     modes = {}
     for name, names in sources.items():
         module = name.removesuffix(".weight")
-        if module == "lm_head" or not isinstance(model.get_submodule(module), Linear):
+        if module == "lm_head":
+            if config.vocab and f"{names[0].removesuffix('.weight')}.qweight" not in ckpt:
+                modes[name] = config.vocab
+            continue
+        if not isinstance(model.get_submodule(module), Linear):
             continue
         packed = f"{names[0].removesuffix('.weight')}.qweight" in ckpt
         want = config.draft if name.startswith("mtp.") else "auto"
@@ -199,6 +213,29 @@ def _quantized_weight(ckpt: Checkpoint, names: list[str], config: QuantizationCo
         _copy_rows(tensor, parts)
     with quantizing:
         return quant.quantize(tensor, *ON_THE_FLY[mode])
+
+
+def _weights(ckpt: Checkpoint, names: list[str]) -> int:
+    return sum(math.prod(ckpt.shape(s)) for s in names)
+
+
+def _quantize_by_rows(ckpt: Checkpoint, name: str, module: quant.QuantLinear, mode: str, device: torch.device,
+                      quantizing: threading.Lock) -> None:
+    """A float tensor past MAX_DEQUANTIZED weights (a vocab projection) quantized into `module` a
+    block of rows at a time: its float copy and fp32 temporaries would otherwise be several times
+    the largest projection's, at the load's peak (an 8 GB board's limit)."""
+    shape = ckpt.shape(name)
+    if shape != (module.out_features, module.in_features):
+        raise CheckpointError(f"{ckpt.dir}: tensor {name!r} has shape {list(shape)}, "
+                              f"expected {[module.out_features, module.in_features]}")
+    if ckpt.dtype(name) not in FLOAT_DTYPES:
+        raise CheckpointError(f"{ckpt.dir}: tensor {name!r} is {ckpt.dtype(name)}, expected one of "
+                              f"{', '.join(FLOAT_DTYPES)}")
+    rows = max(1, quant.MAX_DEQUANTIZED // shape[1])
+    for lo in range(0, shape[0], rows):
+        block = ckpt.rows(name, lo, lo + rows).to(device)
+        with quantizing:
+            module.load(quant.quantize(block, *ON_THE_FLY[mode]), row=lo)
 
 
 def _copy_rows(dest: torch.Tensor, parts: list[torch.Tensor]) -> None:

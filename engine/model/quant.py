@@ -17,7 +17,9 @@ cast to the activation dtype.
 - GPTQ: qweight int32 [K/(32/bits), N] packed along the input dim in natural order, qzeros
   [K/group, N/(32/bits)] (the v1 format stores zero - 1), scales [K/group, N], g_idx [K].
 - On the fly from a float checkpoint: INT8 symmetric per output channel (vLLM's `int8`), INT4
-  asymmetric per group of 128, round to nearest (AWQ's min-max formula without its search).
+  asymmetric per group of 128, round to nearest (AWQ's min-max formula without its search); under
+  either, the vocab projection INT8 (config.VOCAB_QUANTIZATION) and a tied embedding read from it
+  (`QuantEmbedding`).
 
 Decode steps (a few rows on CUDA) run the fused W8A16/W4A16 kernels of quant_kernels.py, which
 dequantize in registers; other shapes (prefill, the CPU) dequantize into the activation dtype
@@ -58,6 +60,34 @@ class QuantizedWeight(NamedTuple):
     def shape(self) -> tuple[int, int]:
         """(out, in), as a float weight's."""
         return self.qweight.shape[0], self.qweight.shape[1] * 32 // self.bits
+
+
+# Weights a product off the fused kernels dequantizes at once: a bigger projection (a vocab
+# projection, hundreds of MB in the model dtype) is multiplied a block of output rows at a time,
+# so no step's temporary grows past what the largest decoder projection of a model this size needs.
+MAX_DEQUANTIZED = 64 * 2**20
+ROWS_ALIGN = 16  # float_product's blocks are whole 16-row tiles
+
+
+def quant_rows(w: QuantizedWeight, rows: torch.Tensor | slice) -> QuantizedWeight:
+    """The weight of these output rows alone (an index tensor, or a slice: views)."""
+    pick = (lambda t: t[rows]) if isinstance(rows, slice) else (lambda t: t.index_select(0, rows))
+    return w._replace(qweight=pick(w.qweight), scales=pick(w.scales),
+                      zeros=None if w.zeros is None else pick(w.zeros))
+
+
+def float_product(x: torch.Tensor, w: QuantizedWeight, dequant=None) -> torch.Tensor:
+    """x @ dequant(w)^T through the float product, at most MAX_DEQUANTIZED weights dequantized at
+    a time; `dequant(w, dtype)`: how (quant_kernels.dequantized on a GPU), else `dequantize`."""
+    dequant = dequant or dequantize
+    n, k = w.shape
+    block = max(ROWS_ALIGN, MAX_DEQUANTIZED // k // ROWS_ALIGN * ROWS_ALIGN)
+    if n <= block:
+        return F.linear(x, dequant(w, x.dtype))
+    out = x.new_empty(*x.shape[:-1], n)
+    for lo in range(0, n, block):
+        out[..., lo:lo + block] = F.linear(x, dequant(quant_rows(w, slice(lo, lo + block)), x.dtype))
+    return out
 
 
 def span(bits: int) -> int:
@@ -215,9 +245,14 @@ class QuantLinear(KernelUser):
             return int4pack.Int4PackedWeight(self.packed, self.scales_zeros, self.group_size)
         return QuantizedWeight(self.qweight, self.scales, self.zeros, self.bits, self.group_size)
 
-    def load(self, w: QuantizedWeight) -> None:
-        if w.shape != (self.out_features, self.in_features) or w.bits != self.bits:
-            raise CheckpointError(f"quantized weight {w.shape} ({w.bits} bits) does not fit "
+    def load(self, w: QuantizedWeight, row: int = 0) -> None:
+        """The weight, or rows [row, row + its rows) of it (a big projection quantized a block of
+        rows at a time: loader._quantize_by_rows)."""
+        rows, k = w.shape
+        whole = row == 0 and rows == self.out_features
+        if (k != self.in_features or w.bits != self.bits or row < 0 or row + rows > self.out_features
+                or (self.tinygemm and not whole)):
+            raise CheckpointError(f"quantized weight {w.shape} ({w.bits} bits) at row {row} does not fit "
                                   f"[{self.out_features}, {self.in_features}] ({self.bits} bits)")
         if self.tinygemm:
             device = self.packed.device
@@ -226,10 +261,10 @@ class QuantLinear(KernelUser):
             self.packed.copy_(packed.packed)
             self.scales_zeros.copy_(packed.scales_zeros)
             return
-        self.qweight.copy_(w.qweight)
-        self.scales.copy_(w.scales)
+        self.qweight[row:row + rows].copy_(w.qweight)
+        self.scales[row:row + rows].copy_(w.scales)
         if self.zeros is not None:
-            self.zeros.copy_(w.zeros)
+            self.zeros[row:row + rows].copy_(w.zeros)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tinygemm:
@@ -240,12 +275,45 @@ class QuantLinear(KernelUser):
             return F.linear(x, dequantize_int4pack(self.weight, x.dtype))
         if self.skinny(x):
             return self.kernels.linear(x, self.weight)
+        return self.product(x, self.weight)
+
+    def product(self, x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+        """x @ dequant(weight)^T off the fused kernels' rows (the weight, or rows of it: a draft
+        vocabulary), as `Linear.product`."""
         if self._fused(x):
             from jetserve.engine.model.quant_kernels import dequantized  # needs Triton, as a GPU has
 
-            return F.linear(x, dequantized(self.weight, x.dtype))
-        return F.linear(x, dequantize(self.weight, x.dtype))
+            return float_product(x, weight, dequantized)
+        return float_product(x, weight)
 
     def extra_repr(self) -> str:
         layout = f", tinygemm ({self.tinygemm})" if self.tinygemm else ""
         return f"in={self.in_features}, out={self.out_features}, bits={self.bits}, group={self.group_size}{layout}"
+
+
+class QuantEmbedding(KernelUser):
+    """The token embedding of a model whose vocab projection is quantized and tied to it (Qwen3's
+    small models): the table exists once, at the projection's bits, and a step's rows are
+    dequantized as they are looked up (one kernel on a GPU), exactly as the projection sees them."""
+
+    def __init__(self, head: QuantLinear, dtype: torch.dtype):
+        super().__init__()
+        self.head = [head]  # the model's lm_head, registered there: a list, so not a second time here
+        self.dtype = dtype
+
+    @property
+    def weight(self) -> QuantizedWeight:
+        return self.head[0].weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        if self._fused(self.weight.scales):
+            from jetserve.engine.model.quant_kernels import dequantized  # needs Triton, as a GPU has
+
+            rows = dequantized(self.weight, self.dtype, flat)
+        else:
+            rows = dequantize(quant_rows(self.weight, flat), self.dtype)
+        return rows.view(*ids.shape, -1)
+
+    def extra_repr(self) -> str:
+        return f"tied to the quantized vocab projection, {self.weight.bits} bits, {self.dtype}"

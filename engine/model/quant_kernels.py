@@ -37,7 +37,7 @@ from jetserve.engine.model.mma_kernels import (MAX_INPUT_ROWS, ROWS, SPAN_COLUMN
                                                launched_layout_ok)
 from jetserve.engine.model.mma_kernels import slots as mma_slots
 from jetserve.engine.model.mma_kernels import takes as mma_takes
-from jetserve.engine.model.quant import QuantizedWeight, dequantize, span
+from jetserve.engine.model.quant import MAX_DEQUANTIZED, QuantizedWeight, dequantize, float_product, quant_rows, span
 
 log = logging.getLogger(__name__)
 _MMA_WARNED: list[bool] = []  # the MMA kernel's fallback warning, once a process
@@ -677,15 +677,20 @@ def candidates(rows: int, weight: QuantizedWeight, prologue: int = PLAIN, pdl: b
     """What a product of this shape is chosen among: the fitting tiles and, past one row, the
     float path (None, last: never the untimed default). A dequantizing pass and cuBLAS read the
     weights three times over, and can still beat the kernels' tiles where too few programs keep
-    the memory busy. None at all where no tile fits: the float path, unchosen."""
+    the memory busy; not past MAX_DEQUANTIZED weights (a vocab projection), whose float copy
+    would be the step's biggest tensor. None at all where no tile fits: the float path, unchosen."""
     tiles: list[Tile | None] = list(fitting_tiles(rows, weight, prologue, pdl, dtype))
-    return tiles + [None] if tiles and rows > 1 else tiles
+    n, k = weight.shape
+    return tiles + [None] if tiles and rows > 1 and n * k <= MAX_DEQUANTIZED else tiles
 
 
 def quant_matmul(tile, prologue, x, weight: QuantizedWeight, residual=None, norm_weight=None, eps=0.0):
     """The fused kernel in `tile` (with the partial sums' addition where it splits K, after the
     prologue's own kernel where it runs apart); None: dequantize and take the float path."""
     if tile is None:
+        if weight.shape[0] * weight.shape[1] > MAX_DEQUANTIZED:  # a block of rows at a time (float_product)
+            product = lambda y: float_product(y, weight, dequantized)  # noqa: E731
+            return product(x) if prologue == PLAIN else run_apart(product, prologue, x, residual, norm_weight, eps, False)
         return torch_variant(prologue, x, dequantized(weight, x.dtype), residual, norm_weight, eps)
     if (tile.apart or tile.mma) and prologue != PLAIN:  # the MMA kernel fuses no prologue
         return run_apart(lambda y: quant_matmul(tile, PLAIN, y, weight), prologue, x, residual, norm_weight, eps,
@@ -742,21 +747,23 @@ def mma_matmul(tile: Tile, x: torch.Tensor, weight: QuantizedWeight, out: torch.
     return out if splits == 1 else sum_splits(target, out, tile.pdl)
 
 
-@triton.jit
-def _dequantize_span_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, BITS: tl.constexpr, GROUP: tl.constexpr,
-                            HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr):
+# The rows a step looks up vary step to step, and so may where their ids start: neither is specialized
+# on, so serving never meets a variant the warm-up did not compile.
+@triton.jit(do_not_specialize=["N"], do_not_specialize_on_alignment=["ids_ptr"])
+def _dequantize_span_kernel(qw_ptr, s_ptr, z_ptr, ids_ptr, out_ptr, N, K, BITS: tl.constexpr, GROUP: tl.constexpr,
+                            HAS_ZEROS: tl.constexpr, GATHER: tl.constexpr, BLOCK_N: tl.constexpr):
     """BLOCK_N rows of one span of words (quant.py's layout) → their weights, (q - z) * s in fp32,
-    cast once: the same bits as quant.dequantize."""
+    cast once: the same bits as quant.dequantize. GATHER: output row r is weight row ids[r]."""
     FIELDS: tl.constexpr = 32 // BITS
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     c = tl.program_id(1)
     e = tl.arange(0, 16 * FIELDS)  # column within the span: field e // 16 of word e % 16
     mask = (rows < N)[:, None]
-    words = tl.load(qw_ptr + rows.to(tl.int64)[:, None] * (K * BITS // 32) + c * 16 + (e % 16)[None, :], mask=mask,
-                    other=0)
+    source = tl.load(ids_ptr + rows, mask=rows < N, other=0).to(tl.int64) if GATHER else rows.to(tl.int64)
+    words = tl.load(qw_ptr + source[:, None] * (K * BITS // 32) + c * 16 + (e % 16)[None, :], mask=mask, other=0)
     q = (words >> (BITS * (e // 16))[None, :]) & ((1 << BITS) - 1)
     k = c * 16 * FIELDS + e
-    g = rows.to(tl.int64)[:, None] * (K // GROUP) + (k // GROUP)[None, :]
+    g = source[:, None] * (K // GROUP) + (k // GROUP)[None, :]
     scale = tl.load(s_ptr + g, mask=mask, other=0.0)
     if HAS_ZEROS:
         zero = tl.load(z_ptr + g, mask=mask, other=0).to(tl.int32)
@@ -766,17 +773,21 @@ def _dequantize_span_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, BITS: tl.conste
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * K + k[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def dequantized(w: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+def dequantized(w: QuantizedWeight, dtype: torch.dtype, ids: torch.Tensor | None = None) -> torch.Tensor:
     """quant.dequantize, in one Triton pass on a GPU (prefill's products of many rows, where the
-    torch version's temporaries make it several times the product's own time)."""
+    torch version's temporaries make it several times the product's own time); `ids`: only those
+    rows, in their order (a quantized embedding's lookups)."""
     if not (w.qweight.is_cuda or INTERPRETED):
-        return dequantize(w, dtype)
-    n, k = w.shape
+        return dequantize(w if ids is None else quant_rows(w, ids), dtype)
+    n, k = w.shape if ids is None else (ids.numel(), w.shape[1])
     out = torch.empty(n, k, dtype=dtype, device=w.qweight.device)
+    if n == 0:
+        return out
     block_n = 16
     grid = (triton.cdiv(n, block_n), k // span(w.bits))
-    _dequantize_span_kernel[grid](w.qweight, w.scales, w.zeros if w.zeros is not None else w.scales, out, n, k,
-                                  BITS=w.bits, GROUP=w.group_size, HAS_ZEROS=w.zeros is not None, BLOCK_N=block_n,
+    _dequantize_span_kernel[grid](w.qweight, w.scales, w.zeros if w.zeros is not None else w.scales,
+                                  ids if ids is not None else w.scales, out, n, k, BITS=w.bits, GROUP=w.group_size,
+                                  HAS_ZEROS=w.zeros is not None, GATHER=ids is not None, BLOCK_N=block_n,
                                   num_warps=4)
     return out
 
@@ -839,6 +850,13 @@ class QuantFusedKernels(FusedKernels):
             return int4pack_matmul(prologue, x.contiguous(), weight, residual, norm_weight, eps, pdl_supported(x.device))
         if not isinstance(weight, QuantizedWeight):
             return super().skinny_matmul(prologue, x, weight, residual, norm_weight, eps)
+        if x.shape[0] > DOT_MIN_ROWS and weight.shape[0] * weight.shape[1] > MAX_DEQUANTIZED:
+            # No tile takes these rows, and the float path would dequantize all of a vocab projection:
+            # DOT_MIN_ROWS rows at a time instead, each pass reading its integers once.
+            parts = [self.skinny_matmul(prologue, x[i:i + DOT_MIN_ROWS], weight,
+                                        None if residual is None else residual[i:i + DOT_MIN_ROWS], norm_weight, eps)
+                     for i in range(0, x.shape[0], DOT_MIN_ROWS)]
+            return tuple(map(torch.cat, zip(*parts))) if isinstance(parts[0], tuple) else torch.cat(parts)
         x, residual = x.contiguous(), residual if residual is None else residual.contiguous()
         key = ("quant", prologue, triton.next_power_of_2(x.shape[0]), *weight.shape, weight.bits, weight.group_size,
                weight.scales.dtype, x.dtype)

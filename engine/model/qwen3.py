@@ -247,6 +247,25 @@ class MTPLayer(nn.Module):
         return self.block(self.fc(inputs), None, rope, kv_cache, meta)
 
 
+def _tensors(weight) -> list[torch.Tensor]:
+    """A weight's tensors: a float weight itself, or a quantized one's (quant.QuantizedWeight)."""
+    if isinstance(weight, torch.Tensor):
+        return [weight]
+    return [t for t in (weight.qweight, weight.scales, weight.zeros) if t is not None]
+
+
+def _first(weight) -> torch.Tensor:
+    return _tensors(weight)[0]
+
+
+def _map_rows(weight, fn):
+    """`fn` applied to each of a weight's row-major tensors (see _tensors), the same kind back."""
+    if isinstance(weight, torch.Tensor):
+        return fn(weight)
+    return weight._replace(qweight=fn(weight.qweight), scales=fn(weight.scales),
+                           zeros=None if weight.zeros is None else fn(weight.zeros))
+
+
 class Qwen3ForCausalLM(nn.Module):
     """`forward` returns final-normed hidden states for every new token; `compute_logits` turns
     only the rows that need sampling into logits (the vocab projection is the biggest GEMM)."""
@@ -292,8 +311,8 @@ class Qwen3ForCausalLM(nn.Module):
             self._draft_rows = self.draft_ids = None
             return
         weight = self.lm_head.weight
-        self.draft_ids = torch.arange(size, device=weight.device)
-        self._draft_rows = weight[:size].detach().clone()
+        self.draft_ids = torch.arange(size, device=_first(weight).device)
+        self._draft_rows = _map_rows(weight, lambda t: t[:size].detach().clone())
 
     @property
     def draft_head(self) -> torch.Tensor:
@@ -305,11 +324,17 @@ class Qwen3ForCausalLM(nn.Module):
         written in place, in stream order, so a step in flight drafts from the old rows or the new."""
         with torch.no_grad():
             self.draft_ids.copy_(ids, non_blocking=True)
-            torch.index_select(self.lm_head.weight, 0, self.draft_ids, out=self._draft_rows)
+            for source, rows in zip(_tensors(self.lm_head.weight), _tensors(self._draft_rows)):
+                torch.index_select(source, 0, self.draft_ids, out=rows)
 
     def draft_token_ids(self, argmax: torch.Tensor) -> torch.Tensor:
         """Token ids of draft-head rows (their logits' argmax)."""
         return argmax if self.draft_ids is None else self.draft_ids[argmax]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype (the model's, whatever its projections are stored in)."""
+        return self.norm.weight.dtype
 
     @property
     def num_kv_layers(self) -> int:

@@ -135,11 +135,12 @@ def _rms(x, w_ptr, cols, mask, n, eps, dtype: tl.constexpr):
 
 
 @triton.jit
-def _draft_input_kernel(tokens_ptr, index_ptr, ids_ptr, hidden_ptr, embed_ptr, enorm_ptr, hnorm_ptr, prev_norm_ptr,
-                        out_ptr, tokens_out_ptr, tokens_out_stride, width, eps_e, eps_h, eps_prev,
+def _draft_input_kernel(tokens_ptr, index_ptr, ids_ptr, hidden_ptr, embed_ptr, es_ptr, ez_ptr, enorm_ptr, hnorm_ptr,
+                        prev_norm_ptr, out_ptr, tokens_out_ptr, tokens_out_stride, width, eps_e, eps_h, eps_prev,
                         HIDDEN: tl.constexpr, HIDDEN_PAD: tl.constexpr, FROM_LOGITS: tl.constexpr,
                         NORM_HIDDEN: tl.constexpr, SPLIT: tl.constexpr, MAP: tl.constexpr, S_BLOCK: tl.constexpr,
-                        V_BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+                        V_BLOCK: tl.constexpr, CHUNK: tl.constexpr, EMBED_BITS: tl.constexpr = 0,
+                        EMBED_GROUP: tl.constexpr = 1, EMBED_ZEROS: tl.constexpr = False):
     r = tl.program_id(0).to(tl.int64)
     if FROM_LOGITS:
         token = _draft_token(tokens_ptr, index_ptr, ids_ptr, r, width, SPLIT, MAP, S_BLOCK, V_BLOCK, CHUNK)
@@ -149,7 +150,19 @@ def _draft_input_kernel(tokens_ptr, index_ptr, ids_ptr, hidden_ptr, embed_ptr, e
     h = tl.arange(0, HIDDEN_PAD)
     mask = h < HIDDEN
     dtype = out_ptr.dtype.element_ty
-    embeds = tl.load(embed_ptr + token * HIDDEN + h, mask=mask, other=0.0).to(tl.float32)
+    if EMBED_BITS:  # a quantized table (quant.py's span layout): the row dequantized as quant.dequantize does
+        SPAN: tl.constexpr = 512 // EMBED_BITS
+        words = tl.load(embed_ptr + token * (HIDDEN * EMBED_BITS // 32) + (h // SPAN) * 16 + h % 16, mask=mask,
+                        other=0)
+        q = (words >> (EMBED_BITS * ((h % SPAN) // 16))) & ((1 << EMBED_BITS) - 1)
+        g = token * (HIDDEN // EMBED_GROUP) + h // EMBED_GROUP
+        if EMBED_ZEROS:
+            zero = tl.load(ez_ptr + g, mask=mask, other=0).to(tl.int32)
+        else:
+            zero = 1 << (EMBED_BITS - 1)
+        embeds = ((q - zero).to(tl.float32) * tl.load(es_ptr + g, mask=mask, other=0.0)).to(dtype).to(tl.float32)
+    else:
+        embeds = tl.load(embed_ptr + token * HIDDEN + h, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + r * 2 * HIDDEN + h, _rms(embeds, enorm_ptr, h, mask, HIDDEN, eps_e, dtype), mask=mask)
     hidden = tl.load(hidden_ptr + r * HIDDEN + h, mask=mask, other=0.0).to(tl.float32)
     if NORM_HIDDEN:
@@ -157,9 +170,10 @@ def _draft_input_kernel(tokens_ptr, index_ptr, ids_ptr, hidden_ptr, embed_ptr, e
     tl.store(out_ptr + r * 2 * HIDDEN + HIDDEN + h, _rms(hidden, hnorm_ptr, h, mask, HIDDEN, eps_h, dtype), mask=mask)
 
 
-def draft_input(tokens: torch.Tensor, hidden: torch.Tensor, embed: torch.Tensor, enorm, hnorm, hidden_norm=None,
+def draft_input(tokens: torch.Tensor, hidden: torch.Tensor, embed, enorm, hnorm, hidden_norm=None,
                 tokens_out: torch.Tensor | None = None, draft_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """An MTP layer's fc input [rows, 2H]: enorm(embed[token]) beside hnorm(hidden). `tokens`:
+    """An MTP layer's fc input [rows, 2H]: enorm(embed[token]) beside hnorm(hidden); `embed` the
+    table, float or a quant.QuantizedWeight (quant.QuantEmbedding's). `tokens`:
     ids [rows], or draft logits [rows, V] whose argmax is the token (written into `tokens_out`,
     a column view; `draft_ids`: the token id of each logit's row, where the draft head projects
     onto a draft vocabulary); `hidden_norm`: hidden is un-normed (the previous MTP layer's x +
@@ -173,13 +187,19 @@ def draft_input(tokens: torch.Tensor, hidden: torch.Tensor, embed: torch.Tensor,
     else:
         score = index = tokens.contiguous()
         width, meta = 0, dict(SPLIT=False, S_BLOCK=2, V_BLOCK=16, CHUNK=16)
+    if isinstance(embed, torch.Tensor):
+        table, scales, zeros, quantized = embed, embed, embed, {}
+    else:
+        table, scales = embed.qweight, embed.scales
+        zeros = embed.zeros if embed.zeros is not None else scales
+        quantized = dict(EMBED_BITS=embed.bits, EMBED_GROUP=embed.group_size, EMBED_ZEROS=embed.zeros is not None)
     _draft_input_kernel[(rows,)](score, index, draft_ids if draft_ids is not None else index, hidden.contiguous(),
-                                 embed, enorm.weight, hnorm.weight, prev.weight, out,
+                                 table, scales, zeros, enorm.weight, hnorm.weight, prev.weight, out,
                                  tokens_out if from_logits else out, tokens_out.stride(0) if from_logits else 0,
                                  width, enorm.eps, hnorm.eps, prev.eps, HIDDEN=size,
                                  HIDDEN_PAD=triton.next_power_of_2(size), FROM_LOGITS=from_logits,
                                  NORM_HIDDEN=hidden_norm is not None, MAP=from_logits and draft_ids is not None,
-                                 **meta)
+                                 **meta, **quantized)
     return out
 
 

@@ -63,25 +63,26 @@ def hf_greedy(model, prompt, max_new_tokens):
 DRAFT_HIDDEN = 32
 
 
-def build_drafting_model(path: Path, vocab=64, agree=True, context=3.0, sharpness=4.0, mtp_layers=1, seed=0) -> str:
+def build_drafting_model(path: Path, vocab=64, agree=True, context=3.0, sharpness=4.0, mtp_layers=1, seed=0,
+                         hidden=DRAFT_HIDDEN) -> str:
     """A random Qwen3 reshaped so drafting has something to agree with: big embeddings and small
     attention/MLP outputs make it mostly a bigram model (`context` sets how much the rest of the
     context moves it); "agreeing" MTP heads pass the embedding of token t+1 straight through
     (fc = [I | 0], zeroed block outputs), so they predict the base's guess for x_{t+2}."""
     torch.manual_seed(seed)
-    config = Qwen3Config(vocab_size=vocab, hidden_size=DRAFT_HIDDEN, intermediate_size=64, num_hidden_layers=2,
+    config = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
                          max_position_embeddings=256)
     Qwen3ForCausalLM(config).save_pretrained(path)
     state = load_file(path / "model.safetensors")
     gen = torch.Generator().manual_seed(seed)
-    state["model.embed_tokens.weight"] = torch.randn(vocab, DRAFT_HIDDEN, generator=gen)
+    state["model.embed_tokens.weight"] = torch.randn(vocab, hidden, generator=gen)
     for name in state:
         if name.endswith(("o_proj.weight", "down_proj.weight")):
             state[name] = torch.randn(state[name].shape, generator=gen) * context / 8
-    state["lm_head.weight"] = torch.randn(vocab, DRAFT_HIDDEN, generator=gen) * sharpness / DRAFT_HIDDEN ** 0.5
+    state["lm_head.weight"] = torch.randn(vocab, hidden, generator=gen) * sharpness / hidden ** 0.5
     if mtp_layers:
-        state.update(_agreeing_or_random_heads(state, agree, mtp_layers, gen))
+        state.update(_agreeing_or_random_heads(state, agree, mtp_layers, gen, hidden))
         cfg = json.loads((path / "config.json").read_text())
         cfg["mtp_num_hidden_layers"] = mtp_layers
         (path / "config.json").write_text(json.dumps(cfg))
@@ -89,7 +90,7 @@ def build_drafting_model(path: Path, vocab=64, agree=True, context=3.0, sharpnes
     return str(path)
 
 
-def _agreeing_or_random_heads(state, agree, layers, gen):
+def _agreeing_or_random_heads(state, agree, layers, gen, hidden):
     block = {k[len("model.layers.0."):]: v for k, v in state.items() if k.startswith("model.layers.0.")}
     heads = {}
     for j in range(layers):
@@ -101,8 +102,8 @@ def _agreeing_or_random_heads(state, agree, layers, gen):
             else:
                 w = torch.randn(value.shape, generator=gen) * 0.1
             heads[f"mtp.layers.{j}.{name}"] = w
-    eye = torch.cat([torch.eye(DRAFT_HIDDEN), torch.zeros(DRAFT_HIDDEN, DRAFT_HIDDEN)], 1)
-    heads["mtp.fc.weight"] = eye if agree else torch.randn(DRAFT_HIDDEN, 2 * DRAFT_HIDDEN, generator=gen)
+    eye = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], 1)
+    heads["mtp.fc.weight"] = eye if agree else torch.randn(hidden, 2 * hidden, generator=gen)
     for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
-        heads[f"mtp.{name}.weight"] = torch.ones(DRAFT_HIDDEN)
+        heads[f"mtp.{name}.weight"] = torch.ones(hidden)
     return heads

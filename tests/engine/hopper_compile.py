@@ -70,14 +70,18 @@ def speculative(compile_for) -> None:
         scan = dict(SPLIT=split, S_BLOCK=64 if split else 2, V_BLOCK=16 if split else 4096,
                     CHUNK=16 if split else 8192)
         score = "*fp32" if split else "*bf16"
-        compile_for(spec_kernels._draft_input_kernel,
-                    dict(tokens_ptr=score if from_logits else "*i64", index_ptr="*i32" if split else score,
-                         ids_ptr="*i64", hidden_ptr="*bf16", embed_ptr="*bf16", enorm_ptr="*bf16",
-                         hnorm_ptr="*bf16", prev_norm_ptr="*bf16", out_ptr="*bf16",
-                         tokens_out_ptr="*i64" if from_logits else "*bf16", eps_e="fp32", eps_h="fp32",
-                         eps_prev="fp32"),
-                    dict(HIDDEN=256, HIDDEN_PAD=256, FROM_LOGITS=from_logits, NORM_HIDDEN=from_logits,
-                         MAP=mapped, **scan))
+        # the embedding a float table, or (from ids) an INT8 one (a quantized vocab projection's)
+        for bits in (0, 8):
+            table = dict(embed_ptr="*i32", es_ptr="*fp32", ez_ptr="*fp32") if bits else dict(
+                embed_ptr="*bf16", es_ptr="*bf16", ez_ptr="*bf16")
+            compile_for(spec_kernels._draft_input_kernel,
+                        dict(tokens_ptr=score if from_logits else "*i64", index_ptr="*i32" if split else score,
+                             ids_ptr="*i64", hidden_ptr="*bf16", **table, enorm_ptr="*bf16",
+                             hnorm_ptr="*bf16", prev_norm_ptr="*bf16", out_ptr="*bf16",
+                             tokens_out_ptr="*i64" if from_logits else "*bf16", eps_e="fp32", eps_h="fp32",
+                             eps_prev="fp32"),
+                        dict(HIDDEN=256, HIDDEN_PAD=256, FROM_LOGITS=from_logits, NORM_HIDDEN=from_logits,
+                             MAP=mapped, EMBED_BITS=bits, EMBED_GROUP=256, EMBED_ZEROS=False, **scan))
         if from_logits:
             compile_for(spec_kernels._argmax_into_kernel,
                         dict(score_ptr=score, index_ptr="*i32" if split else score, ids_ptr="*i64",
@@ -105,6 +109,13 @@ def quant() -> None:
                                 GROUP=group, HAS_ZEROS=zeros, BLOCK_N=64, BLOCK_W=64 if i % 3 == 0 else 16 if bits == 4 else 32,
                                 NORM_BLOCK=1024, KW_SPLIT=1024 * bits // 32 // split, EVEN_N=even, PDL=pdl,
                                 STAGES=3 if i % 4 == 1 else 0, PREFETCH=i % 3 == 1))
+    # the dequantizing pass: a prefill's whole weight, or a quantized embedding's rows (GATHER), Hopper and Orin
+    for arch in (90, 87):
+        for bits, group, zeros, gather in ((8, 1024, False, True), (4, 128, True, False), (4, 128, True, True)):
+            compile_for_hopper(quant_kernels._dequantize_span_kernel,
+                               dict(qw_ptr="*i32", s_ptr="*fp32", z_ptr="*u8" if zeros else "*fp32",
+                                    ids_ptr="*i64" if gather else "*fp32", out_ptr="*bf16"),
+                               dict(BITS=bits, GROUP=group, HAS_ZEROS=zeros, GATHER=gather, BLOCK_N=16), arch)
     print("compiled")
 
 

@@ -35,7 +35,7 @@ def test_the_readme_example_runs_offline(capsys):
               "--max-num-seqs", "2"]
     assert main(common + ["--quantization", "int4"]) == 0
     out = capsys.readouterr().out
-    assert "weights         2.55 GiB  int4" in out and "fits: +1.98 GiB to spare" in out, out
+    assert "weights         2.19 GiB  int4" in out and "fits: +2.28 GiB to spare" in out, out
     assert main(common) == 1 and "DOES NOT FIT" in capsys.readouterr().out
 
 
@@ -63,15 +63,15 @@ def _products(out: str) -> dict[str, tuple[str, str, str, str]]:
 
 def test_each_product_is_projected_with_the_kernel_it_takes(capsys):
     """The INT4 projections take the MMA kernel, not torch's W4A16 kernel (model/int4pack.py: only
-    where the MMA kernel does not take a shape), the vocab projection stays bf16; on an Orin Nano
+    where the MMA kernel does not take a shape), the vocab projection takes INT8; on an Orin Nano
     the MMA kernel's few instructions a weight leave the 4B's INT4 products bound by memory, as its
-    bf16 vocab projection is, each said."""
+    vocab projection is, each said."""
     common = ["plan", "--device", "orin-nano-8gb", "--max-model-len", "4096", "--quantization", "int4"]
     main([*common, "--model", "qwen3-4b"])
     big = _products(capsys.readouterr().out)
     assert list(big) == ["q·k·v", "o", "gate·up", "down", "vocab"]
     assert all(big[name][:3] == ("int4", "MMA", "x36") for name in ["q·k·v", "o", "gate·up", "down"])
-    assert big["vocab"] == ("bf16", "FMA", "x1", "memory")
+    assert big["vocab"] == ("int8", "MMA", "x1", "memory")
     assert {big[name][3] for name in ["q·k·v", "o", "gate·up", "down"]} == {"memory"}
     main([*common, "--model", "qwen3-0.6b"])
     small = _products(capsys.readouterr().out)

@@ -165,27 +165,58 @@ def test_on_the_fly_round_trip(bits, group, sym):
     assert w.qweight.numel() * w.qweight.element_size() == weight.numel() * bits // 8
 
 
-def test_int8_engine_equals_its_dequantized_twin(tmp_path):
-    """--quantization int8: every projection INT8 per channel, the MTP-less model generates the
-    tokens transformers generates with the same dequantized weights."""
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_on_the_fly_engine_equals_its_dequantized_twin(tmp_path, method):
+    """--quantization int8 / int4: every projection quantized, the vocab projection INT8 per
+    channel and the tied embedding read from it (no float table left); the MTP-less model
+    generates the tokens transformers generates with the same dequantized weights."""
     model = build_qwen3(tmp_path, seed=5, **SHAPE)
-    llm = LLM(str(tmp_path), dtype="float32", device="cpu", max_num_seqs=4, quantization="int8")
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu", max_num_seqs=4, quantization=method)
     ours = llm.engine.runner.model
+    assert isinstance(ours.lm_head, quant.QuantLinear) and ours.lm_head.bits == 8 and ours.lm_head.zeros is None
+    assert isinstance(ours.embed_tokens, quant.QuantEmbedding) and ours.embed_tokens.weight.qweight is ours.lm_head.qweight
+    assert not any("embed" in name for name, _ in ours.named_parameters())
     twin = model.state_dict()
+    twin["model.embed_tokens.weight"] = quant.dequantize(ours.lm_head.weight, torch.float32)  # tied: the head too
+    bits = int(method[-1])
     for i, layer in enumerate(ours.layers):
-        qkv = quant.dequantize(layer.self_attn.qkv_proj.weight, torch.float32)
+        qkv = _float(layer.self_attn.qkv_proj)
         q_rows, kv_rows = 4 * 32, 2 * 32
         for name, part in zip(("q_proj", "k_proj", "v_proj"), qkv.split([q_rows, kv_rows, kv_rows])):
             twin[f"model.layers.{i}.self_attn.{name}.weight"] = part
-        gate, up = quant.dequantize(layer.mlp.gate_up_proj.weight, torch.float32).chunk(2)
+        gate, up = _float(layer.mlp.gate_up_proj).chunk(2)
         twin[f"model.layers.{i}.mlp.gate_proj.weight"], twin[f"model.layers.{i}.mlp.up_proj.weight"] = gate, up
-        twin[f"model.layers.{i}.self_attn.o_proj.weight"] = quant.dequantize(layer.self_attn.o_proj.weight,
-                                                                             torch.float32)
-        twin[f"model.layers.{i}.mlp.down_proj.weight"] = quant.dequantize(layer.mlp.down_proj.weight, torch.float32)
-        assert layer.mlp.down_proj.bits == 8 and layer.mlp.down_proj.zeros is None
+        twin[f"model.layers.{i}.self_attn.o_proj.weight"] = _float(layer.self_attn.o_proj)
+        twin[f"model.layers.{i}.mlp.down_proj.weight"] = _float(layer.mlp.down_proj)
+        assert layer.mlp.down_proj.bits == bits
     model.load_state_dict(twin)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(model, p, GREEDY.max_tokens) for p in PROMPTS]
+
+
+def _float(linear: quant.QuantLinear) -> torch.Tensor:
+    assert not linear.tinygemm  # fp32 activations: quant.py's layout
+    return quant.dequantize(linear.weight, torch.float32)
+
+
+def test_big_projections_load_and_multiply_a_block_of_rows_at_a_time(tmp_path, monkeypatch):
+    """Past MAX_DEQUANTIZED weights (a vocab projection) a float tensor is read and quantized a
+    block of rows at a time, and a product off the fused kernels dequantizes a block at a time:
+    the same integers, scales and logits as at once."""
+    build_qwen3(tmp_path, seed=6, **SHAPE)
+    whole = LLM(str(tmp_path), dtype="float32", device="cpu", max_num_seqs=2, quantization="int8")
+    head = whole.engine.runner.model.lm_head.weight
+    x = torch.randn(3, SHAPE["hidden_size"])
+    want = F.linear(x, quant.dequantize(head, torch.float32))
+    monkeypatch.setattr(quant, "MAX_DEQUANTIZED", 200 * SHAPE["hidden_size"])  # the vocab's 320 rows: 200 + 120
+    calls = []
+    real = quant.quantize
+    monkeypatch.setattr(quant, "quantize", lambda w, *a: calls.append(w.shape[0]) or real(w, *a))
+    blocked = LLM(str(tmp_path), dtype="float32", device="cpu", max_num_seqs=2, quantization="int8")
+    rows = blocked.engine.runner.model.lm_head.weight
+    assert 200 in calls and 120 in calls and 320 not in calls  # the vocab in blocks; the layers' projections whole
+    assert torch.equal(head.qweight, rows.qweight) and torch.equal(head.scales, rows.scales) and rows.zeros is None
+    torch.testing.assert_close(quant.float_product(x, rows), want, rtol=1e-6, atol=1e-6)
 
 
 def test_mtp_heads_follow_the_base_or_the_speculative_config():
@@ -401,8 +432,29 @@ def test_prefill_dequantizes_in_one_pass(bits, group, sym):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(bits + group)
     w = quant.quantize(torch.randn(37, 512, device=device), bits, group, sym)
+    ids = torch.tensor([36, 0, 5, 5, 17], device=device)  # a quantized embedding's lookups: any rows, repeats
     for dtype in [torch.float32] + [torch.bfloat16] * (device == "cuda"):
         assert torch.equal(dequantized(w, dtype), quant.dequantize(w, dtype)), dtype
+        assert torch.equal(dequantized(w, dtype, ids), quant.dequantize(w, dtype)[ids]), dtype
+    assert dequantized(w, torch.float32, ids[:0]).shape == (0, 512)
+
+
+def test_a_tied_embedding_reads_the_quantized_vocab_projection():
+    """QuantEmbedding: a step's rows of the quantized table, as the projection sees them, on the
+    plain path and through the fused kernel (Triton's interpreter without a GPU), any id shape."""
+    require_module("triton")
+    from jetserve.engine.model.kernels import FusedKernels
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    head = quant.QuantLinear(256, 40, 8, -1, has_zeros=False).to(device)
+    head.load(quant.quantize(torch.randn(40, 256, device=device), 8, -1, True))
+    embed = quant.QuantEmbedding(head, torch.float32)
+    ids = torch.tensor([[3, 39], [0, 3]], device=device)
+    want = quant.dequantize(head.weight, torch.float32)[ids]
+    with torch.no_grad():
+        assert torch.equal(embed(ids), want)
+        embed.kernels = FusedKernels()
+        assert torch.equal(embed(ids), want)
 
 
 def test_fused_kernels_route_quantized_weights():
@@ -422,6 +474,35 @@ def test_fused_kernels_route_quantized_weights():
     assert [tile is None for key, tile in kernels.chosen.items()] == [False, False, True]
     dense = torch.randn(16, 384, device=device)
     torch.testing.assert_close(kernels.linear(x, dense), F.linear(x, dense), rtol=1e-4, atol=1e-4)
+
+
+def test_a_vocab_sized_weight_never_dequantizes_whole(monkeypatch):
+    """Past MAX_DEQUANTIZED weights (a vocab projection), rows past any tile's (17-64: batches,
+    verifies) go through the tiles DOT_MIN_ROWS at a time, prologues included, and a weight no
+    tile takes (fp16 scales) through the float path a block of its rows at a time: each as the
+    dequantized product, in Triton's interpreter without a GPU."""
+    require_module("triton")
+    from jetserve.engine.model import quant_kernels
+    from jetserve.engine.model.quant_kernels import QuantFusedKernels
+
+    monkeypatch.setattr(quant_kernels, "MAX_DEQUANTIZED", 32 * 128)  # the 48 x 128 weight is "big"
+    monkeypatch.setattr(quant, "MAX_DEQUANTIZED", 32 * 128)  # float_product's blocks: 32 rows
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    kernels = QuantFusedKernels(tile_timing=False)
+    w = quant.quantize(torch.randn(48, 128, device=device), 8, -1, True)
+    dense = quant.dequantize(w, torch.float32)
+    x, residual = (torch.randn(40, 128, device=device) for _ in range(2))
+    norm = torch.rand(128, device=device) + 0.5
+    torch.testing.assert_close(kernels.linear(x, w), F.linear(x, dense), rtol=1e-4, atol=1e-4)
+    out, total = kernels.norm_linear(x, residual, norm, 1e-6, w)
+    assert torch.equal(total, x + residual)
+    normed = F.rms_norm(x + residual, (128,), norm, 1e-6)
+    torch.testing.assert_close(out, F.linear(normed, dense), rtol=1e-4, atol=1e-4)
+    assert {key[2] for key in kernels.chosen} == {16, 8} and all(kernels.chosen.values())  # 16 + 16 + 8 rows
+    untiled = w._replace(scales=w.scales.half())
+    torch.testing.assert_close(kernels.linear(x[:3], untiled), F.linear(x[:3], quant.dequantize(untiled, torch.float32)),
+                               rtol=1e-4, atol=1e-4)
+    assert [tile for key, tile in kernels.chosen.items() if torch.float16 in key] == [None]
 
 
 # --- the memory plan -------------------------------------------------------------------------------------------
@@ -474,7 +555,8 @@ def _qwen3_4b_tensors(awq: bool) -> dict:
 
 def test_plan_qwen3_4b_on_an_orin_nano(tmp_path, capsys):
     """4B in bf16 cannot fit an 8 GB Orin Nano, the plan says so (exit 1); 4B INT4, on the fly or
-    as AWQ, fits with two sequences of 4096 tokens."""
+    as AWQ, fits with two sequences of 4096 tokens. On the fly, the tied vocab projection is INT8
+    (one table for it and the embedding): fewer weights and fewer bytes a token than AWQ's bf16."""
     from jetserve.cli import main
 
     _sparse_checkpoint(tmp_path / "bf16", _qwen3_4b_tensors(awq=False), QWEN3_4B)
@@ -487,16 +569,22 @@ def test_plan_qwen3_4b_on_an_orin_nano(tmp_path, capsys):
     assert "DOES NOT FIT" in refused and "weights" in refused and "KV cache" in refused
     weights = float(refused.split("weights")[1].split("GiB")[0])
     assert 7.4 < weights < 7.6  # 4.02B parameters in bf16 (tied embedding once)
-    projections = []
-    for model, extra in [("bf16", ["--quantization", "int4"]), ("awq", [])]:
+    projections, layers = [], []
+    # (vocab format, weights GiB): 4-bit layers beside the INT8 vocab table, or beside AWQ's bf16 one
+    for model, extra, vocab, (low, high) in [("bf16", ["--quantization", "int4"], "int8", (2.1, 2.3)),
+                                             ("awq", [], "bf16", (2.4, 2.8))]:
         assert main(["plan", "--model", str(tmp_path / model), *common, *extra]) == 0
         accepted = capsys.readouterr().out
         assert accepted.count("fits") == 1 and "ms/token at 68 GB/s" in accepted
-        assert 2.4 < float(accepted.split("weights")[1].split("GiB")[0]) < 2.8  # bf16 embedding + 4-bit layers
+        assert low < float(accepted.split("weights")[1].split("GiB")[0]) < high
         projected = accepted.split("projected >= ")[1]
-        projections.append(projected.split(" ms/token")[0])
+        projections.append(float(projected.split(" ms/token")[0]))
         assert "1024 cores x 0.62 GHz" in projected and "sm87 SASS" in projected
-    assert projections[0] == projections[1]  # AWQ runs what INT4 on the fly runs
+        rows = [line.split() for line in projected.splitlines() if line.startswith("  ")]
+        assert [r[1] for r in rows if r[0] == "vocab"] == [vocab]
+        layers.append([r for r in rows if r[0] != "vocab"])
+    assert layers[0] == layers[1]  # AWQ's layers run what INT4 on the fly runs
+    assert projections[0] < projections[1] * 0.9  # the vocab's bytes halved
 
 
 def test_the_projection_takes_each_product_at_its_slower_bound():

@@ -345,6 +345,26 @@ def test_draft_input_and_argmax_kernels_match_torch(vocab):
     assert torch.equal(out[:, 1], ids[tokens]) and torch.equal(out[:, 2], ids[tokens])
 
 
+@pytest.mark.parametrize("bits,group,sym", [(8, -1, True), (4, 128, False)])
+def test_draft_input_reads_a_quantized_embedding(bits, group, sym):
+    """The fused MTP input with the embedding a quantized table (quant.QuantEmbedding's: a
+    quantized vocab projection tied to it), in Triton's interpreter on CPU: each token's row
+    dequantized as quant.dequantize rounds it, then the same norms as the torch modules."""
+    from jetserve.engine.model import quant
+    from jetserve.engine.model.qwen3 import RMSNorm
+    from jetserve.engine.model.spec_kernels import draft_input
+
+    gen = torch.Generator().manual_seed(bits)
+    rows, hidden, vocab = 5, 256, 70
+    on = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    table = quant.quantize(torch.randn(vocab, hidden, generator=gen).to(on), bits, group, sym)
+    enorm, hnorm = (RMSNorm(hidden, 1e-6).to(torch.bfloat16).to(on) for _ in range(2))
+    h = torch.randn(rows, hidden, generator=gen).to(torch.bfloat16).to(on)
+    tokens = torch.tensor([69, 0, 3, 3, 41], device=on)
+    want = torch.cat([enorm(quant.dequantize(table, torch.bfloat16)[tokens]), hnorm(h)], dim=-1)
+    torch.testing.assert_close(draft_input(tokens, h, table, enorm, hnorm), want, rtol=2e-2, atol=1e-2)
+
+
 def test_speculative_and_sampling_kernels_compile_for_hopper_and_orin():
     """Triton's compiler and ptxas (no GPU needed) take every kernel a speculative or decode graph
     adds, for sm_90 and for Jetson Orin's sm_87: the interpreter the other tests run them in is
