@@ -607,10 +607,12 @@ DOT_TILES = [Tile(64, 16, 4, dot=True), Tile(32, 16, 4, dot=True), Tile(32, 16, 
 
 def _dot_tiles(rows: int, weight: QuantizedWeight, dtype: torch.dtype) -> list[Tile]:
     """The tensor-core kernel's candidates for this weight: up to 16 rows (one dot tile; more
-    take the float path: dequantize + cuBLAS, untimed against this kernel) of 16-bit inputs,
-    groups of whole steps (or one a row), K a whole number of steps."""
+    take the float path: dequantize + cuBLAS, untimed against this kernel), any skinny count
+    past MAX_DEQUANTIZED weights (a vocab projection, which the float path does not take), of
+    16-bit inputs, groups of whole steps (or one a row), K a whole number of steps."""
     group_words, row_words = weight.group_size * weight.bits // 32, weight.qweight.shape[1]
-    if rows > DOT_MIN_ROWS or dtype not in (torch.bfloat16, torch.float16):
+    big = weight.shape[0] * weight.shape[1] > MAX_DEQUANTIZED
+    if (rows > DOT_MIN_ROWS and not big) or dtype not in (torch.bfloat16, torch.float16):
         return []
     return [t for t in DOT_TILES if group_words % t.block_k == 0 and row_words % t.block_k == 0]
 
@@ -850,13 +852,6 @@ class QuantFusedKernels(FusedKernels):
             return int4pack_matmul(prologue, x.contiguous(), weight, residual, norm_weight, eps, pdl_supported(x.device))
         if not isinstance(weight, QuantizedWeight):
             return super().skinny_matmul(prologue, x, weight, residual, norm_weight, eps)
-        if x.shape[0] > DOT_MIN_ROWS and weight.shape[0] * weight.shape[1] > MAX_DEQUANTIZED:
-            # No tile takes these rows, and the float path would dequantize all of a vocab projection:
-            # DOT_MIN_ROWS rows at a time instead, each pass reading its integers once.
-            parts = [self.skinny_matmul(prologue, x[i:i + DOT_MIN_ROWS], weight,
-                                        None if residual is None else residual[i:i + DOT_MIN_ROWS], norm_weight, eps)
-                     for i in range(0, x.shape[0], DOT_MIN_ROWS)]
-            return tuple(map(torch.cat, zip(*parts))) if isinstance(parts[0], tuple) else torch.cat(parts)
         x, residual = x.contiguous(), residual if residual is None else residual.contiguous()
         key = ("quant", prologue, triton.next_power_of_2(x.shape[0]), *weight.shape, weight.bits, weight.group_size,
                weight.scales.dtype, x.dtype)

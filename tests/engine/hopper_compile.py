@@ -121,14 +121,16 @@ def quant() -> None:
 
 def quant_dot() -> None:
     """The tensor-core quantized kernel for sm_90 and sm_87: INT4 with zero points in groups,
-    INT8 per channel, every prologue, bf16 and fp16 inputs, 1 to 64 rows, K split; then the
+    INT8 per channel, every prologue, bf16 and fp16 inputs, 1 to 64 rows (INT8 at 32: a vocab
+    projection's batch), K split; then the
     inner loop's instructions a weight of INT4 and INT8 plain products on both (printed, one
     line each: `sass sm_<arch> <bits> <per weight>`)."""
     from tools.sass_count import inner_loop
 
     cases = [(bits, group, zeros, prologue, act, rows) for bits, group, zeros in ((4, 128, True), (8, 1024, False))
              for prologue, act, rows in ((0, "*bf16", 1), (1, "*bf16", 1), (2, "*fp16", 8), (3, "*bf16", 1),
-                                         (0, "*fp16", 8))] + [(4, 256, False, 0, "*bf16", 64)]
+                                         (0, "*fp16", 8))] + [(4, 256, False, 0, "*bf16", 64),
+                                                              (8, 1024, False, 0, "*bf16", 32)]  # a vocab's batch
     for arch in (90, 87):
         for i, (bits, group, zeros, prologue, act, rows) in enumerate(cases):
             split = 1 if i % 2 else 2
