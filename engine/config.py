@@ -666,11 +666,11 @@ class EngineArgs:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.dtype != "auto":
             return DTYPE_ALIASES.get(self.dtype, self.dtype)
-        # CPUs rarely do half precision fast; GPUs run the checkpoint's own dtype. INT4 weights on a
-        # CPU are the exception: torch's INT4 kernel there (model/int4pack.py) takes bf16 activations,
-        # and its fp32 path is many times slower than the float product it replaces.
+        # CPUs rarely do half precision fast; GPUs run the checkpoint's own dtype. INT4 and INT8
+        # weights on a CPU are the exception: torch's kernels there (model/int4pack.py, int8pack.py)
+        # take bf16 activations, and their fp32 paths are many times slower.
         if device == "cpu":
-            return "bfloat16" if quantization and quantization.bits == 4 else "float32"
+            return "bfloat16" if quantization and (quantization.bits == 4 or quantization.vocab) else "float32"
         return model_config.dtype
 
 

@@ -21,7 +21,7 @@ from tqdm import tqdm
 from jetserve.engine.model.checkpoint import Checkpoint, CheckpointError
 from jetserve.engine.config import ON_THE_FLY, ModelConfig, QuantizationConfig
 from jetserve.engine.model.qwen3 import Linear, Qwen3ForCausalLM, RotaryEmbedding
-from jetserve.engine.model import int4pack, quant
+from jetserve.engine.model import int4pack, int8pack, quant
 
 # Tensors read and copied to the device at once: a copy out of the page cache is the host's
 # memcpy, which one thread does not keep the bus busy with.
@@ -187,12 +187,15 @@ def quantization_modes(ckpt: Checkpoint, model: Qwen3ForCausalLM, sources: dict[
 def _quant_linear(linear: Linear, config: QuantizationConfig, mode: str, dtype: torch.dtype,
                   device: torch.device | None) -> quant.QuantLinear:
     """The (meta) module a projection becomes, shaped from metadata alone; in tinygemm's layout
-    where its kernel runs on `device` (model/int4pack.py; None: the device is not known)."""
+    where its kernel runs on `device` (model/int4pack.py; None: the device is not known), in torch's
+    INT8 CPU layout where that kernel does (model/int8pack.py)."""
     k, n = linear.in_features, linear.out_features
     bits, group, sym = (config.bits, config.group_size, False) if mode == "packed" else ON_THE_FLY[mode]
     tinygemm = device is not None and int4pack.applies(bits, k if group == -1 else group, n, k, dtype, device)
+    int8mm = int8pack.applies(bits, group, k, not sym, device)
     return quant.QuantLinear(k, n, bits, group, has_zeros=not sym,
-                             tinygemm=torch.device(device).type if tinygemm else None)
+                             tinygemm=torch.device(device).type if tinygemm else None,
+                             int8pack_dtype=dtype if int8mm else None)
 
 
 def _quantized_weight(ckpt: Checkpoint, names: list[str], config: QuantizationConfig, mode: str,

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from jetserve.engine.config import QuantizationConfig
-from jetserve.engine.model import int4pack
+from jetserve.engine.model import int4pack, int8pack
 from jetserve.engine.model.checkpoint import Checkpoint, CheckpointError
 from jetserve.engine.model.qwen3 import KernelUser
 
@@ -215,10 +215,11 @@ class QuantLinear(KernelUser):
     take the fused kernel (through the model's kernels, like `Linear`) and anything else
     dequantizes and multiplies; in tinygemm's (`tinygemm`: the device type whose layout,
     model/int4pack.py) every product takes torch's W4A16 kernel (on CUDA up to int4pack.MAX_ROWS
-    rows, the prologues apart first; more dequantize)."""
+    rows, the prologues apart first; more dequantize); in torch's INT8 CPU layout (`int8mm`,
+    model/int8pack.py) every product takes its W8A16 kernel."""
 
     def __init__(self, in_features: int, out_features: int, bits: int, group_size: int, has_zeros: bool,
-                 tinygemm: str | None = None):
+                 tinygemm: str | None = None, int8pack_dtype: torch.dtype | None = None):
         super().__init__()
         if in_features % span(bits):
             raise CheckpointError(f"{bits}-bit weights need input dims in multiples of {span(bits)}: "
@@ -234,15 +235,25 @@ class QuantLinear(KernelUser):
             self.register_buffer("packed", packed)
             self.register_buffer("scales_zeros", scales_zeros)
             return
+        self.int8mm = int8pack_dtype is not None
+        if self.int8mm:
+            packed = int8pack.empty(out_features, in_features, int8pack_dtype)
+            self.register_buffer("int8_weight", packed.weight)
+            self.register_buffer("int8_scales", packed.scales)
+            return
         groups = in_features // self.group_size
         self.register_buffer("qweight", torch.empty(out_features, in_features * bits // 32, dtype=torch.int32))
         self.register_buffer("scales", torch.empty(out_features, groups, dtype=torch.float32))
         self.register_buffer("zeros", torch.empty(out_features, groups, dtype=torch.uint8) if has_zeros else None)
 
+    int8mm = False  # torch's INT8 CPU layout (model/int8pack.py)
+
     @property
-    def weight(self) -> QuantizedWeight | int4pack.Int4PackedWeight:
+    def weight(self) -> QuantizedWeight | int4pack.Int4PackedWeight | int8pack.Int8PackedWeight:
         if self.tinygemm:
             return int4pack.Int4PackedWeight(self.packed, self.scales_zeros, self.group_size)
+        if self.int8mm:
+            return int8pack.Int8PackedWeight(self.int8_weight, self.int8_scales)
         return QuantizedWeight(self.qweight, self.scales, self.zeros, self.bits, self.group_size)
 
     def load(self, w: QuantizedWeight, row: int = 0) -> None:
@@ -261,6 +272,11 @@ class QuantLinear(KernelUser):
             self.packed.copy_(packed.packed)
             self.scales_zeros.copy_(packed.scales_zeros)
             return
+        if self.int8mm:
+            packed = int8pack.pack(integers(w), w.scales, self.int8_scales.dtype)
+            self.int8_weight[row:row + rows].copy_(packed.weight)
+            self.int8_scales[row:row + rows].copy_(packed.scales)
+            return
         self.qweight[row:row + rows].copy_(w.qweight)
         self.scales[row:row + rows].copy_(w.scales)
         if self.zeros is not None:
@@ -273,13 +289,15 @@ class QuantLinear(KernelUser):
             from jetserve.engine.model.quant_kernels import dequantize_int4pack  # needs Triton, as a GPU has
 
             return F.linear(x, dequantize_int4pack(self.weight, x.dtype))
-        if self.skinny(x):
+        if self.skinny(x) and not self.int8mm:
             return self.kernels.linear(x, self.weight)
         return self.product(x, self.weight)
 
-    def product(self, x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    def product(self, x: torch.Tensor, weight: QuantizedWeight | int8pack.Int8PackedWeight) -> torch.Tensor:
         """x @ dequant(weight)^T off the fused kernels' rows (the weight, or rows of it: a draft
         vocabulary), as `Linear.product`."""
+        if isinstance(weight, int8pack.Int8PackedWeight):
+            return int8pack.matmul(x, weight)
         if self._fused(x):
             from jetserve.engine.model.quant_kernels import dequantized  # needs Triton, as a GPU has
 
@@ -287,7 +305,7 @@ class QuantLinear(KernelUser):
         return float_product(x, weight)
 
     def extra_repr(self) -> str:
-        layout = f", tinygemm ({self.tinygemm})" if self.tinygemm else ""
+        layout = f", tinygemm ({self.tinygemm})" if self.tinygemm else ", int8pack" if self.int8mm else ""
         return f"in={self.in_features}, out={self.out_features}, bits={self.bits}, group={self.group_size}{layout}"
 
 
@@ -302,12 +320,14 @@ class QuantEmbedding(KernelUser):
         self.dtype = dtype
 
     @property
-    def weight(self) -> QuantizedWeight:
+    def weight(self) -> QuantizedWeight | int8pack.Int8PackedWeight:
         return self.head[0].weight
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
-        if self._fused(self.weight.scales):
+        if isinstance(self.weight, int8pack.Int8PackedWeight):
+            rows = int8pack.rows(self.weight, flat, self.dtype)
+        elif self._fused(self.weight.scales):
             from jetserve.engine.model.quant_kernels import dequantized  # needs Triton, as a GPU has
 
             rows = dequantized(self.weight, self.dtype, flat)

@@ -248,10 +248,11 @@ class MTPLayer(nn.Module):
 
 
 def _tensors(weight) -> list[torch.Tensor]:
-    """A weight's tensors: a float weight itself, or a quantized one's (quant.QuantizedWeight)."""
+    """A weight's tensors, each with a row an output row: a float weight itself, or a quantized
+    one's (quant.QuantizedWeight, int8pack.Int8PackedWeight)."""
     if isinstance(weight, torch.Tensor):
         return [weight]
-    return [t for t in (weight.qweight, weight.scales, weight.zeros) if t is not None]
+    return [t for t in weight if isinstance(t, torch.Tensor)]
 
 
 def _first(weight) -> torch.Tensor:
@@ -259,11 +260,10 @@ def _first(weight) -> torch.Tensor:
 
 
 def _map_rows(weight, fn):
-    """`fn` applied to each of a weight's row-major tensors (see _tensors), the same kind back."""
+    """`fn` applied to each of a weight's tensors (see _tensors), the same kind of weight back."""
     if isinstance(weight, torch.Tensor):
         return fn(weight)
-    return weight._replace(qweight=fn(weight.qweight), scales=fn(weight.scales),
-                           zeros=None if weight.zeros is None else fn(weight.zeros))
+    return weight._replace(**{name: fn(t) for name, t in zip(weight._fields, weight) if isinstance(t, torch.Tensor)})
 
 
 class Qwen3ForCausalLM(nn.Module):

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from jetserve.engine import LLM, SamplingParams
-from jetserve.engine.model import quant
+from jetserve.engine.model import int8pack, quant
 from jetserve.engine.model.checkpoint import Checkpoint, CheckpointError
 from jetserve.engine.config import QuantizationConfig
 
@@ -173,11 +173,11 @@ def test_on_the_fly_engine_equals_its_dequantized_twin(tmp_path, method):
     model = build_qwen3(tmp_path, seed=5, **SHAPE)
     llm = LLM(str(tmp_path), dtype="float32", device="cpu", max_num_seqs=4, quantization=method)
     ours = llm.engine.runner.model
-    assert isinstance(ours.lm_head, quant.QuantLinear) and ours.lm_head.bits == 8 and ours.lm_head.zeros is None
-    assert isinstance(ours.embed_tokens, quant.QuantEmbedding) and ours.embed_tokens.weight.qweight is ours.lm_head.qweight
+    assert isinstance(ours.lm_head, quant.QuantLinear) and ours.lm_head.bits == 8 and ours.lm_head.int8mm  # a CPU's
+    assert isinstance(ours.embed_tokens, quant.QuantEmbedding) and ours.embed_tokens.head[0] is ours.lm_head
     assert not any("embed" in name for name, _ in ours.named_parameters())
     twin = model.state_dict()
-    twin["model.embed_tokens.weight"] = quant.dequantize(ours.lm_head.weight, torch.float32)  # tied: the head too
+    twin["model.embed_tokens.weight"] = _float(ours.lm_head)  # tied: the head too
     bits = int(method[-1])
     for i, layer in enumerate(ours.layers):
         qkv = _float(layer.self_attn.qkv_proj)
@@ -188,15 +188,41 @@ def test_on_the_fly_engine_equals_its_dequantized_twin(tmp_path, method):
         twin[f"model.layers.{i}.mlp.gate_proj.weight"], twin[f"model.layers.{i}.mlp.up_proj.weight"] = gate, up
         twin[f"model.layers.{i}.self_attn.o_proj.weight"] = _float(layer.self_attn.o_proj)
         twin[f"model.layers.{i}.mlp.down_proj.weight"] = _float(layer.mlp.down_proj)
-        assert layer.mlp.down_proj.bits == bits
+        assert layer.mlp.down_proj.bits == bits and layer.mlp.down_proj.int8mm == (bits == 8)  # INT8: a CPU's kernel
     model.load_state_dict(twin)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(model, p, GREEDY.max_tokens) for p in PROMPTS]
 
 
 def _float(linear: quant.QuantLinear) -> torch.Tensor:
-    assert not linear.tinygemm  # fp32 activations: quant.py's layout
+    """The weight a projection's products see, fp32 (fp32 activations: no tinygemm layout)."""
+    assert not linear.tinygemm
+    if linear.int8mm:
+        return int8pack.dequantize(linear.weight, torch.float32)
     return quant.dequantize(linear.weight, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_on_a_cpu_takes_torchs_kernel(dtype):
+    """INT8 per channel on a CPU loads into torch's `_weight_int8pack_mm` layout (a block of rows
+    at a time, as the loader's): its products and a tied embedding's rows are those of the
+    dequantized weight (bf16: its scales in bf16, the kernel's rounding)."""
+    assert int8pack.applies(8, -1, 256, False, "cpu") and not int8pack.applies(8, -1, 256, False, "cuda")
+    assert not int8pack.applies(8, 128, 256, False, "cpu") and not int8pack.applies(4, -1, 256, False, "cpu")
+    torch.manual_seed(7)
+    w = quant.quantize(torch.randn(40, 256), 8, -1, True)
+    head = quant.QuantLinear(256, 40, 8, -1, has_zeros=False, int8pack_dtype=dtype)
+    assert head.int8mm and "int8pack" in repr(head)
+    for lo in (0, 24):
+        head.load(quant.quant_rows(w, slice(lo, lo + 24)), row=lo)
+    dense = quant.dequantize(w, torch.float32)
+    x = torch.randn(3, 256).to(dtype)
+    tight = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
+    torch.testing.assert_close(head(x).float(), F.linear(x.float(), dense), **tight)
+    assert head(x).dtype == dtype
+    ids = torch.tensor([[39, 0], [7, 7]])
+    want = dense[ids] if dtype == torch.float32 else int8pack.dequantize(head.weight, torch.float32)[ids]
+    torch.testing.assert_close(quant.QuantEmbedding(head, torch.float32)(ids), want, rtol=0, atol=0)
 
 
 def test_big_projections_load_and_multiply_a_block_of_rows_at_a_time(tmp_path, monkeypatch):
@@ -206,8 +232,6 @@ def test_big_projections_load_and_multiply_a_block_of_rows_at_a_time(tmp_path, m
     build_qwen3(tmp_path, seed=6, **SHAPE)
     whole = LLM(str(tmp_path), dtype="float32", device="cpu", max_num_seqs=2, quantization="int8")
     head = whole.engine.runner.model.lm_head.weight
-    x = torch.randn(3, SHAPE["hidden_size"])
-    want = F.linear(x, quant.dequantize(head, torch.float32))
     monkeypatch.setattr(quant, "MAX_DEQUANTIZED", 200 * SHAPE["hidden_size"])  # the vocab's 320 rows: 200 + 120
     calls = []
     real = quant.quantize
@@ -215,8 +239,11 @@ def test_big_projections_load_and_multiply_a_block_of_rows_at_a_time(tmp_path, m
     blocked = LLM(str(tmp_path), dtype="float32", device="cpu", max_num_seqs=2, quantization="int8")
     rows = blocked.engine.runner.model.lm_head.weight
     assert 200 in calls and 120 in calls and 320 not in calls  # the vocab in blocks; the layers' projections whole
-    assert torch.equal(head.qweight, rows.qweight) and torch.equal(head.scales, rows.scales) and rows.zeros is None
-    torch.testing.assert_close(quant.float_product(x, rows), want, rtol=1e-6, atol=1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(head, rows))
+    w = real(torch.randn(SHAPE["vocab_size"], SHAPE["hidden_size"]), 8, -1, True)  # quant.py's layout, as a GPU's
+    x = torch.randn(3, SHAPE["hidden_size"])
+    torch.testing.assert_close(quant.float_product(x, w), F.linear(x, quant.dequantize(w, torch.float32)),
+                               rtol=1e-6, atol=1e-6)
 
 
 def test_mtp_heads_follow_the_base_or_the_speculative_config():
