@@ -100,8 +100,14 @@ def build_meta_model(ckpt: Checkpoint, dtype: torch.dtype, max_positions: int,
                 model.set_submodule(module, _quant_linear(linear, quantization, mode, dtype, device))
         if "lm_head.weight" in modes and cfg.tie_word_embeddings:
             model.embed_tokens = quant.QuantEmbedding(model.lm_head, dtype)
-    _check(ckpt, cfg, {name: p for name, p in model.named_parameters() if name not in modes},
-           {name: names for name, names in sources.items() if name not in modes})  # quantized: read_quantized checks
+    # Every float tensor is checked here, those quantized while loading too (as the float weight they
+    # stand for); packed ones are read_quantized's to check.
+    checked = {name: p for name, p in model.named_parameters() if name not in modes}
+    for name, mode in modes.items():
+        if mode in ON_THE_FLY and f"{sources[name][0].removesuffix('.weight')}.qweight" not in ckpt:
+            module = model.get_submodule(name.removesuffix(".weight"))
+            checked[name] = torch.empty(module.out_features, module.in_features, device="meta")
+    _check(ckpt, cfg, checked, {name: sources[name] for name in checked})
     return model, sources, modes
 
 

@@ -138,6 +138,26 @@ def test_a_float_parameter_from_an_integer_tensor_is_refused(variant):
         meta_model(path)
 
 
+@pytest.mark.parametrize("name, tensor, message", [
+    ("model.embed_tokens.weight", lambda t: t.to(torch.int32), "'model.embed_tokens.weight' is I32, expected one of"),
+    ("model.layers.0.self_attn.o_proj.weight", lambda t: t.to(torch.int16), "'model.layers.0.self_attn.o_proj.weight' is I16"),
+    ("model.layers.0.mlp.up_proj.weight", lambda t: t[:-1], r"'model.layers.0.mlp.up_proj.weight' has shape \[255, 128\]"),
+])
+def test_a_float_tensor_quantized_while_loading_is_checked_as_a_float_one(tmp_path, name, tensor, message):
+    """--quantization int8 quantizes the projections and the tied embedding (the vocab projection)
+    while loading: an integer tensor or a wrong shape among them is refused, named, before any
+    memory is allocated, as it is without quantization."""
+    path = tmp_path / "model"
+    build_qwen3(path, vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=1,  # INT8: dims of 64
+                num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    tensors = load_file(path / "model.safetensors")
+    tensors[name] = tensor(tensors[name]).contiguous()
+    save_file(tensors, path / "model.safetensors")
+    quantization = QuantizationConfig.resolve(json.loads((path / "config.json").read_text()), "int8", "auto")
+    with pytest.raises(CheckpointError, match=message):
+        build_meta_model(Checkpoint(path), torch.float32, 64, quantization)
+
+
 @pytest.mark.parametrize("qc, message", [
     ([1], r"quantization_config must be an object, got \[1\]"),
     ({"quant_method": "gptq", "bits": "four"}, "quantization_config.bits must be an integer, got 'four'"),
