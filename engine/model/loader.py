@@ -134,7 +134,8 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device, max_pos
                 _copy_rows(params[name], [ckpt.get(s) for s in names])
                 return
             module = model.get_submodule(name.removesuffix(".weight"))
-            if modes[name] in ON_THE_FLY and len(names) == 1 and _weights(ckpt, names) > quant.MAX_DEQUANTIZED:
+            if (modes[name] in ON_THE_FLY and len(names) == 1 and names[0] in ckpt  # from a float tensor
+                    and _weights(ckpt, names) > quant.MAX_DEQUANTIZED):
                 return _quantize_by_rows(ckpt, names[0], module, modes[name], device, quantizing)
             weight = _quantized_weight(ckpt, names, quantization, modes[name], device, quantizing)
             if modes[name] == "dequantize":

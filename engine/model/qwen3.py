@@ -255,10 +255,6 @@ def _tensors(weight) -> list[torch.Tensor]:
     return [t for t in weight if isinstance(t, torch.Tensor)]
 
 
-def _first(weight) -> torch.Tensor:
-    return _tensors(weight)[0]
-
-
 def _map_rows(weight, fn):
     """`fn` applied to each of a weight's tensors (see _tensors), the same kind of weight back."""
     if isinstance(weight, torch.Tensor):
@@ -311,7 +307,7 @@ class Qwen3ForCausalLM(nn.Module):
             self._draft_rows = self.draft_ids = None
             return
         weight = self.lm_head.weight
-        self.draft_ids = torch.arange(size, device=_first(weight).device)
+        self.draft_ids = torch.arange(size, device=_tensors(weight)[0].device)
         self._draft_rows = _map_rows(weight, lambda t: t[:size].detach().clone())
 
     @property
@@ -365,10 +361,11 @@ class Qwen3ForCausalLM(nn.Module):
         `hidden_norm`: `hidden` is the previous MTP layer's output before its final norm (x +
         residual), normed here. One kernel on CUDA (spec_kernels.draft_input)."""
         layer = self.mtp[step % len(self.mtp)]
-        if layer.fc.skinny(hidden) and runs_triton(hidden):
+        table = self.embed_tokens.weight  # float, or quant.py's layout: the kernel reads both (not a CPU's INT8 one)
+        if layer.fc.skinny(hidden) and runs_triton(hidden) and (isinstance(table, torch.Tensor) or hasattr(table, "qweight")):
             from jetserve.engine.model.spec_kernels import draft_input  # needs Triton
 
-            return draft_input(tokens, hidden, self.embed_tokens.weight, layer.pre_fc_norm_embedding,
+            return draft_input(tokens, hidden, table, layer.pre_fc_norm_embedding,
                                layer.pre_fc_norm_hidden, hidden_norm, tokens_out, self.draft_ids)
         if tokens.is_floating_point():
             tokens = self.draft_token_ids(tokens.argmax(dim=-1))

@@ -246,6 +246,40 @@ def test_big_projections_load_and_multiply_a_block_of_rows_at_a_time(tmp_path, m
                                rtol=1e-6, atol=1e-6)
 
 
+def test_an_awq_checkpoints_mtp_heads_requantize_to_int8(tmp_path):
+    """The demo packed by AutoAWQ, MTP layer included: speculative_config's `"quantization":
+    "int8"` requantizes the packed MTP projections (no float tensor of theirs exists), the base
+    stays AWQ's INT4, and the vocab projection stays the checkpoint's bf16."""
+    require_module("awq")
+    import shutil
+
+    import jetserve
+
+    demo = __import__("pathlib").Path(jetserve.__file__).parent / "models" / "demo"
+    path = tmp_path / "awq"
+    shutil.copytree(demo, path)
+    shard = next(path.glob("model-*.safetensors"))
+    tensors = load_file(shard)
+    for name in [n for n in tensors if n.endswith("_proj.weight")]:  # every layer's, the MTP layer's too
+        qweight, qzeros, scales = _awq_pack(tensors.pop(name).float())
+        prefix = name.removesuffix(".weight")
+        tensors.update({f"{prefix}.qweight": qweight, f"{prefix}.qzeros": qzeros, f"{prefix}.scales": scales})
+    save_file({k: v.contiguous() for k, v in tensors.items()}, shard)
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {name: shard.name for name in tensors}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
+                                     "version": "gemm"}
+    (path / "config.json").write_text(json.dumps(config))
+    llm = LLM(str(path), device="cpu", max_num_seqs=1, max_model_len=64,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 1, "quantization": "int8"})
+    model = llm.engine.runner.model
+    assert model.mtp[0].block.mlp.down_proj.bits == 8 and model.layers[0].mlp.down_proj.bits == 4
+    assert not isinstance(model.lm_head, quant.QuantLinear) and not isinstance(model.embed_tokens, quant.QuantEmbedding)
+    assert len(llm.generate([{"prompt_token_ids": [5, 6, 7]}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 10
+
+
 def test_mtp_heads_follow_the_base_or_the_speculative_config():
     """The demo's MTP layer: quantized with the base by default, kept in the model dtype or made INT8
     by speculative_config's `quantization`."""
